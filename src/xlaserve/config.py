@@ -1,0 +1,293 @@
+"""Every configuration dataclass of xlaserve.
+
+Rules:
+- Each field is typed and defaulted; `__post_init__` checks values and raises `ValueError` with a
+  message naming the field.
+- CLI flags map one to one onto these fields (`--max-num-seqs` -> `SchedulerConfig.max_num_seqs`),
+  see `entrypoints/cli.py`.
+- No torch or jax import here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "xla")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """What model to serve and how to run it numerically."""
+
+    # Local HF-layout directory or hub id; None means the demo model shipped in the package.
+    model: str | None = None
+    # Tokenizer directory; None means the model directory.
+    tokenizer: str | None = None
+    # Weights/activation dtype; "auto" = config.json's torch_dtype (float32 on CPU for fp16/bf16
+    # checkpoints is NOT applied automatically: the backend decides what the platform supports).
+    dtype: str = "auto"
+    # Longest prompt + output; None = the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Global seed for the engine's random state (per-request seeds override).
+    seed: int = 0
+    # Name reported by the server; None = the model path's basename.
+    served_model_name: str | None = None
+    # Hub revision, used only when downloading.
+    revision: str | None = None
+    # Refused: xlaserve never executes code shipped with a checkpoint.
+    trust_remote_code: bool = False
+    # Weight quantization: None, "int8", "int4", "fp8".
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(
+            self.max_model_len is None or self.max_model_len > 0,
+            f"max_model_len must be positive, got {self.max_model_len}",
+        )
+        _check(
+            not self.trust_remote_code,
+            "trust_remote_code is not supported: xlaserve never runs code shipped with a model",
+        )
+        _check(
+            self.quantization in (None, "int8", "int4", "fp8"),
+            f"quantization must be None, 'int8', 'int4' or 'fp8', got {self.quantization!r}",
+        )
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache."""
+
+    # Tokens per KV block (page).
+    block_size: int = 16
+    # Explicit number of KV blocks; None = profile memory with gpu_memory_utilization.
+    num_kv_blocks: int | None = None
+    # Fraction of accelerator memory the engine may use (weights + KV + activations).
+    gpu_memory_utilization: float = 0.9
+    # Automatic prefix caching (chained block hashes, LRU eviction).
+    enable_prefix_caching: bool = True
+    # KV cache element type: "auto" (= model dtype), "fp8", "int8".
+    kv_cache_dtype: str = "auto"
+    # Host-memory offload tier size in bytes (0 = off).
+    kv_offload_bytes: int = 0
+    # Optional disk tier directory for offloaded blocks.
+    kv_offload_dir: str | None = None
+    # CPU backends: KV cache bytes when num_kv_blocks is None (no memory profiling on CPU).
+    cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
+        _check(
+            self.num_kv_blocks is None or self.num_kv_blocks > 0,
+            f"num_kv_blocks must be positive, got {self.num_kv_blocks}",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(
+            self.kv_cache_dtype in ("auto", "fp8", "int8"),
+            f"kv_cache_dtype must be 'auto', 'fp8' or 'int8', got {self.kv_cache_dtype!r}",
+        )
+        _check(self.kv_offload_bytes >= 0, "kv_offload_bytes must be >= 0")
+
+
+@dataclass
+class SchedulerConfig:
+    """Token-budget continuous batching."""
+
+    # Most requests running at once.
+    max_num_seqs: int = 64
+    # Token budget of one step (prefill chunks + decodes).
+    max_num_batched_tokens: int = 2048
+    # "fcfs" or "priority" (lower value first, then arrival).
+    policy: str = "fcfs"
+    # Split long prompts over several steps.
+    enable_chunked_prefill: bool = True
+    # Bound on the waiting queue (None = unbounded); the server answers 503 when full.
+    max_num_waiting: int | None = None
+    # What preemption does with a request's blocks: "recompute" or "swap" (host tier).
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens > 0,
+            f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
+        )
+        _check(self.policy in ("fcfs", "priority"), f"policy must be fcfs|priority, got {self.policy!r}")
+        _check(
+            self.preemption_mode in ("recompute", "swap"),
+            f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}",
+        )
+        _check(
+            self.max_num_waiting is None or self.max_num_waiting > 0,
+            "max_num_waiting must be positive",
+        )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # Torch backend: "mp" (one host) or "ray" (several hosts).
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _check(self.data_parallel_size >= 1, "data_parallel_size must be >= 1")
+        _check(
+            self.distributed_executor_backend in ("mp", "ray"),
+            "distributed_executor_backend must be mp|ray",
+        )
+
+
+@dataclass
+class LoadConfig:
+    # "auto" (safetensors, or orbax when the directory is an orbax checkpoint), "safetensors",
+    # "dummy" (random weights of the right shapes), "orbax", "pt" (pickle; needs allow_pickle).
+    load_format: str = "auto"
+    # Hub download cache directory.
+    download_dir: str | None = None
+    # Allow pickle-based .bin/.pt checkpoints (loaded with weights_only=True).
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        formats = ("auto", "safetensors", "dummy", "orbax", "pt")
+        _check(self.load_format in formats, f"load_format must be one of {formats}")
+        _check(
+            self.load_format != "pt" or self.allow_pickle,
+            "load_format='pt' reads pickle files: pass allow_pickle=True to accept that risk",
+        )
+
+
+@dataclass
+class SpeculativeConfig:
+    # "ngram", "draft_model" or "eagle".
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # Draft or EAGLE model directory.
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        _check(
+            self.method in ("ngram", "draft_model", "eagle"),
+            f"speculative method must be ngram|draft_model|eagle, got {self.method!r}",
+        )
+        _check(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
+        _check(
+            self.method == "ngram" or self.model is not None,
+            f"speculative method {self.method!r} needs a model path",
+        )
+        _check(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "need 1 <= prompt_lookup_min <= prompt_lookup_max",
+        )
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """Accept a config, a dict or a JSON string (the CLI's `--speculative-config`)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            value = json.loads(value)
+        return cls(**value)
+
+
+@dataclass
+class StructuredOutputConfig:
+    # Grammar engine; only xgrammar is supported.
+    backend: str = "xgrammar"
+    # Compiled grammars kept per (spec, tokenizer).
+    cache_size: int = 256
+
+    def __post_init__(self) -> None:
+        _check(self.backend == "xgrammar", "structured output backend must be 'xgrammar'")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    # Request bodies above this many bytes are refused (413).
+    max_request_bytes: int = 4 * 1024 * 1024
+    # Per-request timeout in seconds (None = none).
+    request_timeout: float | None = None
+    log_requests: bool = False
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs; built by `LLM(...)` or the CLI."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    speculative: SpeculativeConfig | None = None
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    # "auto" picks current_platform's default backend.
+    backend: str = "auto"
+    # Torch GPU: no CUDA graphs. XLA: compile buckets lazily instead of at start-up.
+    enforce_eager: bool = False
+    # XLA persistent compilation cache directory (None = ~/.cache/xlaserve/jax).
+    compilation_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (`LLM(model=..., block_size=...)`).
+
+        Each key must name exactly one field of one sub-config or of EngineConfig itself;
+        unknown keys raise a ValueError listing them.
+        """
+        groups: dict[str, type] = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "parallel": ParallelConfig,
+            "load": LoadConfig,
+            "structured": StructuredOutputConfig,
+        }
+        parts: dict[str, dict[str, Any]] = {g: {} for g in groups}
+        top: dict[str, Any] = {}
+        top_names = {"backend", "enforce_eager", "compilation_cache_dir"}
+        owners = {f.name: g for g, c in groups.items() for f in fields(c)}
+        unknown = []
+        for key, value in kwargs.items():
+            if key == "speculative_config":
+                top["speculative"] = SpeculativeConfig.from_any(value)
+            elif key in top_names:
+                top[key] = value
+            elif key in owners:
+                parts[owners[key]][key] = value
+            else:
+                unknown.append(key)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(**{g: groups[g](**parts[g]) for g in groups}, **top)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def env_flag(name: str, default: str | None = None) -> str | None:
+    """Read an `XLASERVE_*` environment variable."""
+    return os.environ.get(f"XLASERVE_{name.upper()}", default)
+

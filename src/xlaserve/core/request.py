@@ -1,0 +1,85 @@
+"""The engine core's view of one sequence (one of a request's n samples)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from xlaserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue, blocks freed (recompute on resume)
+    # Finished states (>= FINISHED_STOPPED).
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    """Rules:
+    - tokens are `prompt_token_ids + output_token_ids`; `num_computed_tokens` of them have KV in
+      the cache; the scheduler schedules up to `num_tokens - num_computed_tokens` (+ drafts).
+    - `max_tokens` is already clipped to `max_model_len - num_prompt_tokens` by the engine.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under the "priority" policy
+    cache_salt: str | None = None  # extra key in the prefix-cache hash (tenant isolation)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # Chained hashes of the full blocks of `all_token_ids` (filled by the KV cache manager).
+    block_hashes: list[int] = field(default_factory=list)
+    # Draft tokens proposed for the next step (speculative decoding).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache at first scheduling (-1 = not scheduled yet).
+    num_cached_tokens: int = -1
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)

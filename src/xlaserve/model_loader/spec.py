@@ -1,0 +1,126 @@
+"""ModelSpec: one architecture-neutral description of a decoder-only transformer.
+
+Built from HF `config.json` by a per-architecture adapter (`model_loader/registry.py`); both
+backends build their model from it, so an architecture added once is served by both.
+
+Canonical weight names (what backends' models expect; adapters rename/split HF tensors into these):
+    embed_tokens.weight                       [V, H]
+    embed_positions.weight                    [P, H]        (learned positions only)
+    layers.{i}.input_layernorm.{weight,bias}  [H]
+    layers.{i}.self_attn.q_proj.{weight,bias} [Hq*D, H] / [Hq*D]   (torch Linear layout: [out, in])
+    layers.{i}.self_attn.k_proj.{weight,bias} [Hkv*D, H]
+    layers.{i}.self_attn.v_proj.{weight,bias} [Hkv*D, H]
+    layers.{i}.self_attn.o_proj.{weight,bias} [H, Hq*D]
+    layers.{i}.self_attn.q_norm.weight        [D]           (qk-norm)
+    layers.{i}.self_attn.k_norm.weight        [D]
+    layers.{i}.post_attention_layernorm.{weight,bias} [H]   (norm before the MLP)
+    layers.{i}.post_attn_out_norm.weight      [H]           (sandwich norm after attention, Gemma2/3, OLMo2)
+    layers.{i}.post_mlp_out_norm.weight       [H]           (sandwich norm after the MLP)
+    layers.{i}.mlp.gate_proj.weight           [I, H]        (gated MLP)
+    layers.{i}.mlp.up_proj.{weight,bias}      [I, H]
+    layers.{i}.mlp.down_proj.{weight,bias}    [H, I]
+    layers.{i}.mlp.router.weight              [E, H]        (MoE)
+    layers.{i}.mlp.experts.w_gate             [E, I, H]
+    layers.{i}.mlp.experts.w_up               [E, I, H]
+    layers.{i}.mlp.experts.w_down             [E, H, I]
+    norm.{weight,bias}                        [H]
+    lm_head.weight                            [V, H]        (absent when tie_word_embeddings)
+Axis letters: T tokens, B requests, H hidden, Hq/Hkv heads, D head_dim, I intermediate, V vocab,
+E experts, P positions, N blocks, S block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelSpec:
+    architecture: str  # HF architectures[0], e.g. "LlamaForCausalLM"
+    family: str  # backend model file that serves it, e.g. "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    # Directory holding config.json / weights / tokenizer (None for synthetic specs in tests).
+    model_dir: str | None = None
+    # Checkpoint dtype from config.json ("float32", "bfloat16", "float16").
+    checkpoint_dtype: str = "float32"
+    # --- norms ---
+    norm_kind: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-6
+    norm_weight_offset: float = 0.0  # Gemma: y = x_normed * (1 + w)
+    sandwich_norms: bool = False  # post_attn_out_norm / post_mlp_out_norm present
+    pre_norms: bool = True  # OLMo2 has only post (sandwich) norms -> False
+    qk_norm: bool = False
+    # --- mlp ---
+    activation: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu"
+    gated_mlp: bool = True
+    # --- attention / positions ---
+    position_embedding: str = "rope"  # "rope" | "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict (type/rope_type, factor, ...)
+    partial_rotary_factor: float = 1.0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    # Per layer "full" or "sliding" (None = all full, or all sliding when sliding_window set).
+    layer_types: list[str] | None = None
+    # Attention scale = attn_scale if set, else head_dim ** -0.5.
+    attn_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+    # Local rope theta for sliding layers (Gemma3).
+    rope_local_theta: float | None = None
+    # --- multipliers (Gemma, Granite) ---
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
+    tie_word_embeddings: bool = False
+    # --- MoE ---
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    # --- tokens ---
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Extra per-family fields (e.g. MLA ranks) that do not deserve a top-level field.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of one layer (None = full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding" else None
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -1,0 +1,152 @@
+"""The seam between the backend-neutral engine core and a backend (torch or xla).
+
+Each step the scheduler builds one `SchedulerOutput`; the backend's `ModelRunner.execute` returns
+one `RunnerOutput`. Only what changed is sent: the runner keeps per-request state (a persistent
+batch) keyed by request id, from the step a request appears in `new_requests` until its id shows
+up in `finished_req_ids` (finished, aborted or preempted). A preempted request that resumes comes
+back in `new_requests` with all its tokens so far (prompt + output).
+
+Runner-side token bookkeeping: the runner appends the tokens it samples to its own copy of the
+request's tokens; the engine never sends sampled tokens back. With speculative decoding the
+scheduler sends the draft tokens of the step in `spec_token_ids`; the runner appends only the
+accepted ones (+ the bonus/recovered token) and returns them.
+
+No torch or jax import here: backends are registered by name and imported lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from xlaserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xlaserve.config import EngineConfig
+    from xlaserve.model_loader.spec import ModelSpec
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    # Prompt + output tokens so far (output non-empty only for a resumed, preempted request).
+    token_ids: list[int]
+    # How many of token_ids are prompt (penalties distinguish prompt from output tokens).
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    # KV block ids of this request, in order; block j holds token positions
+    # [j * block_size, (j + 1) * block_size).
+    block_ids: list[int]
+    # Tokens whose KV is already in the cache (prefix-cache hit); computation starts here.
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    # Blocks appended to the request's block table this step (may be empty).
+    new_block_ids: list[int]
+    # Tokens whose KV is in the cache before this step (the runner checks it against its state).
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to compute this step (incl. draft tokens). Dict order = batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # req_id -> draft tokens to verify this step (speculative decoding); absent = none.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests the runner must forget before this step (finished, aborted or preempted).
+    finished_req_ids: set[str] = field(default_factory=set)
+    # req_id -> allowed-token bitmask, numpy int32 [num_positions, ceil(vocab / 32)] (bit i of
+    # word w allows token 32 * w + i); num_positions = 1 + number of drafts. Absent = unconstrained.
+    grammar_bitmask: dict[str, Any] = field(default_factory=dict)
+    # Host-tier KV copies the runner performs before the forward pass (offloading):
+    # list of (host_slot, device_block_id) to copy in.
+    kv_copy_in: list[tuple[int, int]] = field(default_factory=list)
+    # (device_block_id, host_slot) to copy out (after the forward pass).
+    kv_copy_out: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: entry 0 is the sampled (or actual prompt) token, then the top-k
+    tokens by probability. All from log_softmax of the raw logits."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    # 1-based rank of token_ids[0] in the distribution.
+    rank: int
+
+
+@dataclass
+class RunnerOutput:
+    # req_id -> tokens sampled this step: [] for a partial prefill chunk, [t] for a decode or the
+    # last prefill chunk, several with speculative decoding (accepted drafts + 1).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> one TokenLogprobs per sampled token (only when the request asked for logprobs).
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> TokenLogprobs for prompt positions whose *next* token was in this step's chunk
+    # (position p holds log P(prompt[p] | prompt[:p]); position 0 has none).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for the next step (draft model / eagle run inside the runner).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> error message: that request failed (e.g. NaN logits); others are unaffected.
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class ModelRunner(Protocol):
+    """What a backend implements. Constructed as `cls(config, spec)`."""
+
+    def load_model(self) -> None:
+        """Load weights (or make dummy ones) onto the device(s)."""
+
+    def determine_num_kv_blocks(self) -> int:
+        """An explicit `cache.num_kv_blocks`, else what fits in memory after a peak forward."""
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged KV cache; compile/capture what needs the cache's shapes."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step."""
+
+    def shutdown(self) -> None:
+        """Free device memory and worker processes."""
+
+
+# name -> "module:Class", imported only when asked for.
+_BACKENDS: dict[str, str] = {
+    "torch": "xlaserve.backends_torch.runner:TorchModelRunner",
+    "xla": "xlaserve.backends_xla.runner:XlaModelRunner",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register a backend as "package.module:ClassName" (imported lazily)."""
+    _BACKENDS[name] = target
+
+
+def get_runner_class(name: str) -> type:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
+    module, _, cls = _BACKENDS[name].partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"backend {name!r} needs packages that are not installed ({e}); "
+            f"install them (see README) or pick another backend"
+        ) from e
+    return getattr(mod, cls)
+
+
+def create_runner(config: EngineConfig, spec: ModelSpec, backend: str) -> ModelRunner:
+    return get_runner_class(backend)(config, spec)

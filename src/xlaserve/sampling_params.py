@@ -1,0 +1,165 @@
+"""Sampling parameters of one request (vLLM-compatible names and semantics).
+
+Order of logits processing, identical in every backend's sampler:
+1. logit_bias (added), min_tokens (EOS/stop_token_ids masked while fewer outputs than min_tokens),
+   structured-output bitmask (disallowed -> -inf),
+2. repetition_penalty (prompt + output tokens: positive logits divided, negative multiplied),
+   frequency_penalty (minus count in output), presence_penalty (minus once if in output),
+3. greedy (temperature == 0): argmax; else divide by temperature, then top_k, top_p, min_p
+   filtering, then sample with the request's generator (seeded when `seed` is set).
+Logprobs are of the raw model distribution (log_softmax of the unprocessed logits).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one field set: the constraint on the generated text."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema (dict or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar / GBNF dialect)
+
+    def __post_init__(self) -> None:
+        n = sum(
+            [
+                self.json is not None,
+                bool(self.json_object),
+                self.regex is not None,
+                self.choice is not None,
+                self.grammar is not None,
+            ]
+        )
+        if n != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar"
+                f" (got {n})"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    def key(self) -> tuple[str, str]:
+        """Hashable (kind, spec) used to cache compiled grammars."""
+        import json as _json
+
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            return ("json", spec)
+        if self.json_object:
+            return ("json_object", "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", _json.dumps(self.choice))
+        return ("grammar", self.grammar or "")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per output token (0 = sampled only)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # Filled by the engine from the tokenizer / generation_config (not by users).
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError("logit_bias must map token ids to numbers") from e
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n}")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
+                bad(f"{name} must be an integer in [0, 20], got {v}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def all_stop_token_ids(self) -> set[int]:
+        """Token ids that end generation (EOS unless ignore_eos, plus stop_token_ids)."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
