@@ -125,7 +125,10 @@ class SchedulerConfig:
             self.max_num_batched_tokens > 0,
             f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
         )
-        _check(self.policy in ("fcfs", "priority"), f"policy must be fcfs|priority, got {self.policy!r}")
+        _check(
+            self.policy in ("fcfs", "priority"),
+            f"policy must be fcfs|priority, got {self.policy!r}",
+        )
         _check(
             self.preemption_mode in ("recompute", "swap"),
             f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}",
@@ -197,7 +200,9 @@ class SpeculativeConfig:
         )
 
     @classmethod
-    def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    def from_any(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
         """Accept a config, a dict or a JSON string (the CLI's `--speculative-config`)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
@@ -290,4 +295,3 @@ class EngineConfig:
 def env_flag(name: str, default: str | None = None) -> str | None:
     """Read an `XLASERVE_*` environment variable."""
     return os.environ.get(f"XLASERVE_{name.upper()}", default)
-

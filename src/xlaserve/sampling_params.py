@@ -54,7 +54,9 @@ class StructuredOutputsParams:
         import json as _json
 
         if self.json is not None:
-            spec = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            spec = (
+                self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            )
             return ("json", spec)
         if self.json_object:
             return ("json_object", "")
@@ -127,9 +129,13 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

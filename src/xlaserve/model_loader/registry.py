@@ -79,7 +79,9 @@ def base_spec_kwargs(cfg: dict, model_dir: str) -> dict:
         model_dir=model_dir,
         checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rope_theta=float(
+            cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        ),
         rope_scaling=_rope_scaling(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
@@ -158,7 +160,9 @@ register_architecture(
 def read_hf_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{model_dir}: config.json not found (expected an HF-layout model directory)")
+        raise FileNotFoundError(
+            f"{model_dir}: config.json not found (expected an HF-layout model directory)"
+        )
     with open(path) as f:
         cfg = json.load(f)
     if not cfg.get("architectures"):
@@ -172,13 +176,17 @@ def build_spec(model_dir: str) -> ModelSpec:
     return adapter.build_spec(cfg, model_dir)
 
 
-def iter_canonical_weights(spec: ModelSpec, load_format: str = "auto") -> Iterator[tuple[str, np.ndarray]]:
+def iter_canonical_weights(
+    spec: ModelSpec, load_format: str = "auto"
+) -> Iterator[tuple[str, np.ndarray]]:
     """Canonical (name, array) pairs for `spec`'s checkpoint, converted by its adapter."""
     from xlaserve.model_loader.weights import iter_pickle, iter_safetensors
 
     if spec.model_dir is None:
         raise ValueError("spec has no model_dir to read weights from")
     adapter = get_adapter(spec.architecture)
-    source = iter_pickle(spec.model_dir) if load_format == "pt" else iter_safetensors(spec.model_dir)
+    source = (
+        iter_pickle(spec.model_dir) if load_format == "pt" else iter_safetensors(spec.model_dir)
+    )
     for name, w in source:
         yield from adapter.convert(name, w, spec)

@@ -75,7 +75,9 @@ def safetensors_files(model_dir: str) -> list[str]:
         files = sorted(set(weight_map.values()))
         missing = [p for p in files if not os.path.exists(os.path.join(model_dir, p))]
         if missing:
-            raise FileNotFoundError(f"{model_dir}: shards listed in the index are missing: {missing}")
+            raise FileNotFoundError(
+                f"{model_dir}: shards listed in the index are missing: {missing}"
+            )
         return [os.path.join(model_dir, p) for p in files]
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.exists(single):
@@ -105,7 +107,9 @@ def iter_pickle(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
     import torch
 
     paths = sorted(
-        os.path.join(model_dir, p) for p in os.listdir(model_dir) if p.endswith((".bin", ".pt", ".pth"))
+        os.path.join(model_dir, p)
+        for p in os.listdir(model_dir)
+        if p.endswith((".bin", ".pt", ".pth"))
     )
     if not paths:
         raise FileNotFoundError(f"{model_dir}: no .bin/.pt checkpoint files")

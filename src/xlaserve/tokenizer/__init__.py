@@ -1,0 +1,139 @@
+"""HF tokenizer wrapper (tokenizer.json via `tokenizers`, chat templates via jinja2).
+
+transformers is not needed at serve time: `tokenizer.json` holds the model and the
+post-processor (BOS insertion), `tokenizer_config.json` the chat template and special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from xlaserve.tokenizer.detokenizer import IncrementalDetokenizer
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, dict):  # AddedToken serialised as a dict
+        return v.get("content")
+    return v
+
+
+@dataclass
+class _ChatTemplate:
+    source: str
+
+    def render(self, **kwargs: Any) -> str:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg: str) -> None:
+            raise ValueError(f"chat template error: {msg}")
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.source).render(**kwargs)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template failed to render: {e}") from e
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: Any, config: dict[str, Any]) -> None:
+        self._tok = tokenizer
+        self.config = config
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+
+        def tid(name: str) -> int | None:
+            s = _token_str(config.get(name))
+            return tokenizer.token_to_id(s) if s else None
+
+        self.eos_token = _token_str(config.get("eos_token"))
+        self.bos_token = _token_str(config.get("bos_token"))
+        self.eos_token_id = tid("eos_token")
+        self.bos_token_id = tid("bos_token")
+        self.pad_token_id = tid("pad_token")
+        added = config.get("added_tokens_decoder") or {}
+        self.all_special_ids: set[int] = {
+            int(k) for k, v in added.items() if v.get("special", True)
+        }
+        for t in tokenizer.get_added_tokens_decoder().items():
+            if t[1].special:
+                self.all_special_ids.add(t[0])
+        for i in (self.eos_token_id, self.bos_token_id, self.pad_token_id):
+            if i is not None:
+                self.all_special_ids.add(i)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._chat_template = _ChatTemplate(template) if template else None
+
+    @classmethod
+    def from_dir(cls, path: str) -> Tokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tj):
+            raise FileNotFoundError(
+                f"{path}: tokenizer.json not found (xlaserve needs a fast-tokenizer tokenizer.json)"
+            )
+        config: dict[str, Any] = {}
+        tc = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(tc):
+            with open(tc) as f:
+                config = json.load(f)
+        stm = os.path.join(path, "special_tokens_map.json")
+        if os.path.exists(stm):
+            with open(stm) as f:
+                for k, v in json.load(f).items():
+                    config.setdefault(k, v)
+        ct = os.path.join(path, "chat_template.jinja")
+        if "chat_template" not in config and os.path.exists(ct):
+            with open(ct) as f:
+                config["chat_template"] = f.read()
+        return cls(HFTokenizer.from_file(tj), config)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render messages ({"role", "content"}) with the tokenizer's template."""
+        if self._chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template; use completions instead")
+        return self._chat_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def chat_prompt_ids(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a rendered chat (the template writes BOS itself, so none is added)."""
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )

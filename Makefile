@@ -1,0 +1,45 @@
+# xlaserve developer targets. `make install` builds .venv/ (Python 3.11) with pinned versions.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# A CPU build of torch on machines without an NVIDIA GPU (an unpinned torch pulls a multi-GB CUDA build).
+TORCH_PIN ?= torch==2.13.0
+TRANSFORMERS_PIN ?= transformers==5.24.0
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+
+.PHONY: install test test-fast test-gpu lint format serve bench soak clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[torch,xla,structured,hf,plot,test]" "$(TRANSFORMERS_PIN)"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+# The README's test command: installs everything, then runs the CPU test suite (GPU/TPU tests skip).
+test: install
+	$(BIN)/python -m pytest -q -ra tests
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -ra -m gpu tests
+
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+serve: install
+	$(BIN)/xlaserve serve
+
+soak: install
+	XLASERVE_SOAK_REQUESTS=3000 $(BIN)/python -m pytest -q tests -m soak
+
+clean:
+	rm -rf $(VENV) build *.egg-info

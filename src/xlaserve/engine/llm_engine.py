@@ -1,0 +1,381 @@
+"""LLMEngine: the synchronous step loop over scheduler, backend runner and detokenizer.
+
+One `step()`: schedule -> runner.execute -> scheduler.update_from_output -> detokenize, check
+stop strings -> RequestOutputs of the requests that changed. A request with n > 1 is fanned out
+into n child sequences (ids `{i}#{request_id}`) whose outputs are aggregated under the parent id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from xlaserve.config import EngineConfig
+from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.request import Request, RequestStatus
+from xlaserve.core.scheduler import Scheduler
+from xlaserve.model_loader.registry import build_spec
+from xlaserve.model_loader.resolve import resolve_model_dir
+from xlaserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from xlaserve.platforms import current_platform
+from xlaserve.runner import ModelRunner, TokenLogprobs, create_runner
+from xlaserve.sampling_params import SamplingParams
+from xlaserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_total_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """Engine-side state of one child sequence."""
+
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(eq=False)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+def _child_id(parent_id: str, i: int) -> str:
+    return f"{i}#{parent_id}"
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.model_dir = resolve_model_dir(mc.model, mc.revision, config.load.download_dir)
+        self.spec = build_spec(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(mc.tokenizer or self.model_dir)
+        self.model_name = mc.served_model_name or (
+            mc.model.rstrip("/").split("/")[-1] if mc.model else "demo-kjv"
+        )
+        self.max_model_len = mc.max_model_len or self.spec.max_position_embeddings
+        if (
+            self.max_model_len > self.spec.max_position_embeddings
+            and self.spec.rope_scaling is None
+        ):
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.spec.max_position_embeddings}"
+            )
+        self.eos_token_ids = list(self.spec.eos_token_ids)
+        if (
+            self.tokenizer.eos_token_id is not None
+            and self.tokenizer.eos_token_id not in self.eos_token_ids
+        ):
+            self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        self.backend = (
+            config.backend if config.backend != "auto" else current_platform.default_backend
+        )
+        self.runner: ModelRunner = create_runner(config, self.spec, self.backend)
+        self.runner.load_model()
+        num_blocks = self.runner.determine_num_kv_blocks()
+        self.runner.init_kv_cache(num_blocks)
+        cc = config.cache
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, cc, self.kv_manager, self.max_model_len)
+        self._parents: dict[str, _Parent] = {}
+        self._seqs: dict[str, tuple[_Parent, _Sequence]] = {}
+        self._ids = itertools.count()
+        self._pending_finished: set[str] = set()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        logger.info(
+            "engine ready: model=%s backend=%s blocks=%d x %d tokens, max_model_len=%d",
+            self.model_dir,
+            self.backend,
+            num_blocks,
+            cc.block_size,
+            self.max_model_len,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validate and queue one request (n > 1 becomes n sequences). Raises ValueError."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = (params or SamplingParams()).clone()
+        params.eos_token_ids = list(self.eos_token_ids)
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.spec.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and any(t < 0 or t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        )
+        if len(ids) + max_tokens > self.max_model_len or max_tokens < 1:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} tokens and {max_tokens} more were requested ({len(ids) + max_tokens} in total)"
+            )
+        capacity = self.kv_manager.num_blocks * self.kv_manager.block_size
+        if len(ids) + max_tokens > capacity:
+            raise ValueError(
+                f"prompt + max_tokens ({len(ids) + max_tokens}) exceeds the KV cache capacity "
+                f"({capacity} tokens)"
+            )
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        parent = _Parent(request_id, text, ids, params, metrics=RequestMetrics(arrival_time=now))
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+            req = Request(
+                request_id=_child_id(request_id, i),
+                prompt_token_ids=ids,
+                sampling_params=child_params,
+                max_tokens=max_tokens,
+                arrival_time=now,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            seq = _Sequence(
+                req,
+                i,
+                detok,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            parent.seqs.append(seq)
+            self._seqs[req.request_id] = (parent, seq)
+        self._parents[request_id] = parent
+        for seq in parent.seqs:
+            self.scheduler.add_request(seq.request)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        for rid in list(request_ids):
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            ids = [s.request.request_id for s in parent.seqs]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            for cid in ids:
+                self._seqs.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        # Finished ids reach the runner with the next non-empty step (runners never see empty ones).
+        so.finished_req_ids |= self._pending_finished
+        if so.is_empty:
+            self._pending_finished = set(so.finished_req_ids)
+            return []
+        self._pending_finished = set()
+        now = time.monotonic()
+        for rid in so.num_scheduled_tokens:
+            parent, _ = self._seqs.get(rid, (None, None))
+            if parent is not None and parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
+        ro = self.runner.execute(so)
+        updates = self.scheduler.update_from_output(so, ro)
+        now = time.monotonic()
+        changed: dict[str, _Parent] = {}
+        for rid, entries in ro.prompt_logprobs.items():
+            if rid in self._seqs:
+                parent, seq = self._seqs[rid]
+                if seq.index == 0 and parent.prompt_logprobs is not None:
+                    parent.prompt_logprobs.extend(self._to_position_logprobs(e) for e in entries)
+        for req, new_tokens in updates:
+            entry = self._seqs.get(req.request_id)
+            if entry is None:
+                continue
+            parent, seq = entry
+            changed[parent.request_id] = parent
+            if new_tokens:
+                self.generation_tokens_total += len(new_tokens)
+                if parent.metrics.first_token_time is None:
+                    parent.metrics.first_token_time = now
+                parent.metrics.last_token_time = now
+                self._add_logprobs(seq, ro.logprobs.get(req.request_id, []), len(new_tokens))
+                stop = seq.detok.add_tokens(new_tokens)
+                if stop is not None and not req.is_finished:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+            if req.is_finished and seq.finish_reason is None:
+                seq.finish_reason = req.status.finish_reason
+                seq.stop_reason = req.stop_reason
+                if req.status == RequestStatus.FINISHED_ERROR:
+                    parent.error = req.error
+                seq.detok.flush()
+        outputs = []
+        for parent in changed.values():
+            outputs.append(self._make_output(parent))
+            if parent.finished:
+                self._finish_parent(parent, now)
+        return outputs
+
+    def _add_logprobs(self, seq: _Sequence, entries: list[TokenLogprobs], n: int) -> None:
+        if seq.logprobs is None:
+            return
+        for e in entries[:n]:
+            pos = self._to_position_logprobs(e)
+            seq.logprobs.append(pos)
+            seq.cumulative_logprob += e.logprobs[0]
+
+    def _to_position_logprobs(self, e: TokenLogprobs) -> PositionLogprobs:
+        out: PositionLogprobs = {}
+        tok = e.token_ids[0]
+        out[tok] = Logprob(
+            e.logprobs[0], e.rank, self.tokenizer.decode([tok], skip_special_tokens=False)
+        )
+        for rank, (t, lp) in enumerate(zip(e.token_ids[1:], e.logprobs[1:], strict=False), start=1):
+            if t not in out:
+                out[t] = Logprob(lp, rank, self.tokenizer.decode([t], skip_special_tokens=False))
+        return out
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for seq in parent.seqs:
+            finished = seq.finish_reason is not None
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detok.output_text(finished),
+                    token_ids=list(seq.request.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        first = parent.seqs[0].request
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outs,
+            finished=parent.finished,
+            prompt_logprobs=parent.prompt_logprobs,
+            metrics=parent.metrics,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            error=parent.error,
+        )
+
+    def _finish_parent(self, parent: _Parent, now: float) -> None:
+        parent.metrics.finished_time = now
+        parent.metrics.num_preemptions = sum(s.request.num_preemptions for s in parent.seqs)
+        parent.metrics.num_cached_tokens = max(parent.seqs[0].request.num_cached_tokens, 0)
+        self.prompt_tokens_total += len(parent.prompt_token_ids) * len(parent.seqs)
+        self._parents.pop(parent.request_id, None)
+        for seq in parent.seqs:
+            self._seqs.pop(seq.request.request_id, None)
+
+    # ------------------------------------------------------------------ misc
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_total_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+        )
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

@@ -1,0 +1,88 @@
+"""Incremental detokenization with stop strings.
+
+Decoding token by token breaks multi-byte UTF-8 characters and byte-level BPE merges, so text is
+decoded over a sliding window: `decode(ids[prefix:])` minus `decode(ids[prefix:read])`; when the
+new tail ends in U+FFFD (an incomplete character) it is held back until more tokens arrive.
+
+Stop strings: the finished text is cut before the first stop string (or after it when
+`include_stop_str_in_output`); while running, the last `max(len(stop)) - 1` characters are held
+back from `output_text` because they may still become part of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xlaserve.tokenizer import Tokenizer
+
+# Tokens decoded before the first new one, so the BPE decoder sees the context (spaces etc).
+_INITIAL_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        # Token window: the last few prompt tokens give context, output tokens follow.
+        self._ids: list[int] = list(prompt_token_ids[-_INITIAL_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""  # all output text decoded so far (may end before the last tokens)
+        self.stop_reason: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> str | None:
+        """Append output tokens; return the stop string matched (text is then truncated) or None."""
+        for tok in token_ids:
+            self._ids.append(tok)
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            full = self._decode(self._ids[self._prefix :])
+            if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+                new = full[len(prefix_text) :]
+                self._prefix = self._read
+                self._read = len(self._ids)
+                start = max(0, len(self.text) - self._hold)
+                self.text += new
+                if self.stop and self._check_stop(start):
+                    return self.stop_reason
+        return None
+
+    def flush(self) -> None:
+        """At finish: emit tokens still held back for an incomplete character."""
+        if self._read < len(self._ids) and self.stop_reason is None:
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            full = self._decode(self._ids[self._prefix :])
+            self.text += full[len(prefix_text) :]
+            self._prefix = self._read = len(self._ids)
+
+    def _check_stop(self, start: int) -> bool:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.stop_reason = s
+        return True
+
+    def output_text(self, finished: bool) -> str:
+        """Text safe to show: everything when finished, else minus the held-back tail."""
+        if finished or not self._hold or self.stop_reason is not None:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._hold)]

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random models in HF layout (built once per session)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU/TPU tests skip cleanly (with the reason) on machines without the accelerator."""
+    gpu = _has_cuda()
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU (none on this machine)"))
+        if "tpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs a TPU (none on this machine)"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """tiny_model_dir(kind) -> path of a tiny random model ('llama', 'mistral', 'qwen2', 'qwen3', 'llama3')."""
+    cache: dict[str, str] = {}
+
+    def get(kind: str = "llama") -> str:
+        if kind not in cache:
+            cache[kind] = make_tiny_model(kind, str(tmp_path_factory.mktemp(f"tiny-{kind}")))
+        return cache[kind]
+
+    return get
