@@ -9,7 +9,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, os.path.dirname(__file__))
+# Tests run with --import-mode=importlib (same-named test files in different folders are fine);
+# shared helper modules (uniquely named) are importable from every test folder.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _d in [_HERE] + sorted(os.path.join(_HERE, d) for d in os.listdir(_HERE)):
+    if os.path.isdir(_d) and not _d.endswith("__pycache__") and _d not in sys.path:
+        sys.path.insert(0, _d)
 
 from tiny_models import make_tiny_model  # noqa: E402
 

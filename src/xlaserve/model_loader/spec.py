@@ -120,7 +120,8 @@ class ModelSpec:
             return None
         if self.layer_types is None:
             return self.sliding_window
-        return self.sliding_window if self.layer_types[layer] == "sliding" else None
+        # HF writes "sliding_attention"/"full_attention"; adapters may write "sliding"/"full".
+        return self.sliding_window if self.layer_types[layer].startswith("sliding") else None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -1,0 +1,1 @@
+"""Shared Torch layers the model files compose (linear, rotary, norms, MLP, paged attention)."""

@@ -1,0 +1,201 @@
+"""Paged attention behind a small backend interface.
+
+The KV cache of one layer is a pair of tensors K, V: [N, S, Hkv, D] (N blocks of S tokens).
+Token slot `s` lives at block `s // S`, offset `s % S`. A batch is ragged: request b owns query
+rows `query_start_loc[b]:query_start_loc[b+1]`, and those queries are the LAST q_len tokens of its
+`seq_lens[b]`-token context (so mixed prefill chunks and decodes share one call).
+
+Backends are registered by name and imported lazily: "torch_ref" (plain torch ops, any device)
+now; the Triton backend registers "triton" from kernels_cuda later.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the ragged batch (same for every layer)."""
+
+    # [B + 1] int32: prefix sums of query lengths (query rows of request b: [qsl[b], qsl[b+1])).
+    query_start_loc: torch.Tensor
+    # [B] int32: context length of each request INCLUDING this step's new tokens.
+    seq_lens: torch.Tensor
+    # [B, max_blocks] int32: block ids of each request (padded with 0).
+    block_tables: torch.Tensor
+    # [T] int64: cache slot (block * S + offset) of each new token; < 0 = padding, not written.
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Host copies (python lists) so CPU-side loops need no device sync.
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_host)
+
+
+class AttentionBackend:
+    """Writes new K/V into the paged cache and attends over it. Stateless between steps."""
+
+    name: str = "base"
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """k, v: [T, Hkv, D] -> caches [N, S, Hkv, D] at slot_mapping [T] (negative slots skipped)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D] -> out [T, Hq, D] (causal over each request's cached context)."""
+        raise NotImplementedError
+
+
+class TorchRefAttention(AttentionBackend):
+    """Reference backend from plain torch ops: per request, gather its blocks and run masked
+    attention in float32. Exact enough for parity tests; any device."""
+
+    name = "torch_ref"
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        n, s, hkv, d = k_cache.shape
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+        k_cache.view(n * s, hkv, d)[slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(n * s, hkv, d)[slot_mapping] = v.to(v_cache.dtype)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        _, block_size, hkv, d = k_cache.shape
+        hq = q.shape[1]
+        group = hq // hkv
+        out = torch.empty_like(q)
+        qsl = md.query_start_loc_host
+        for b, kv_len in enumerate(md.seq_lens_host):
+            q0, q1 = qsl[b], qsl[b + 1]
+            q_len = q1 - q0
+            if q_len == 0:
+                continue
+            nblk = math.ceil(kv_len / block_size)
+            blocks = md.block_tables[b, :nblk].long()
+            # k, v: [kv_len, Hkv, D] -> [Hq, kv_len, D] (GQA: query head h reads kv head h // group)
+            k = k_cache[blocks].reshape(-1, hkv, d)[:kv_len].float()
+            v = v_cache[blocks].reshape(-1, hkv, d)[:kv_len].float()
+            k = k.transpose(0, 1).repeat_interleave(group, dim=0)
+            v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+            qb = q[q0:q1].float().transpose(0, 1)  # [Hq, q_len, D]
+            scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hq, q_len, kv_len]
+            if logit_softcap:
+                scores = torch.tanh(scores / logit_softcap) * logit_softcap
+            qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+            kpos = torch.arange(kv_len, device=q.device)[None, :]
+            allowed = kpos <= qpos
+            if sliding_window is not None:
+                # Same convention as HF: a query sees itself and the previous window - 1 tokens.
+                allowed = allowed & (kpos > qpos - sliding_window)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[q0:q1] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+        return out
+
+
+# name -> "module:Class", imported on first use.
+_BACKENDS: dict[str, str] = {
+    "torch_ref": "xlaserve.backends_torch.layers.attention:TorchRefAttention",
+}
+
+
+def register_attention_backend(name: str, target: str) -> None:
+    """Register an attention backend as "package.module:ClassName" (imported lazily)."""
+    _BACKENDS[name] = target
+
+
+def available_attention_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; known: {', '.join(available_attention_backends())}"
+        )
+    module, _, cls = _BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+class Attention(nn.Module):
+    """One layer's attention core: writes this step's K/V to the layer's cache, then attends.
+
+    q [T, Hq, D], k/v [T, Hkv, D] (already rotated/normed) -> [T, Hq * D].
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        out = self.backend.forward(
+            q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap
+        )
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

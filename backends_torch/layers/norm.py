@@ -1,0 +1,91 @@
+"""Normalization layers. Statistics are computed in float32 whatever the activation dtype (as HF)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * (offset + w). x: [..., dim]. offset is 1.0 for Gemma-style weights."""
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        weight_offset: float = 0.0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight_offset = weight_offset
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            # Gemma multiplies in float32 before the cast.
+            return (x32 * (self.weight_offset + self.weight.float())).to(dtype)
+        return self.weight * x32.to(dtype)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the fused kernel's contract (GPU path fuses it)."""
+        if residual is not None:
+            x = x + residual
+        return self.forward(x), x
+
+
+class LayerNorm(nn.Module):
+    """Standard LayerNorm over the last dim (with optional bias). x: [..., dim]."""
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float()
+        b = self.bias.float() if self.bias is not None else None
+        y = torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), w, b, self.eps)
+        return y.to(x.dtype)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        return self.forward(x), x
+
+
+def make_norm(
+    kind: str,
+    dim: int,
+    eps: float,
+    weight_offset: float = 0.0,
+    bias: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """ "rms" -> RMSNorm, "layer" -> LayerNorm."""
+    if kind == "rms":
+        return RMSNorm(dim, eps, weight_offset, dtype=dtype, device=device)
+    if kind == "layer":
+        return LayerNorm(dim, eps, bias=bias, dtype=dtype, device=device)
+    raise ValueError(f"unknown norm kind {kind!r} (expected 'rms' or 'layer')")

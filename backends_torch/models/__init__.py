@@ -1,0 +1,30 @@
+"""Family name (ModelSpec.family) -> Torch model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# family -> "module:Class"
+_FAMILIES: dict[str, str] = {
+    "llama": "xlaserve.backends_torch.models.llama:LlamaForCausalLM",
+}
+
+
+def register_model_family(family: str, target: str) -> None:
+    _FAMILIES[family] = target
+
+
+def supported_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get_model_class(family: str) -> type[nn.Module]:
+    if family not in _FAMILIES:
+        raise ValueError(
+            f"the torch backend has no model for family {family!r}; "
+            f"supported families: {', '.join(supported_families())}"
+        )
+    module, _, cls = _FAMILIES[family].partition(":")
+    return getattr(importlib.import_module(module), cls)

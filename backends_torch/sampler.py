@@ -1,0 +1,215 @@
+"""On-device sampling implementing SamplingParams in the order its docstring fixes:
+
+1. logit_bias (added); min_tokens (stop/EOS ids -> -inf while fewer outputs than min_tokens);
+   structured-output bitmask (disallowed -> -inf)
+2. repetition_penalty (prompt + output tokens), frequency_penalty, presence_penalty (output tokens)
+3. greedy argmax when temperature == 0; else / temperature, top_k, top_p, min_p, then sample with
+   the request's generator (seeded per request when `seed` is set, else the sampler's generator).
+Logprobs come from log_softmax of the RAW logits. Vectorized over the batch [B, V].
+
+Sampling uses the exponential-race trick (argmax(p / q), q ~ Exp(1)) so each request draws from
+its own generator without a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xlaserve.runner import TokenLogprobs
+from xlaserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One request to sample this step."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens generated so far (before this step's token)
+    generator: torch.Generator | None = None  # per-request (seeded) generator; None = shared
+    bitmask: np.ndarray | None = None  # packed allowed-token bits int32 [ceil(V / 32)]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [B]
+    logprobs: list[TokenLogprobs | None]  # [B]; None where the request did not ask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed int32 [B, W] (bit i of word w allows token 32 w + i) -> bool allowed [B, V]."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.to(torch.int32)[:, :, None] >> shifts) & 1  # [B, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _token_counts(rows_tokens: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Occurrence counts [B, V] int32 of each row's token list."""
+    longest = max((len(t) for t in rows_tokens), default=0)
+    if longest == 0:
+        return torch.zeros(len(rows_tokens), vocab, dtype=torch.int32, device=device)
+    padded = torch.full((len(rows_tokens), longest), vocab, dtype=torch.long)
+    for i, toks in enumerate(rows_tokens):
+        if toks:
+            padded[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+    padded = padded.to(device)
+    counts = torch.zeros(len(rows_tokens), vocab + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Step 1: logit_bias, min_tokens, bitmask. logits [B, V] float32 (modified in place)."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if 0 <= t < vocab]
+            if ids:
+                bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype)
+                logits[i, ids] += bias.to(logits.device)
+        if p.min_tokens and len(r.output_ids) < p.min_tokens:
+            stop = [t for t in p.all_stop_token_ids() if 0 <= t < vocab]
+            if stop:
+                logits[i, stop] = float("-inf")
+    masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
+    if masked:
+        packed = torch.from_numpy(
+            np.stack([np.asarray(rows[i].bitmask, dtype=np.int32).reshape(-1) for i in masked])
+        )
+        allowed = unpack_bitmask(packed.to(logits.device), vocab)
+        idx = torch.tensor(masked, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Step 2: repetition (prompt + output), frequency and presence (output) penalties, in place."""
+    sel = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not sel:
+        return logits
+    vocab, dev = logits.shape[1], logits.device
+    out_counts = _token_counts([rows[i].output_ids for i in sel], vocab, dev).to(logits.dtype)
+    prompt_seen = _token_counts([rows[i].prompt_ids for i in sel], vocab, dev) > 0
+    rep = torch.tensor(
+        [rows[i].params.repetition_penalty for i in sel], dtype=logits.dtype, device=dev
+    )[:, None]
+    freq = torch.tensor(
+        [rows[i].params.frequency_penalty for i in sel], dtype=logits.dtype, device=dev
+    )[:, None]
+    pres = torch.tensor(
+        [rows[i].params.presence_penalty for i in sel], dtype=logits.dtype, device=dev
+    )[:, None]
+    idx = torch.tensor(sel, device=dev)
+    x = logits[idx]
+    seen = prompt_seen | (out_counts > 0)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * out_counts - pres * (out_counts > 0).to(x.dtype)
+    logits[idx] = x
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Step 3 (non-greedy rows): / temperature, then top_k, top_p, min_p masks (-inf). [B, V]."""
+    dev, vocab = logits.device, logits.shape[1]
+    temp = torch.tensor([max(p.temperature, 1e-5) for p in params], dtype=logits.dtype, device=dev)
+    logits = logits / temp[:, None]
+    need_k = any(p.top_k > 0 for p in params)
+    need_p = any(p.top_p < 1.0 for p in params)
+    need_min_p = any(p.min_p > 0.0 for p in params)
+    if not (need_k or need_p or need_min_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=dev)[None, :]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if need_k:
+        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)[:, None]
+        drop |= rank >= k
+    if need_p:
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+        # Keep the smallest prefix reaching top_p (the best token is always kept).
+        drop |= (before >= top_p) & (top_p < 1.0) & (rank > 0)
+    if need_min_p:
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        drop |= probs < min_p * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> list[TokenLogprobs]:
+    """Per row: the given token's logprob and rank, then the top-`num_top[i]` tokens.
+
+    logprobs [B, V] (log_softmax of raw logits), token_ids [B]."""
+    k = max(num_top, default=0)
+    chosen = logprobs.gather(1, token_ids[:, None].long())  # [B, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_v, top_i = logprobs.topk(k, dim=1) if k > 0 else (None, None)
+    chosen_l, ranks_l, ids_l = chosen[:, 0].tolist(), ranks.tolist(), token_ids.tolist()
+    top_v_l = top_v.tolist() if top_v is not None else None
+    top_i_l = top_i.tolist() if top_i is not None else None
+    out = []
+    for i, n in enumerate(num_top):
+        ids, lps = [int(ids_l[i])], [float(chosen_l[i])]
+        if n > 0:
+            ids += top_i_l[i][:n]
+            lps += top_v_l[i][:n]
+        out.append(TokenLogprobs(token_ids=ids, logprobs=lps, rank=int(ranks_l[i])))
+    return out
+
+
+class Sampler:
+    """Samples one token per row of a [B, V] logits tensor."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.device = torch.device(device)
+        # Shared generator for requests without a seed (engine-level seed: reproducible runs).
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        """The per-request generator of a seeded request (created once, advanced every step)."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [B, V] float32 raw model logits (not modified)."""
+        b, vocab = logits.shape
+        if b != len(rows):
+            raise ValueError(f"logits have {b} rows but {len(rows)} sampling rows were given")
+        want_lp = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
+        x = apply_constraints(logits.float().clone(), rows)
+        x = apply_penalties(x, rows)
+        tokens = x.argmax(dim=-1)  # greedy rows keep this
+        rand_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand_rows:
+            idx = torch.tensor(rand_rows, device=x.device)
+            filtered = filter_logits(x[idx], [rows[i].params for i in rand_rows])
+            probs = torch.softmax(filtered, dim=-1)
+            q = torch.empty(len(rand_rows), vocab, dtype=torch.float32, device=x.device)
+            shared = [j for j, i in enumerate(rand_rows) if rows[i].generator is None]
+            if shared:
+                q[shared] = torch.empty(len(shared), vocab, device=x.device).exponential_(
+                    generator=self.generator
+                )
+            for j, i in enumerate(rand_rows):
+                if rows[i].generator is not None:
+                    q[j].exponential_(generator=rows[i].generator)
+            tokens[idx] = (probs / q.clamp_min(1e-20)).argmax(dim=-1)
+        token_list = tokens.tolist()
+        lps: list[TokenLogprobs | None] = [None] * b
+        sel = [i for i in range(b) if want_lp[i]]
+        if sel:
+            idx = torch.tensor(sel, device=logits.device)
+            entries = token_logprobs(
+                raw_logprobs[idx], tokens[idx], [rows[i].params.logprobs for i in sel]
+            )
+            for i, e in zip(sel, entries, strict=True):
+                lps[i] = e
+        return SamplerOutput(token_ids=[int(t) for t in token_list], logprobs=lps)

@@ -1,0 +1,263 @@
+"""Token-budget scheduler: no prefill/decode phases, only each request's num_computed_tokens
+catching up with its num_tokens (+ draft tokens).
+
+One step fills `max_num_batched_tokens`: running requests first (in order), then waiting ones
+(prefix-cache hits skipped, long prompts chunked). When blocks run out the last running request
+(the newest under fcfs, the lowest priority under "priority", where `running` is kept sorted) is
+preempted by recompute: its blocks are freed and it goes back to the waiting queue.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+
+from xlaserve.config import CacheConfig, SchedulerConfig
+from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.request import Request, RequestStatus
+from xlaserve.runner import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.by_priority = scheduler_config.policy == "priority"
+        capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
+        if capacity < max_model_len:
+            # A single max-length request could never fit: it would wait forever.
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({kv_cache_manager.num_blocks} blocks of "
+                f"{kv_cache_manager.block_size}), fewer than max_model_len={max_model_len}; "
+                "give it more blocks or lower max_model_len"
+            )
+        self.requests: dict[str, Request] = {}
+        # fcfs: arrival order (preempted ones at the front); priority: sorted by _priority_key.
+        self.waiting: deque[Request] = deque()
+        # Batch order; under "priority" sorted by _priority_key so the last is the first victim.
+        self.running: list[Request] = []
+        # Ids the runner must forget at the next step (finished, aborted, preempted).
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ----- queues -----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self._enqueue_waiting(request, front=False)
+
+    def _enqueue_waiting(self, request: Request, front: bool) -> None:
+        if self.by_priority:
+            bisect.insort_right(self.waiting, request, key=_priority_key)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop its KV; it resumes from token 0 (prefix hits help)."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._finished_req_ids.add(request.request_id)
+        self._enqueue_waiting(request, front=True)
+
+    # ----- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        spec_token_ids: dict[str, list[int]] = {}
+        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[Request] = []
+        preempted = False
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+            # The token sampled after position max_model_len - 1 would not fit.
+            num_new = min(num_new, budget, self.max_model_len - 1 - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while (new_block_ids := kv.allocate_slots(req, num_new)) is None:
+                preempted = True
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if new_block_ids is None:
+                # req itself was the last running request: nothing after it to schedule.
+                break
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            num_drafts = req.num_computed_tokens + num_new - req.num_tokens
+            if num_drafts > 0:
+                spec_token_ids[req.request_id] = req.spec_token_ids[:num_drafts]
+            cached_reqs.append(
+                CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
+            )
+            i += 1
+
+        # 2. Waiting requests (not in a step that had to preempt: blocks are short).
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            computed_blocks, num_hit = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if kv.allocate_slots(req, num_new, computed_blocks, num_hit) is None:
+                break
+            self.waiting.popleft()
+            if self.by_priority:
+                bisect.insort_right(self.running, req, key=_priority_key)
+            else:
+                self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            new_reqs.append(req)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        output = SchedulerOutput(
+            new_requests=[
+                NewRequestData(
+                    req_id=r.request_id,
+                    token_ids=r.all_token_ids,
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    sampling_params=r.sampling_params,
+                    block_ids=kv.get_block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in new_reqs
+            ],
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            spec_token_ids=spec_token_ids,
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._finished_req_ids = set()
+        # Advance optimistically; update_from_output takes back rejected draft positions.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[tuple[Request, list[int]]]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        Returns (request, tokens appended this step) for each request that got tokens or
+        finished. Tokens after a stop are dropped (also from multi-token spec-decode results).
+        """
+        results: list[tuple[Request, list[int]]] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or preempted since schedule()
+            if req_id in runner_output.errors:
+                req.error = runner_output.errors[req_id]
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                results.append((req, []))
+                continue
+            sampled = runner_output.sampled_token_ids.get(req_id, [])
+            drafts = scheduler_output.spec_token_ids.get(req_id, [])
+            if drafts and sampled:
+                # Positions of rejected drafts hold wrong KV: recompute them (they get
+                # overwritten; the blocks stay with the request, the runner's table too).
+                req.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            req.spec_token_ids = list(runner_output.spec_token_ids.get(req_id, []))
+            new_tokens: list[int] = []
+            for token in sampled:
+                req.output_token_ids.append(token)
+                new_tokens.append(token)
+                if self._check_stop(req):
+                    break
+            if req.is_finished:
+                self._release(req)
+            if new_tokens or req.is_finished:
+                results.append((req, new_tokens))
+        return results
+
+    def _check_stop(self, req: Request) -> bool:
+        """Sets the finished status after the newest output token; stop wins over length."""
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids():
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = last
+            return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # ----- finishing --------------------------------------------------------------------------
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish waiting or running requests (stop strings, aborts); unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            # Only requests the runner holds state for (it saw them scheduled) are reported.
+            self._finished_req_ids.add(req.request_id)
+        else:
+            self.waiting.remove(req)
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]

@@ -1,0 +1,124 @@
+"""A fake backend for scheduler tests: deterministic tokens, a simulated paged KV cache.
+
+It keeps per-request state from SchedulerOutput exactly as a real runner must (persistent batch,
+new/cached requests, finished ids) and asserts the contract on every step: the state it holds
+matches what the scheduler says, the block table covers every scheduled position, and every
+position a step attends to holds the right token in the (simulated) KV cache. A prefix-cache hit
+on a wrong block, a block handed to two requests, or a lost block-table update fails loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from xlaserve.core.scheduler import Scheduler
+from xlaserve.runner import RunnerOutput, SchedulerOutput
+
+# (request id, num prompt tokens, tokens so far) -> next token.
+TokenFn = Callable[[str, int, list[int]], int]
+
+
+def mix_token(req_id: str, num_prompt: int, tokens: list[int]) -> int:
+    """The 'model': a deterministic function of the whole sequence (vocab 1..97)."""
+    return (sum(tokens) * 31 + len(tokens) * 7 + tokens[-1] * 13) % 97 + 1
+
+
+def script_fn(scripts: dict[str, list[int]]) -> TokenFn:
+    """Emit scripts[req_id][i] as the i-th output token."""
+    return lambda rid, num_prompt, tokens: scripts[rid][len(tokens) - num_prompt]
+
+
+def reference_output(
+    prompt: list[int], max_tokens: int, stop_ids: set[int] = frozenset(), min_tokens: int = 0
+) -> list[int]:
+    """What mix_token generates without any scheduling (no batching, no preemption)."""
+    out: list[int] = []
+    while True:
+        out.append(mix_token("", len(prompt), prompt + out))
+        if (len(out) >= min_tokens and out[-1] in stop_ids) or len(out) >= max_tokens:
+            return out
+
+
+@dataclass
+class _ReqState:
+    tokens: list[int]
+    num_prompt: int
+    block_ids: list[int]
+    num_computed: int
+
+
+@dataclass
+class FakeRunner:
+    num_blocks: int
+    block_size: int
+    token_fn: TokenFn = mix_token
+    # req_id -> error message to report for it on its next step.
+    fail: dict[str, str] = field(default_factory=dict)
+    state: dict[str, _ReqState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # kv[block][slot] = token id whose "KV" is stored there.
+        self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(self.num_blocks)]
+
+    def _slot(self, st: _ReqState, pos: int) -> tuple[int, int]:
+        return st.block_ids[pos // self.block_size], pos % self.block_size
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        for rid in so.finished_req_ids:
+            assert rid in self.state, f"runner told to forget unknown request {rid}"
+            del self.state[rid]
+        for nr in so.new_requests:
+            assert nr.req_id not in self.state
+            self.state[nr.req_id] = _ReqState(
+                list(nr.token_ids), nr.num_prompt_tokens, list(nr.block_ids), nr.num_computed_tokens
+            )
+        for cr in so.cached_requests:
+            st = self.state[cr.req_id]
+            assert st.num_computed == cr.num_computed_tokens, (cr, st.num_computed)
+            st.block_ids += cr.new_block_ids
+        batch = [nr.req_id for nr in so.new_requests] + [cr.req_id for cr in so.cached_requests]
+        assert sorted(batch) == sorted(so.num_scheduled_tokens)
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+
+        out = RunnerOutput()
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.state[rid]
+            if rid in self.fail:
+                out.errors[rid] = self.fail.pop(rid)
+                continue
+            drafts = so.spec_token_ids.get(rid, [])
+            seq = st.tokens + drafts
+            c = st.num_computed
+            assert n > 0 and c + n <= len(seq)
+            assert not drafts or c + n == len(seq), "drafts scheduled but not all positions"
+            assert len(st.block_ids) * self.block_size >= c + n, "block table too short"
+            for pos in range(c):  # attended KV must hold this request's tokens
+                b, s = self._slot(st, pos)
+                assert self.kv[b][s] == seq[pos], f"{rid}: wrong KV at position {pos}"
+            for pos in range(c, c + n):
+                b, s = self._slot(st, pos)
+                self.kv[b][s] = seq[pos]
+            if c + n < len(st.tokens):  # partial prefill chunk
+                st.num_computed = c + n
+                out.sampled_token_ids[rid] = []
+                continue
+            sampled: list[int] = []
+            for d in drafts:  # greedy verification: accept while the draft equals the target
+                sampled.append(self.token_fn(rid, st.num_prompt, st.tokens + sampled))
+                if sampled[-1] != d:
+                    break
+            else:
+                sampled.append(self.token_fn(rid, st.num_prompt, st.tokens + sampled))
+            st.num_computed = c + n - (len(drafts) + 1 - len(sampled))
+            st.tokens += sampled
+            out.sampled_token_ids[rid] = sampled
+        return out
+
+
+def step(sched: Scheduler, runner: FakeRunner):  # noqa: ANN201
+    """One engine step: (SchedulerOutput, {req_id: new tokens} of update_from_output)."""
+    so = sched.schedule()
+    ro = runner.execute(so)
+    results = sched.update_from_output(so, ro)
+    return so, {req.request_id: toks for req, toks in results}
