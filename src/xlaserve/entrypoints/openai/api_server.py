@@ -1,0 +1,764 @@
+"""OpenAI-compatible HTTP server (aiohttp) over one AsyncLLM.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /version, GET /metrics, POST /tokenize, POST /detokenize.
+
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters or
+JSON, 401 API key, 404 unknown model or route, 413 body too large, 503 engine down or waiting
+queue full (with Retry-After), 500 anything unexpected. Streams are Server-Sent Events
+(`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); a client that goes away mid-request has its
+request aborted (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from xlaserve.config import EngineConfig, ServerConfig
+from xlaserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineQueueFullError
+from xlaserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ProtocolError,
+    TokenizeRequest,
+    param_from_message,
+    parse_body,
+)
+from xlaserve.metrics import CONTENT_TYPE, ServerMetrics
+from xlaserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from xlaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("xlaserve.server")
+
+ENGINE_KEY = web.AppKey("engine", AsyncLLM)
+CONFIG_KEY = web.AppKey("server_config", ServerConfig)
+METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+STARTED_KEY = web.AppKey("started", float)
+
+# Reachable without an API key (probes and scrapers).
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = code if code is not None else status
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def _to_api_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ProtocolError):
+        return APIError(400, e.message, param=e.param)
+    if isinstance(e, EngineQueueFullError):
+        return APIError(
+            503,
+            str(e),
+            "service_unavailable",
+            code="queue_full",
+            headers={"Retry-After": str(e.retry_after)},
+        )
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "service_unavailable", code="engine_dead")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), param=param_from_message(str(e)))
+    if isinstance(e, web.HTTPException):
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        msg = {413: "request body too large"}.get(e.status, e.reason)
+        return APIError(e.status, msg, kind)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+# ------------------------------------------------------------------------------- middlewares
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        err = _to_api_error(e)
+        if err.status >= 500 and not isinstance(e, (EngineDeadError, EngineQueueFullError)):
+            logger.exception("request failed: %s %s", request.method, request.path)
+        return err.response()
+
+
+@web.middleware
+async def _guard(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    cfg = request.app[CONFIG_KEY]
+    if cfg.api_key and request.path not in OPEN_PATHS:
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+    if request.content_length is not None and request.content_length > cfg.max_request_bytes:
+        raise APIError(
+            413, f"request body over {cfg.max_request_bytes} bytes", code="request_too_large"
+        )
+    return await handler(request)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+
+
+def _check_model(engine: AsyncLLM, model: str | None) -> None:
+    if model is not None and model != engine.model_name:
+        raise APIError(
+            404, f"the model '{model}' does not exist", param="model", code="model_not_found"
+        )
+
+
+def _engine(request: web.Request) -> AsyncLLM:
+    engine = request.app[ENGINE_KEY]
+    if engine.errored:
+        raise engine.dead_error  # type: ignore[misc]
+    return engine
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+def _usage(outs: list[RequestOutput | None]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs if o is not None)
+    completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs if o is not None)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _finish(c: CompletionOutput) -> str | None:
+    return c.finish_reason
+
+
+@dataclass
+class _Tok:
+    """One position's logprobs, decoded: the actual token and the top alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]  # (token, logprob) by rank
+
+
+def _positions(
+    token_ids: list[int],
+    logprobs: list[PositionLogprobs | None],
+    k: int,
+    decode: Callable[[int], str],
+) -> list[_Tok | None]:
+    out: list[_Tok | None] = []
+    for tid, pos in zip(token_ids, logprobs, strict=False):
+        if pos is None:
+            out.append(None)
+            continue
+        lp = pos.get(tid)
+        tok = (lp.decoded_token if lp and lp.decoded_token is not None else None) or decode(tid)
+        ranked = sorted(
+            (
+                (p.rank or 0, t, p)
+                for t, p in pos.items()
+                if p.rank is not None and 1 <= p.rank <= k
+            ),
+            key=lambda x: x[0],
+        )
+        top = [
+            (p.decoded_token if p.decoded_token is not None else decode(t), p.logprob)
+            for _, t, p in ranked
+        ]
+        out.append(_Tok(tok, lp.logprob if lp else float("-inf"), top))
+    return out
+
+
+def _completion_logprobs(
+    toks: list[_Tok | None], text_start: int, include_sampled: bool = True
+) -> dict[str, Any]:
+    """Legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_start
+    for t in toks:
+        if t is None:  # first prompt position has no logprob
+            tokens.append(None)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(off)
+            continue
+        tokens.append(t.token)
+        token_lps.append(t.logprob)
+        top: dict[str, float] = {}
+        for tok_str, lp in t.top:  # rank order: tokens that decode alike keep the best one
+            top.setdefault(tok_str, lp)
+        if include_sampled:
+            top.setdefault(t.token, t.logprob)
+        tops.append(top)
+        offsets.append(off)
+        off += len(t.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(toks: list[_Tok | None]) -> list[dict[str, Any]]:
+    def entry(tok: str, lp: float) -> dict[str, Any]:
+        return {"token": tok, "logprob": max(lp, -9999.0), "bytes": list(tok.encode("utf-8"))}
+
+    return [
+        {**entry(t.token, t.logprob), "top_logprobs": [entry(a, b) for a, b in t.top]}
+        for t in toks
+        if t is not None
+    ]
+
+
+async def _merged(engine: AsyncLLM, streams: list[Any]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of several requests as (prompt index, output); closing aborts all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(engine.iterate(streams[0])) as it:
+            async for out in it:
+                yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: Any) -> None:
+        try:
+            async with contextlib.aclosing(engine.iterate(stream)) as it:
+                async for out in it:
+                    q.put_nowait((i, out))
+        except Exception as e:
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _add_all(
+    engine: AsyncLLM,
+    base_id: str,
+    prompts: list[Any],
+    params: SamplingParams,
+    priority: int,
+    salt: str | None,
+) -> list[Any]:
+    """Add every prompt as its own request; on any failure abort the ones already added."""
+    streams = []
+    try:
+        for i, p in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(
+                await engine.add_request(rid, p, params, priority=priority, cache_salt=salt)
+            )
+    except BaseException:
+        for s in streams:
+            engine.abort(s.request_id)
+        raise
+    return streams
+
+
+def _deadline(request: web.Request) -> float | None:
+    t = request.app[CONFIG_KEY].request_timeout
+    return time.monotonic() + t if t else None
+
+
+async def _collect(
+    engine: AsyncLLM, streams: list[Any], deadline: float | None
+) -> list[RequestOutput | None]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def run() -> None:
+        async with contextlib.aclosing(_merged(engine, streams)) as it:
+            async for i, out in it:
+                finals[i] = out
+
+    if deadline is None:
+        await run()
+    else:
+        try:
+            await asyncio.wait_for(run(), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise APIError(504, "request timed out", "timeout", code="timeout") from None
+    for out in finals:
+        if out is not None and out.error:
+            raise APIError(500, f"generation failed: {out.error}", "server_error")
+    return finals
+
+
+class _SSE:
+    """A Server-Sent Events response; `send` returns False once the client is gone."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "Connection": "keep-alive",
+            }
+        )
+        self.closed = False
+
+    async def start(self) -> None:
+        await self.resp.prepare(self.request)
+
+    async def send(self, data: dict[str, Any] | str) -> bool:
+        if self.closed:
+            return False
+        try:
+            await self.resp.write(_sse(data))
+            return True
+        except (ConnectionError, RuntimeError):  # reset by peer / transport closed
+            self.closed = True
+            return False
+
+    async def finish(self) -> web.StreamResponse:
+        if not self.closed:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.resp.write(_sse("[DONE]"))
+                await self.resp.write_eof()
+        return self.resp
+
+
+def _log(request: web.Request, rid: str, prompts: list[Any], params: SamplingParams) -> None:
+    if request.app[CONFIG_KEY].log_requests:
+        logger.info("request %s: %d prompt(s), params=%s", rid, len(prompts), params)
+
+
+# ------------------------------------------------------------------------------- completions
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    engine = _engine(request)
+    req = parse_body(CompletionRequest, await _json_body(request))
+    _check_model(engine, req.model)
+    params = req.to_sampling_params()
+    prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in req.prompts()]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    _log(request, rid, prompts, params)
+    created = int(time.time())
+    tok = engine.tokenizer
+    deadline = _deadline(request)
+    streams = await _add_all(engine, rid, prompts, params, req.priority, req.cache_salt)
+    n = params.n
+
+    def echo_text(out: RequestOutput) -> str:
+        return (
+            out.prompt
+            if out.prompt is not None
+            else tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+        )
+
+    def decode(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False)
+
+    def logprobs_of(
+        out: RequestOutput, c: CompletionOutput, start_tok: int, echo: bool, text_start: int
+    ) -> dict | None:
+        if req.logprobs is None:
+            return None
+        toks: list[_Tok | None] = []
+        if echo:
+            plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            toks += _positions(out.prompt_token_ids, plp, req.logprobs, decode)
+        toks += _positions(
+            c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], req.logprobs, decode
+        )
+        return _completion_logprobs(toks, text_start)
+
+    if not req.stream:
+        finals = await _collect(engine, streams, deadline)
+        choices = []
+        for i, out in enumerate(finals):
+            assert out is not None
+            prefix = echo_text(out) if req.echo else ""
+            for c in out.outputs:
+                choices.append(
+                    {
+                        "index": i * n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": logprobs_of(out, c, 0, req.echo, 0),
+                        "finish_reason": _finish(c),
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": engine.model_name,
+                "choices": choices,
+                "usage": _usage(finals),
+            }
+        )
+
+    sse = _SSE(request)
+    await sse.start()
+    sent_text: dict[int, int] = {}  # choice index -> chars sent
+    sent_toks: dict[int, int] = {}
+    done: set[int] = set()
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": engine.model_name,
+            "choices": choices,
+        }
+
+    try:
+        async with contextlib.aclosing(_merged(engine, streams)) as it:
+            async for i, out in it:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise APIError(504, "request timed out", "timeout", code="timeout")
+                if out.error:
+                    raise APIError(500, f"generation failed: {out.error}", "server_error")
+                finals[i] = out
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    if idx in done:
+                        continue
+                    first = idx not in sent_text
+                    t0, k0 = sent_text.get(idx, 0), sent_toks.get(idx, 0)
+                    delta = c.text[t0:]
+                    prefix = echo_text(out) if (first and req.echo) else ""
+                    new_toks = len(c.token_ids) - k0
+                    fin = _finish(c)
+                    if not (delta or prefix or fin or (new_toks and req.logprobs is not None)):
+                        continue
+                    sent_text[idx], sent_toks[idx] = len(c.text), len(c.token_ids)
+                    if fin:
+                        done.add(idx)
+                    lp = (
+                        logprobs_of(out, c, k0, first and req.echo, 0)
+                        if req.logprobs is not None
+                        else None
+                    )
+                    choice = {
+                        "index": idx,
+                        "text": prefix + delta,
+                        "logprobs": lp,
+                        "finish_reason": fin,
+                        "stop_reason": c.stop_reason if fin else None,
+                    }
+                    if not await sse.send(chunk([choice])):
+                        return sse.resp  # client gone: leaving the loop aborts the requests
+        if req.include_usage:
+            await sse.send({**chunk([]), "usage": _usage(finals)})
+    except Exception as e:
+        await sse.send(_to_api_error(e).body())
+    return await sse.finish()
+
+
+# ------------------------------------------------------------------------------- chat
+
+
+def _chat_prompt(engine: AsyncLLM, req: ChatCompletionRequest) -> dict[str, Any]:
+    tok = engine.tokenizer
+    messages = [m.to_template_dict() for m in req.messages]
+    kwargs = req.chat_template_kwargs or {}
+    try:
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, **kwargs
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    # The template writes BOS itself: no special tokens added on top.
+    return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    engine = _engine(request)
+    req = parse_body(ChatCompletionRequest, await _json_body(request))
+    _check_model(engine, req.model)
+    params = req.to_sampling_params()
+    prompt = _chat_prompt(engine, req)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    _log(request, rid, [prompt], params)
+    created = int(time.time())
+    tok = engine.tokenizer
+    deadline = _deadline(request)
+    k = req.top_logprobs or 0
+    streams = await _add_all(engine, rid, [prompt], params, req.priority, req.cache_salt)
+    echo = ""
+    if req.echo and req.messages[-1].role == "assistant":
+        echo = req.messages[-1].text()
+
+    def decode(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False)
+
+    def lp_of(c: CompletionOutput, start: int) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        return {
+            "content": _chat_logprobs(
+                _positions(c.token_ids[start:], (c.logprobs or [])[start:], k, decode)
+            )
+        }
+
+    if not req.stream:
+        finals = await _collect(engine, streams, deadline)
+        out = finals[0]
+        assert out is not None
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": echo + c.text},
+                "logprobs": lp_of(c, 0),
+                "finish_reason": _finish(c),
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ]
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": engine.model_name,
+                "choices": choices,
+                "usage": _usage(finals),
+            }
+        )
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": engine.model_name,
+            "choices": choices,
+        }
+
+    sse = _SSE(request)
+    await sse.start()
+    for i in range(params.n):  # the role comes first, before any token
+        first = {"role": "assistant", "content": echo}
+        await sse.send(
+            chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}])
+        )
+    sent_text: dict[int, int] = {}
+    sent_toks: dict[int, int] = {}
+    done: set[int] = set()
+    final: RequestOutput | None = None
+    try:
+        async with contextlib.aclosing(_merged(engine, streams)) as it:
+            async for _, out in it:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise APIError(504, "request timed out", "timeout", code="timeout")
+                if out.error:
+                    raise APIError(500, f"generation failed: {out.error}", "server_error")
+                final = out
+                for c in out.outputs:
+                    if c.index in done:
+                        continue
+                    t0, k0 = sent_text.get(c.index, 0), sent_toks.get(c.index, 0)
+                    delta = c.text[t0:]
+                    fin = _finish(c)
+                    new_toks = len(c.token_ids) - k0
+                    if not (delta or fin or (new_toks and req.logprobs)):
+                        continue
+                    sent_text[c.index], sent_toks[c.index] = len(c.text), len(c.token_ids)
+                    if fin:
+                        done.add(c.index)
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": lp_of(c, k0),
+                        "finish_reason": fin,
+                        "stop_reason": c.stop_reason if fin else None,
+                    }
+                    if not await sse.send(chunk([choice])):
+                        return sse.resp
+        if req.include_usage:
+            await sse.send({**chunk([]), "usage": _usage([final])})
+    except Exception as e:
+        await sse.send(_to_api_error(e).body())
+    return await sse.finish()
+
+
+# ------------------------------------------------------------------------------- small routes
+
+
+async def list_models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    card = {
+        "id": engine.model_name,
+        "object": "model",
+        "created": int(request.app[STARTED_KEY]),
+        "owned_by": "xlaserve",
+        "root": engine.config.model.model or engine.model_name,
+        "max_model_len": engine.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if engine.errored:
+        return _to_api_error(engine.dead_error).response()  # type: ignore[arg-type]
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    from xlaserve import __version__
+
+    return web.json_response({"version": __version__})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS_KEY].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    req = parse_body(TokenizeRequest, await _json_body(request))
+    _check_model(engine, req.model)
+    tok = engine.tokenizer
+    if req.messages is not None:
+        messages = [m.to_template_dict() for m in req.messages]
+        try:
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    return web.json_response(
+        {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    req = parse_body(DetokenizeRequest, await _json_body(request))
+    _check_model(engine, req.model)
+    vocab = engine.engine.spec.vocab_size
+    if any(t < 0 or t >= vocab for t in req.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    text = engine.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)
+    return web.json_response({"prompt": text})
+
+
+# ------------------------------------------------------------------------------- app
+
+
+def build_app(
+    engine: AsyncLLM, config: ServerConfig | None = None, *, owns_engine: bool = False
+) -> web.Application:
+    """The aiohttp app over `engine`; with `owns_engine` the app's cleanup shuts the engine down."""
+    config = config or ServerConfig()
+    app = web.Application(middlewares=[_errors, _guard], client_max_size=config.max_request_bytes)
+    app[ENGINE_KEY] = engine
+    app[CONFIG_KEY] = config
+    app[STARTED_KEY] = time.time()
+    m = ServerMetrics(lambda: engine.stats, engine.model_name)
+    engine.add_finish_listener(m.observe_request)
+    app[METRICS_KEY] = m
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+
+    if owns_engine:
+
+        async def _stop_engine(app: web.Application) -> None:
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+        app.on_cleanup.append(_stop_engine)
+    return app
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Load the engine and serve until SIGINT/SIGTERM (then stop the engine thread)."""
+    engine = AsyncLLM.from_config(engine_config)
+    app = build_app(engine, server_config, owns_engine=True)
+    host, port = server_config.host, server_config.port
+    logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        handler_cancellation=True,  # a client that disconnects cancels its handler -> abort
+        shutdown_timeout=5.0,
+        access_log=logging.getLogger("aiohttp.access") if server_config.log_requests else None,
+        print=lambda msg: logger.info("%s", msg),
+    )
+    logger.info("server stopped")

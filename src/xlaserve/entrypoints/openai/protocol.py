@@ -1,0 +1,409 @@
+"""OpenAI request bodies as dataclasses, validated from JSON.
+
+`parse_body(CompletionRequest, body)` checks every known field against its type hint and raises
+`ProtocolError(message, param)` naming the first bad parameter; unknown fields are ignored, like
+OpenAI does. Each request type turns itself into `SamplingParams` (`to_sampling_params`), whose
+own range checks raise `ValueError` (the server maps both to HTTP 400).
+
+Response bodies are plain dicts built by the server (see `api_server.py`); their shapes follow
+OpenAI's reference: `text_completion`, `chat.completion`, `chat.completion.chunk`, `list`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from xlaserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+# One prompt: text or token ids. A request may carry a list of prompts.
+PromptLike = str | list[str] | list[int] | list[list[int]]
+
+
+class ProtocolError(ValueError):
+    """A request body that does not match the schema; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic dataclass-from-JSON validation.
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        return f"array of {_type_name(arg)}"
+    if origin is dict:
+        return "object"
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "object"
+    return {
+        int: "integer",
+        float: "number",
+        str: "string",
+        bool: "boolean",
+        type(None): "null",
+    }.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(value: Any, tp: Any, param: str) -> Any:
+    """Return `value` checked against (and, for nested dataclasses, converted to) `tp`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        for alt in typing.get_args(tp):
+            try:
+                return _convert(value, alt, param)
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"'{param}' must be {_type_name(tp)}", param)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ProtocolError(f"'{param}' must be one of {list(typing.get_args(tp))}", param)
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ProtocolError(f"'{param}' must be {_type_name(tp)}", param)
+        return [_convert(v, arg, f"{param}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ProtocolError(f"'{param}' must be an object", param)
+        return {k: _convert(v, val_tp, f"{param}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"'{param}' must be an object", param)
+        return parse_body(tp, value, prefix=f"{param}.")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        # JSON has one number type: accept 3.0 as 3, refuse booleans and 3.5.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a schema bug, not a client error
+        raise TypeError(f"unsupported schema type {tp!r}")
+    raise ProtocolError(f"'{param}' must be {_type_name(tp)}, got {type(value).__name__}", param)
+
+
+def parse_body(cls: type, body: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a decoded JSON object, checking types; unknown keys ignored."""
+    if not isinstance(body, dict):
+        raise ProtocolError("request body must be a JSON object", prefix.rstrip(".") or None)
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"'{prefix}{f.name}' is required", prefix + f.name)
+            continue
+        kwargs[f.name] = _convert(body[f.name], hints[f.name], prefix + f.name)
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests.
+
+
+@dataclass
+class StreamOptions:
+    include_usage: bool = False
+
+
+@dataclass
+class ResponseFormat:
+    # "text", "json_object" or "json_schema" ({"json_schema": {"name", "schema"}}).
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+@dataclass
+class _SamplingFields:
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # xlaserve extras.
+    priority: int = 0
+    cache_salt: str | None = None
+    # Guided decoding (vLLM names).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
+
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError(
+                "'stream_options' is only allowed when 'stream' is true", "stream_options"
+            )
+        if self.logit_bias is not None:
+            for k in self.logit_bias:
+                try:
+                    int(k)
+                except ValueError:
+                    raise ProtocolError(
+                        f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias"
+                    ) from None
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        kinds: dict[str, Any] = {}
+        if self.guided_json is not None:
+            kinds["json"] = self.guided_json
+        if self.guided_regex is not None:
+            kinds["regex"] = self.guided_regex
+        if self.guided_choice is not None:
+            kinds["choice"] = self.guided_choice
+        if self.guided_grammar is not None:
+            kinds["grammar"] = self.guided_grammar
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            kinds["json_object"] = True
+        elif rf is not None and rf.type == "json_schema":
+            schema = (rf.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ProtocolError(
+                    "'response_format.json_schema.schema' must be a JSON schema object",
+                    "response_format",
+                )
+            kinds["json"] = schema
+        if not kinds:
+            return None
+        if len(kinds) > 1:
+            raise ProtocolError(
+                "give at most one of guided_json, guided_regex, guided_choice, guided_grammar,"
+                " response_format",
+                "response_format",
+            )
+        return StructuredOutputsParams(**kinds)
+
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        def opt(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return SamplingParams(
+            n=self.n,
+            temperature=opt(self.temperature, 1.0),
+            top_p=opt(self.top_p, 1.0),
+            top_k=opt(self.top_k, 0),
+            min_p=opt(self.min_p, 0.0),
+            presence_penalty=opt(self.presence_penalty, 0.0),
+            frequency_penalty=opt(self.frequency_penalty, 0.0),
+            repetition_penalty=opt(self.repetition_penalty, 1.0),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            structured_outputs=self._structured(),
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+@dataclass
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: PromptLike | None = None  # required
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        if self.best_of is not None and self.best_of != self.n:
+            raise ProtocolError("best_of != n is not supported; leave best_of unset", "best_of")
+        if self.suffix:
+            raise ProtocolError("suffix is not supported", "suffix")
+        self.prompts()  # validates shape and emptiness
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: each a string or a list of token ids."""
+        p = self.prompt
+        if p is None:
+            raise ProtocolError("'prompt' is required", "prompt")
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            out = [list(p)]  # one prompt of token ids
+        else:
+            out = list(p)  # list of strings or list of token-id lists
+        if not out:
+            raise ProtocolError("'prompt' must not be empty", "prompt")
+        for x in out:
+            if len(x) == 0:
+                raise ProtocolError("'prompt' must not contain an empty prompt", "prompt")
+        return out
+
+    def to_sampling_params(self) -> SamplingParams:
+        # echo + logprobs: the prompt's logprobs are returned too (first position None).
+        prompt_lp = self.logprobs if (self.echo and self.logprobs is not None) else None
+        return self._sampling(self.max_tokens, self.logprobs, prompt_lp)
+
+
+@dataclass
+class TextContentPart:
+    type: str = "text"
+    text: str = ""
+
+
+@dataclass
+class ChatMessage:
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text":
+                    raise ProtocolError(
+                        f"content part type {part.type!r} is not supported (only 'text')",
+                        "messages",
+                    )
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def to_template_dict(self) -> dict[str, Any]:
+        role = "system" if self.role == "developer" else self.role
+        d: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+@dataclass
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = field(default_factory=list)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    echo: bool = False  # vLLM extra: prepend the last message's content when it is the assistant's
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        if not self.messages:
+            raise ProtocolError("'messages' must be a non-empty array", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, logprobs, None)
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize: either `prompt` or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("give exactly one of 'prompt' or 'messages'", "prompt")
+
+
+@dataclass
+class DetokenizeRequest:
+    """POST /detokenize."""
+
+    tokens: list[int]
+    model: str | None = None
+    skip_special_tokens: bool = False
+
+
+# Parameter names a SamplingParams ValueError message may start with -> request field name.
+SAMPLING_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {
+    "max_completion_tokens",
+    "top_logprobs",
+}
+
+
+def param_from_message(message: str) -> str | None:
+    """SamplingParams errors start with the field name ("top_p must be ..."): recover it."""
+    first = message.split(" ", 1)[0].strip("'\":,")
+    return first if first in SAMPLING_PARAM_NAMES else None
