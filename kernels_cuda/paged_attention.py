@@ -1,0 +1,531 @@
+"""Unified paged attention (Triton): one launch for a ragged batch mixing prefill chunks and decodes.
+
+Layout (shared with the Torch backend's CPU path):
+- ``q``: [T, Hq, D]; tokens of sequence i are rows ``query_start_loc[i] : query_start_loc[i+1]``.
+- ``k_cache`` / ``v_cache``: [N, S, Hkv, D] per layer (N blocks of S slots).
+- ``block_tables``: int32 [B, M]; logical block j of sequence i lives in physical block
+  ``block_tables[i, j]``.
+- ``seq_lens``: int32 [B], context length of each sequence INCLUDING this step's new tokens.
+  The q_len_i queries of sequence i are the LAST q_len_i positions of its context, so query r
+  (0-based within the sequence) sits at position ``seq_len_i - q_len_i + r`` and attends to key
+  positions ``<= `` its own (causal), and, with a sliding window w, ``> q_pos - w``.
+- Soft-cap: ``score = cap * tanh(score / cap)`` applied after the ``sm_scale`` multiply.
+
+Kernel shape: the grid is (query tiles across the flattened ragged batch, Hkv). A tile holds
+BLOCK_Q query positions of ONE sequence times the G = Hq // Hkv query heads that share the kv
+head, packed as BLOCK_M = BLOCK_Q * G rows (row r -> query r // G, head r % G), so a decode of one
+token with G heads still fills a matmul tile and K/V of that kv head are read once for all G
+heads. Sequence i owns programs ``[qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1)`` (at
+least cdiv(q_len_i, BLOCK_Q) of them; the surplus exits at once), so the grid size
+``T // BLOCK_Q + B`` depends only on host-known sizes: no device->host sync, CUDA-graph safe.
+Each program finds its sequence by binary search over ``query_start_loc``. K/V tiles of BLOCK_N
+keys are gathered through the block table (any page size S), softmax is online in fp32.
+
+Rows of ``out`` beyond ``query_start_loc[B]`` (padding tokens) are not written.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    next_pow2,
+    upcast_dot,
+)
+
+# Tuned launch parameters, kept as data. "decode": every sequence has one query token (BLOCK_M
+# is raised to next_pow2(G) when G is larger). "prefill": any sequence has more; keyed by the
+# head-dim bucket since shared memory bounds the tile at D=256.
+ATTENTION_CONFIGS: dict[str, dict[int, dict[str, int]]] = {
+    "decode": {
+        64: {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+        128: {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+        256: {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    },
+    "prefill": {
+        64: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+        128: {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        256: {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    },
+}
+
+# Small tiles under the CPU interpreter: it runs every lane in numpy, so smaller is faster.
+_INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+
+# Split-KV: each split must cover at least this many keys to be worth its merge cost.
+MIN_KEYS_PER_SPLIT = 512
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp(-2|x|) in (0, 1]: no overflow for any x.
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kn,
+    stride_ks,
+    stride_kh,
+    stride_vn,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    num_seqs,
+    sm_scale,
+    soft_cap,
+    window,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # Binary search: the last sequence whose first program index <= pid.
+    lo = pid * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        take = first <= pid
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+    seq = lo
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    qblk = pid - (q_start // BLOCK_Q + seq)
+    if qblk * BLOCK_Q >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = qblk * BLOCK_Q + rows // G
+    head = kvh * G + rows % G
+    row_ok = (rows // G < BLOCK_Q) & (q_local < q_len)
+    q_pos = ctx_len - q_len + q_local  # [BLOCK_M]
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q_offs = (q_start + q_local)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key range of this tile: causal end after its last query, window start before its first.
+    q_first = ctx_len - q_len + qblk * BLOCK_Q
+    kv_end = tl.minimum(q_first + BLOCK_Q, ctx_len)
+    kv_begin = q_first * 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(q_first - window + 1, 0)
+    kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:
+        # Split-KV (flash-decoding): this program covers one contiguous chunk of whole tiles.
+        split = tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        kv_begin = kv_begin + split * chunk
+        kv_end = tl.minimum(kv_begin + chunk, kv_end)
+
+    for start_n in range(kv_begin, kv_end, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        blk = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
+        slot = n % PAGE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_ptr
+            + blk[:, None] * stride_kn
+            + slot[:, None] * stride_ks
+            + kvh * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + blk[:, None] * stride_vn
+            + slot[:, None] * stride_vs
+            + kvh * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_M, BLOCK_N]
+        if USE_SOFTCAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        s = s * 1.4426950408889634  # work in log2 space: exp2 is the fast path
+        mask = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            mask = mask & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(mask, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Fully masked rows (padding) keep m = -inf; shift by 0 there to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    row_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS > 1:
+        # Unnormalised partials [T, Hq, NUM_SPLITS, (D | 2)], merged by _merge_splits_kernel.
+        part = ((q_start + q_local) * (tl.num_programs(1) * G) + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_mask)
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        o_offs = (q_start + q_local)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    qsl_ptr,
+    num_seqs,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    # One program per (token, q head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    if tok >= tl.load(qsl_ptr + num_seqs):
+        return  # padding row
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    base = (tok * num_heads + head) * NUM_SPLITS
+    m = tl.load(part_ml_ptr + (base + sp) * 2)
+    l_s = tl.load(part_ml_ptr + (base + sp) * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # empty splits: m = -inf -> weight 0
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :])
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l_s * w, 0)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(
+        out_ptr + tok * stride_ot + head * stride_oh + d,
+        (num / den).to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def _check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> tuple[int, int, int, int, int]:
+    """Validate shapes/dtypes; return (T, Hq, Hkv, D, B)."""
+    name = "unified_attention"
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.ndim != 4:
+        raise ValueError(
+            f"{name}: k_cache must be [N, S, Hkv, D], got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{name}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
+        )
+    t, hq, d = q.shape
+    _, _, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"{name}: head_dim of q ({d}) != head_dim of k_cache ({dk})")
+    if d > 256:
+        raise ValueError(f"{name}: head_dim {d} > 256 is not supported")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"{name}: Hq ({hq}) must be a multiple of Hkv ({hkv})")
+    check_dtype(f"{name} q", q, FLOAT_DTYPES)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"{name}: q, k_cache, v_cache dtypes must match, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if out is not None:
+        if out.shape != q.shape:
+            raise ValueError(f"{name}: out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+        if out.dtype != q.dtype:
+            raise ValueError(f"{name}: out dtype {out.dtype} != q dtype {q.dtype}")
+    for label, tensor, ndim in (
+        ("query_start_loc", query_start_loc, 1),
+        ("seq_lens", seq_lens, 1),
+        ("block_tables", block_tables, 2),
+    ):
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name}: {label} must be int32, got {tensor.dtype}")
+        if tensor.ndim != ndim:
+            raise ValueError(f"{name}: {label} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    b = seq_lens.shape[0]
+    if query_start_loc.shape[0] != b + 1:
+        raise ValueError(
+            f"{name}: query_start_loc must be [B+1] = [{b + 1}], got {tuple(query_start_loc.shape)}"
+        )
+    if block_tables.shape[0] != b:
+        raise ValueError(
+            f"{name}: block_tables must be [B={b}, M], got {tuple(block_tables.shape)}"
+        )
+    if max_query_len < 0:
+        raise ValueError(f"{name}: max_query_len must be >= 0, got {max_query_len}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"{name}: sliding_window must be None or > 0, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"{name}: soft_cap must be None or > 0, got {soft_cap}")
+    return t, hq, hkv, d, b
+
+
+def attention_launch_config(
+    max_query_len: int, num_queries_per_kv: int, head_dim: int, interpret: bool
+) -> dict[str, int]:
+    """Pick BLOCK_M/BLOCK_N/num_warps/num_stages (+ derived BLOCK_Q) for one launch."""
+    if interpret:
+        cfg = dict(_INTERPRET_CONFIG)
+    else:
+        kind = "decode" if max_query_len <= 1 else "prefill"
+        bucket = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
+        cfg = dict(ATTENTION_CONFIGS[kind][bucket])
+    cfg["BLOCK_M"] = max(cfg["BLOCK_M"], next_pow2(num_queries_per_kv))
+    cfg["BLOCK_Q"] = cfg["BLOCK_M"] // num_queries_per_kv
+    return cfg
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Paged causal attention over a ragged batch of prefill chunks and decodes, one launch.
+
+    Args:
+        q: [T, Hq, D] queries (fp16/bf16/fp32; last dim contiguous). T may include trailing
+            padding rows past ``query_start_loc[B]``; those rows of ``out`` are left untouched.
+        k_cache, v_cache: [N, S, Hkv, D], same dtype as q; Hq % Hkv == 0 (GQA); D <= 256.
+        out: [T, Hq, D] same dtype as q, or None to allocate (then padding rows are zeros).
+        query_start_loc: int32 [B+1], cumulative query counts (query_start_loc[0] == 0).
+        seq_lens: int32 [B], context length including this step's queries.
+        block_tables: int32 [B, M], physical block per logical block (M >= cdiv(seq_len, S)).
+        max_query_len: host int, max q_len over the batch (picks the decode or prefill tiling).
+        max_seq_len: host int, max seq_len (sizes the split-KV heuristic).
+        sm_scale: softmax scale, usually D ** -0.5.
+        sliding_window: w or None; key allowed iff key_pos > q_pos - w.
+        soft_cap: cap or None; score = cap * tanh(score / cap).
+        num_kv_splits: split-KV (flash-decoding) factor, a power of 2 <= 64. None picks one on
+            GPU for decode-only batches too small to fill the SMs (1 under the interpreter).
+            Each split covers a chunk of every tile's key range; a merge kernel combines them.
+            Pass a fixed value when capturing CUDA graphs whose seq_lens change on replay.
+
+    Returns:
+        out: [T, Hq, D].
+
+    No device->host synchronisation: safe to capture in a CUDA graph for fixed (T, B, M).
+    """
+    t, hq, hkv, d, b = _check_attention_args(
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, max_query_len,
+        sliding_window, soft_cap,
+    )  # fmt: skip
+    check_device(
+        "unified_attention", q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        *(() if out is None else (out,)),
+    )  # fmt: skip
+    for label, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(f"unified_attention {label}", tensor)
+    if out is None:
+        out = torch.zeros_like(q)
+    else:
+        check_last_dim_contiguous("unified_attention out", out)
+    if t == 0 or b == 0:
+        return out
+
+    g = hq // hkv
+    interpret = q.device.type == "cpu"
+    cfg = attention_launch_config(max(max_query_len, 1), g, d, interpret=interpret)
+    block_q = cfg["BLOCK_Q"]
+    num_tiles = t // block_q + b
+    if num_kv_splits is None:
+        num_kv_splits = 1 if interpret else _auto_kv_splits(num_tiles * hkv, max_query_len,
+                                                             max_seq_len, q.device)  # fmt: skip
+    if num_kv_splits < 1 or num_kv_splits > 64 or num_kv_splits & (num_kv_splits - 1):
+        raise ValueError(
+            f"unified_attention: num_kv_splits must be a power of 2 in [1, 64], got {num_kv_splits}"
+        )
+    block_d = max(16, next_pow2(d))
+    if num_kv_splits > 1:
+        part_acc = torch.empty(
+            (t, hq, num_kv_splits, block_d), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty((t, hq, num_kv_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    grid = (num_tiles, hkv, num_kv_splits)
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        b, float(sm_scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        G=g,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        PAGE=k_cache.shape[1],
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_Q=block_q,
+        BLOCK_N=cfg["BLOCK_N"],
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=soft_cap is not None,
+        UPCAST=upcast_dot(q.dtype),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=num_kv_splits,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if num_kv_splits > 1:
+        _merge_splits_kernel[(t, hq)](
+            part_acc, part_ml, out, query_start_loc, b, out.stride(0), out.stride(1), hq,
+            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _auto_kv_splits(
+    programs: int, max_query_len: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Splits for decode-only batches whose (tiles x kv heads) grid leaves SMs idle: aim at
+    ~2 programs per SM, each split covering at least MIN_KEYS_PER_SPLIT keys."""
+    if max_query_len > 1 or max_seq_len < 2 * MIN_KEYS_PER_SPLIT:
+        return 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    want = min(2 * sms // max(programs, 1), max_seq_len // MIN_KEYS_PER_SPLIT, 64)
+    return 1 << (max(want, 1).bit_length() - 1)  # floor to a power of 2
+
+
+def unified_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Plain torch reference of :func:`unified_attention` (same arguments, fp32 math;
+    ``num_kv_splits`` is accepted and ignored).
+
+    Loops over sequences in Python and syncs (``tolist``): for tests, not for serving.
+    """
+    _check_attention_args(
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, max_query_len,
+        sliding_window, soft_cap,
+    )  # fmt: skip
+    if out is None:
+        out = torch.zeros_like(q)
+    _, hq, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    g = hq // hkv
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, ctx_len in enumerate(lens):
+        q_lo, q_hi = qsl[i], qsl[i + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        nblk = math.ceil(ctx_len / page)
+        blocks = block_tables[i, :nblk].long()
+        # [L, Hkv, D] -> [Hq, L, D]: gather pages, drop the tail, repeat kv heads for GQA.
+        k = k_cache[blocks].reshape(nblk * page, hkv, d)[:ctx_len].float()
+        v = v_cache[blocks].reshape(nblk * page, hkv, d)[:ctx_len].float()
+        k = k.repeat_interleave(g, dim=1).transpose(0, 1)
+        v = v.repeat_interleave(g, dim=1).transpose(0, 1)
+        qi = q[q_lo:q_hi].float().transpose(0, 1)  # [Hq, q_len, D]
+        s = torch.matmul(qi, k.transpose(1, 2)) * sm_scale  # [Hq, q_len, L]
+        if soft_cap is not None:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+        k_pos = torch.arange(ctx_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        s = s.masked_fill(~allowed, float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), v)  # [Hq, q_len, D]
+        out[q_lo:q_hi] = o.transpose(0, 1).to(out.dtype)
+    return out
