@@ -9,6 +9,15 @@ from torch import nn
 # family -> "module:Class"
 _FAMILIES: dict[str, str] = {
     "llama": "xlaserve.backends_torch.models.llama:LlamaForCausalLM",
+    # The generic decoder serves every family below through ModelSpec fields (see decoder.py).
+    "granite": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
+    "gemma": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
+    "olmo2": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
+    "gpt2": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
+    "gpt_neox": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
+    "starcoder2": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
+    "moe": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
+    "mla": "xlaserve.backends_torch.models.mla:MLAForCausalLM",
 }
 
 

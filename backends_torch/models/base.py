@@ -65,5 +65,10 @@ class CausalLMBase(nn.Module):
                 if "norm" in name:
                     p.fill_(0.0 if getattr(self, "_norm_offset", 0.0) else 1.0)
                     continue
+                if p.is_cuda:  # 8B parameters: seconds on the GPU, minutes on the host
+                    if g.device != p.device:
+                        g = torch.Generator(device=p.device).manual_seed(seed)
+                    p.normal_(0.0, std, generator=g)
+                    continue
                 w = torch.randn(p.shape, generator=g, dtype=torch.float32) * std
                 p.copy_(w.to(device=p.device, dtype=p.dtype))

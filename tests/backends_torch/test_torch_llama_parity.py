@@ -146,8 +146,8 @@ def test_bf16_checkpoint_loads_and_tracks_hf(hf_model_dir) -> None:
 
 
 def test_unknown_family_raises() -> None:
-    with pytest.raises(ValueError, match="no model for family 'gpt2'.*llama"):
-        get_model_class("gpt2")
+    with pytest.raises(ValueError, match="no model for family 'nope'.*llama"):
+        get_model_class("nope")
 
 
 def test_dummy_weights_shapes_and_scale(hf_model_dir) -> None:

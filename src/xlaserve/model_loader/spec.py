@@ -11,18 +11,29 @@ Canonical weight names (what backends' models expect; adapters rename/split HF t
     layers.{i}.self_attn.k_proj.{weight,bias} [Hkv*D, H]
     layers.{i}.self_attn.v_proj.{weight,bias} [Hkv*D, H]
     layers.{i}.self_attn.o_proj.{weight,bias} [H, Hq*D]
-    layers.{i}.self_attn.q_norm.weight        [D]           (qk-norm)
-    layers.{i}.self_attn.k_norm.weight        [D]
+    layers.{i}.self_attn.q_norm.weight        [D]           (qk-norm; [Hq*D] when qk_norm_scope="full")
+    layers.{i}.self_attn.k_norm.weight        [D]           ([Hkv*D] when qk_norm_scope="full")
     layers.{i}.post_attention_layernorm.{weight,bias} [H]   (norm before the MLP)
     layers.{i}.post_attn_out_norm.weight      [H]           (sandwich norm after attention, Gemma2/3, OLMo2)
     layers.{i}.post_mlp_out_norm.weight       [H]           (sandwich norm after the MLP)
     layers.{i}.mlp.gate_proj.weight           [I, H]        (gated MLP)
     layers.{i}.mlp.up_proj.{weight,bias}      [I, H]
     layers.{i}.mlp.down_proj.{weight,bias}    [H, I]
-    layers.{i}.mlp.router.weight              [E, H]        (MoE)
+    layers.{i}.mlp.router.weight              [E, H]        (MoE; I = moe_intermediate_size)
+    layers.{i}.mlp.router.bias                [E]           (moe_router_bias: selection-only bias)
     layers.{i}.mlp.experts.w_gate             [E, I, H]
     layers.{i}.mlp.experts.w_up               [E, I, H]
     layers.{i}.mlp.experts.w_down             [E, H, I]
+    layers.{i}.mlp.shared_expert.{gate_proj,up_proj,down_proj}.weight  (Is = shared_expert_intermediate_size)
+    layers.{i}.mlp.shared_expert_gate.weight  [1, H]        (shared_expert_gate: sigmoid gate)
+  MLA (family "mla"; Dn/Dr/Dv/Rq/Rkv from spec.extra, see ModelSpec.extra):
+    layers.{i}.self_attn.q_proj.weight        [Hq*(Dn+Dr), H]   (when q_lora_rank is None) or
+    layers.{i}.self_attn.q_a_proj.weight      [Rq, H], q_a_norm.weight [Rq], q_b_proj.weight [Hq*(Dn+Dr), Rq]
+    layers.{i}.self_attn.kv_a_proj.weight     [Rkv + Dr, H]
+    layers.{i}.self_attn.kv_a_norm.weight     [Rkv]
+    layers.{i}.self_attn.kv_b_proj.weight     [Hq*(Dn+Dv), Rkv]
+    layers.{i}.self_attn.o_proj.weight        [H, Hq*Dv]
+    Rope dims are stored de-interleaved (neox rotate_half layout) by the converter.
     norm.{weight,bias}                        [H]
     lm_head.weight                            [V, H]        (absent when tie_word_embeddings)
 Axis letters: T tokens, B requests, H hidden, Hq/Hkv heads, D head_dim, I intermediate, V vocab,
@@ -58,6 +69,11 @@ class ModelSpec:
     sandwich_norms: bool = False  # post_attn_out_norm / post_mlp_out_norm present
     pre_norms: bool = True  # OLMo2 has only post (sandwich) norms -> False
     qk_norm: bool = False
+    # "head": q_norm/k_norm over each head's D dims (Qwen3, Gemma3); "full": over the whole
+    # q / k projection [Hq*D] / [Hkv*D] before the head split (OLMo2).
+    qk_norm_scope: str = "head"
+    # LayerNorm has a bias (norm_kind "layer": GPT-2, GPT-NeoX, StarCoder2); norms incl. the final.
+    norm_bias: bool = False
     # --- mlp ---
     activation: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu"
     gated_mlp: bool = True
@@ -77,7 +93,8 @@ class ModelSpec:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
-    # Local rope theta for sliding layers (Gemma3).
+    # Local rope theta for sliding layers (Gemma3). Sliding layers then use plain (unscaled) rope
+    # with this theta; rope_scaling applies to full-attention layers only.
     rope_local_theta: float | None = None
     # --- multipliers (Gemma, Granite) ---
     embedding_multiplier: float = 1.0
@@ -90,10 +107,27 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Router: "softmax" -> softmax(logits) then top-k (Mixtral, Qwen-MoE); "sigmoid" -> sigmoid
+    # scores, top-k chosen on scores + router.bias within the best moe_topk_groups of
+    # moe_num_groups groups (group score = sum of its top-2), weights = unbiased scores (DeepSeek-V3).
+    moe_scoring: str = "softmax"
+    moe_router_bias: bool = False
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    # Routed expert output multiplied by this (DeepSeek-V3 routed_scaling_factor).
+    moe_routed_scaling: float = 1.0
+    # Shared expert output multiplied by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
+    shared_expert_gate: bool = False
+    # Layers with a dense MLP (intermediate_size) in a MoE model (DeepSeek first_k_dense_replace,
+    # Qwen-MoE mlp_only_layers / decoder_sparse_step).
+    dense_mlp_layers: list[int] = field(default_factory=list)
     # --- tokens ---
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Extra per-family fields (e.g. MLA ranks) that do not deserve a top-level field.
+    # Extra per-family fields that do not deserve a top-level field. MLA (family "mla"):
+    # q_lora_rank (Rq, None = plain q_proj), kv_lora_rank (Rkv), qk_nope_head_dim (Dn),
+    # qk_rope_head_dim (Dr), v_head_dim (Dv). For MLA head_dim = Dn + Dr and num_kv_heads =
+    # num_heads: the paged cache stores the expanded per-head K and V (V zero-padded to Dn + Dr).
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -122,6 +156,9 @@ class ModelSpec:
             return self.sliding_window
         # HF writes "sliding_attention"/"full_attention"; adapters may write "sliding"/"full".
         return self.sliding_window if self.layer_types[layer].startswith("sliding") else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -1,0 +1,255 @@
+"""One generic decoder-only transformer built from a ModelSpec; every dense/MoE family is this
+module with different spec fields (the adapters in model_loader/registry.py set them):
+
+- llama (Llama, Mistral, Qwen2/3, Phi3): RMS pre-norms, rope, gated MLP, optional qkv bias/qk-norm.
+- granite: + embedding/residual multipliers, attention multiplier (attn_scale), logits_scaling.
+- gemma (Gemma, Gemma2, Gemma3 text): norm weight offset 1, sqrt(H) embedding scale, sandwich
+  norms, attention/final logit soft-caps, per-layer sliding windows, local rope theta.
+- olmo2: no pre-norms, post-norms only, qk-norm over the full projection.
+- gpt2 / gpt_neox / starcoder2: LayerNorm with bias, plain MLP, learned positions (gpt2),
+  parallel residual and partial rotary (gpt_neox).
+- moe (Mixtral, Qwen2-MoE, Qwen3-MoE): FusedMoE in place of the MLP.
+- mla (DeepSeek-V3): MLA attention (models/mla.py) + FusedMoE.
+
+Parameter names are the canonical names of `model_loader/spec.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+from xlaserve.backends_torch.layers.activation import MLP
+from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from xlaserve.backends_torch.layers.linear import Linear, VocabEmbedding
+from xlaserve.backends_torch.layers.moe import FusedMoE
+from xlaserve.backends_torch.layers.norm import make_norm
+from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
+from xlaserve.backends_torch.models.base import CausalLMBase
+
+from xlaserve.model_loader.spec import ModelSpec
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def layer_window(spec: ModelSpec, i: int) -> int | None:
+    """Sliding window of layer i; accepts HF's "sliding_attention" as well as "sliding"."""
+    return spec.layer_sliding_window(i)
+
+
+def spec_norm(spec: ModelSpec, dim: int, dtype: torch.dtype, device: str) -> nn.Module:
+    """The spec's norm kind over `dim` features."""
+    return make_norm(
+        spec.norm_kind,
+        dim,
+        spec.norm_eps,
+        spec.norm_weight_offset,
+        bias=spec.norm_bias,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | None:
+    """Rope of one layer (None for learned positions). Sliding layers of a spec with
+    rope_local_theta use plain rope with that theta (Gemma3)."""
+    if spec.position_embedding != "rope":
+        return None
+    if spec.rope_local_theta and layer_window(spec, layer) is not None:
+        spec = replace(spec, rope_theta=spec.rope_local_theta, rope_scaling=None)
+    return RotaryEmbedding(spec, device)
+
+
+class DecoderAttention(nn.Module):
+    """x [T, H] -> [T, H]: q/k/v projections, optional qk-norm, rope, paged attention, o_proj."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h = spec.hidden_size
+        self.q_proj = Linear(h, spec.q_size, spec.qkv_bias, dtype, device)
+        self.k_proj = Linear(h, spec.kv_size, spec.qkv_bias, dtype, device)
+        self.v_proj = Linear(h, spec.kv_size, spec.qkv_bias, dtype, device)
+        self.o_proj = Linear(spec.q_size, h, spec.o_bias, dtype, device)
+        self.qk_norm = spec.qk_norm
+        self.full_qk_norm = spec.qk_norm and spec.qk_norm_scope == "full"
+        if spec.qk_norm:
+            qd, kd = (spec.q_size, spec.kv_size) if self.full_qk_norm else (self.d, self.d)
+            self.q_norm = spec_norm(spec, qd, dtype, device)
+            self.k_norm = spec_norm(spec, kd, dtype, device)
+        self.rotary = layer_rotary(spec, layer, device)
+        scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
+        self.attn = Attention(
+            self.hq,
+            self.hkv,
+            self.d,
+            scale,
+            backend,
+            layer_window(spec, layer),
+            spec.attn_logit_softcap,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.full_qk_norm:  # OLMo2: normalise the whole projection before the head split
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(t, self.hq, self.d)  # [T, Hq, D]
+        k = k.view(t, self.hkv, self.d)  # [T, Hkv, D]
+        v = v.view(t, self.hkv, self.d)
+        if self.qk_norm and not self.full_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv, md))
+
+
+class DecoderLayer(nn.Module):
+    """One block. forward returns (delta, residual): the layer's output is delta + residual (the
+    residual stream is carried separately so a fused add + norm kernel can consume it)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.pre_norms = spec.pre_norms
+        self.sandwich = spec.sandwich_norms
+        self.parallel = spec.parallel_residual
+        self.rm = spec.residual_multiplier
+        if spec.pre_norms:
+            self.input_layernorm = spec_norm(spec, h, dtype, device)
+            self.post_attention_layernorm = spec_norm(spec, h, dtype, device)
+        if spec.family == "mla":
+            from xlaserve.backends_torch.models.mla import MLAttention
+
+            self.self_attn = MLAttention(spec, layer, backend, dtype, device)
+        else:
+            self.self_attn = DecoderAttention(spec, layer, backend, dtype, device)
+        if spec.sandwich_norms:
+            self.post_attn_out_norm = spec_norm(spec, h, dtype, device)
+            self.post_mlp_out_norm = spec_norm(spec, h, dtype, device)
+        if spec.is_moe_layer(layer):
+            self.mlp = FusedMoE(spec, dtype, device)
+        else:
+            self.mlp = MLP(
+                h,
+                spec.intermediate_size,
+                spec.activation,
+                spec.gated_mlp,
+                spec.mlp_bias,
+                dtype,
+                device,
+            )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+            a = self.self_attn(positions, h, kv, md)
+            return a + self.mlp(self.post_attention_layernorm(residual)), residual
+        if self.pre_norms:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+        else:  # OLMo2: the block sees the raw residual stream
+            residual = x if residual is None else x + residual
+            h = residual
+        h = self.self_attn(positions, h, kv, md)
+        if self.sandwich:
+            h = self.post_attn_out_norm(h)
+        if self.rm != 1.0:
+            h = h * self.rm
+        if self.pre_norms:
+            h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        else:
+            residual = h + residual
+            h = residual
+        h = self.mlp(h)
+        if self.sandwich:
+            h = self.post_mlp_out_norm(h)
+        if self.rm != 1.0:
+            h = h * self.rm
+        return h, residual
+
+
+class DecoderForCausalLM(CausalLMBase):
+    """forward(input_ids [T], positions [T], kv_caches, md) -> hidden [T, H] (after the final norm);
+    compute_logits(hidden [B, H]) -> [B, V] float32."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        attn_backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        if attn_backend is None:
+            from xlaserve.backends_torch.layers.attention import TorchRefAttention
+
+            attn_backend = TorchRefAttention()
+        self.spec = spec
+        self._norm_offset = spec.norm_weight_offset
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
+        if spec.position_embedding == "learned":
+            self.embed_positions = VocabEmbedding(
+                spec.max_position_embeddings, spec.hidden_size, dtype, device
+            )
+        elif spec.position_embedding != "rope":
+            raise ValueError(f"unknown position_embedding {spec.position_embedding!r}")
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, attn_backend, dtype, device) for i in range(spec.num_layers)
+        )
+        self.norm = spec_norm(spec, spec.hidden_size, dtype, device)
+        if not spec.tie_word_embeddings:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
+        if self.spec.position_embedding == "learned":
+            x = x + self.embed_positions(positions)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv, attn_metadata)
+        x, _ = self.norm.forward_residual(x, residual)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden, w).float()
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        if self.spec.final_logit_softcap:
+            cap = self.spec.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
