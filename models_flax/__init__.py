@@ -1,0 +1,25 @@
+"""Flax NNX models: family name (ModelSpec.family) -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+# family -> "module:Class" under xlaserve.models_flax.
+_FAMILIES: dict[str, str] = {
+    "llama": "llama:LlamaForCausalLM",
+}
+
+
+def supported_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get_model_class(family: str) -> type:
+    """The Flax model class serving `family`; ValueError naming the supported ones otherwise."""
+    if family not in _FAMILIES:
+        raise ValueError(
+            f"model family {family!r} has no Flax implementation (backend 'xla'); "
+            f"supported: {', '.join(supported_families())}. Try backend='torch'."
+        )
+    module, _, cls = _FAMILIES[family].partition(":")
+    return getattr(importlib.import_module(f"xlaserve.models_flax.{module}"), cls)

@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache: projections, qk-norm, rotary, cache write, ragged kernel.
+
+The kernel contract is `xlaserve.kernels_pallas.ragged_paged_attention` (write_kv +
+ragged_paged_attention). Under tensor parallelism with KV heads divisible by the mesh, the kernel
+runs inside `shard_map` over the "model" axis (heads are independent, so each device attends
+with its own heads and cache shard); otherwise GSPMD partitions the surrounding ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from xlaserve.kernels_pallas import ragged_paged_attention, write_kv
+from xlaserve.models_flax.layers import Linear, RMSNorm, apply_rotary
+
+from xlaserve.model_loader.spec import ModelSpec
+
+KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [N, S, Hkv, D]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["slot_mapping", "kv_lens", "block_tables", "cu_q_lens", "num_seqs"],
+    meta_fields=["mesh", "impl"],
+)
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step batch layout shared by every layer (arrays traced; mesh/impl static)."""
+
+    slot_mapping: (
+        jax.Array
+    )  # int32 [T]: cache slot (page * S + offset) of each token, < 0 = padding
+    kv_lens: jax.Array  # int32 [B]: context length incl. this step's tokens (0 = padding request)
+    block_tables: jax.Array  # int32 [B, M]: pages of each request
+    cu_q_lens: jax.Array  # int32 [B+1]: start of each request's tokens in T
+    num_seqs: jax.Array  # int32 [1]: real requests (rows past it are padding)
+    mesh: Mesh | None = None  # static: the device mesh (axis "model") or None
+    impl: str = "auto"  # static: kernel implementation ("auto" | "reference" | "pallas_tpu")
+
+
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> jax.Array:
+    """q [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]."""
+    call = functools.partial(
+        ragged_paged_attention,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        impl=md.impl,
+    )
+    mesh = md.mesh
+    tp = 1 if mesh is None else mesh.shape["model"]
+    if tp == 1 or k_cache.shape[2] % tp or q.shape[1] % tp:
+        return call(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs)
+    heads, cache, rep = P(None, "model", None), P(None, None, "model", None), P()
+    sharded = jax.shard_map(
+        call,
+        mesh=mesh,
+        in_specs=(heads, cache, cache, rep, rep, rep, rep),
+        out_specs=heads,
+        check_vma=False,
+    )
+    return sharded(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs)
+
+
+class Attention(nnx.Module):
+    """Self-attention of one layer: [T, H] -> [T, H], writing this step's K/V into the cache."""
+
+    def __init__(self, spec: ModelSpec, layer: int, dtype: jnp.dtype) -> None:
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = Linear(h, spec.num_heads * d, dtype, spec.qkv_bias, tp="col")
+        self.k_proj = Linear(h, spec.num_kv_heads * d, dtype, spec.qkv_bias, tp="col")
+        self.v_proj = Linear(h, spec.num_kv_heads * d, dtype, spec.qkv_bias, tp="col")
+        self.o_proj = Linear(spec.num_heads * d, h, dtype, spec.o_bias, tp="row")
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.norm_eps, dtype, spec.norm_weight_offset)
+            self.k_norm = RMSNorm(d, spec.norm_eps, dtype, spec.norm_weight_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.sliding_window = spec.layer_sliding_window(layer)
+        self.soft_cap = spec.attn_logit_softcap
+        self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: KVCache, md: AttentionMetadata
+    ) -> tuple[jax.Array, KVCache]:
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
+        o = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            md,
+            sm_scale=self.scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+        )
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)

@@ -1,0 +1,173 @@
+"""Sampler semantics on hand-made logits (jitted exactly as the runner jits it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from xlaserve.backends_xla.sampler import SamplingTensors, apply_penalties, sample, unpack_bitmask
+
+V = 50
+_sample = jax.jit(sample, static_argnames=("with_logprobs",))
+
+
+def _tensors(b: int, **kw) -> SamplingTensors:
+    base = dict(
+        temperature=np.ones(b, np.float32),
+        top_k=np.zeros(b, np.int32),
+        top_p=np.ones(b, np.float32),
+        min_p=np.zeros(b, np.float32),
+        seeds=np.arange(b, dtype=np.uint32),
+        steps=np.zeros(b, np.int32),
+        repetition_penalty=np.ones(b, np.float32),
+        frequency_penalty=np.zeros(b, np.float32),
+        presence_penalty=np.zeros(b, np.float32),
+    )
+    base.update(kw)
+    return SamplingTensors(**{k: (None if v is None else jnp.asarray(v)) for k, v in base.items()})
+
+
+def _logits(b: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 3, (b, V)).astype(np.float32)
+
+
+def test_top_k_1_equals_greedy() -> None:
+    logits = _logits(16)
+    greedy = _sample(
+        logits, _tensors(16, temperature=np.zeros(16, np.float32)), with_logprobs=False
+    )
+    topk1 = _sample(logits, _tensors(16, top_k=np.ones(16, np.int32)), with_logprobs=False)
+    np.testing.assert_array_equal(greedy.token_ids, logits.argmax(-1))
+    np.testing.assert_array_equal(topk1.token_ids, logits.argmax(-1))
+
+
+def test_logit_bias_forces_token() -> None:
+    logits = _logits(8)
+    bias = np.zeros((8, V), np.float32)
+    bias[:, 7] = 100.0
+    extras = dict(bitmask=np.full((8, 2), -1, np.int32), output_counts=np.zeros((8, V), np.int32),
+                  prompt_mask=np.zeros((8, V), bool))  # fmt: skip
+    for temp in (0.0, 1.0):
+        out = _sample(
+            logits,
+            _tensors(8, temperature=np.full(8, temp, np.float32), bias=bias, **extras),
+            with_logprobs=True,
+        )
+        assert (np.asarray(out.token_ids) == 7).all()
+        # Logprobs stay those of the raw distribution (the bias is not in them).
+        raw = jax.nn.log_softmax(logits, -1)
+        np.testing.assert_allclose(out.logprobs[:, 0], raw[:, 7], rtol=1e-5, atol=1e-5)
+
+
+def test_penalties_formula() -> None:
+    rng = np.random.default_rng(3)
+    logits = _logits(4, 3)
+    counts = rng.integers(0, 3, (4, V)).astype(np.int32)
+    pmask = rng.random((4, V)) < 0.3
+    rep, freq, pres = (
+        np.array([1.0, 1.5, 0.7, 2.0], np.float32),
+        np.array([0, 0.5, -0.3, 1], np.float32),
+        np.array([0.2, 0, 1, -1], np.float32),
+    )
+    t = _tensors(
+        4,
+        repetition_penalty=rep,
+        frequency_penalty=freq,
+        presence_penalty=pres,
+        output_counts=counts,
+        prompt_mask=pmask,
+    )
+    got = np.asarray(apply_penalties(jnp.asarray(logits), t))
+    seen = (counts > 0) | pmask
+    want = np.where(
+        seen, np.where(logits > 0, logits / rep[:, None], logits * rep[:, None]), logits
+    )
+    want = want - freq[:, None] * counts - pres[:, None] * (counts > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_seeded_reproducible_and_distribution() -> None:
+    logits = np.tile(np.log(np.array([0.5, 0.3, 0.2] + [1e-9] * (V - 3), np.float32)), (1, 1))
+    n = 2000
+    many = np.repeat(logits, n, 0)
+    t = _tensors(n, seeds=np.full(n, 42, np.uint32), steps=np.arange(n, dtype=np.int32))
+    a = np.asarray(_sample(many, t, with_logprobs=False).token_ids)
+    b = np.asarray(_sample(many, t, with_logprobs=False).token_ids)
+    np.testing.assert_array_equal(a, b)  # same seed + step -> same token
+    freq = np.bincount(a, minlength=V)[:3] / n
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.2], atol=0.04)
+    other = np.asarray(
+        _sample(
+            many,
+            _tensors(n, seeds=np.full(n, 7, np.uint32), steps=np.arange(n, dtype=np.int32)),
+            with_logprobs=False,
+        ).token_ids
+    )
+    assert (other != a).mean() > 0.3  # another seed gives another stream
+    # top_p 0.6 keeps {0, 1}; min_p 0.5 keeps p >= 0.25: {0, 1}; top_k 1 keeps {0}.
+    tp = np.asarray(
+        _sample(
+            many,
+            _tensors(n, top_p=np.full(n, 0.6, np.float32), steps=np.arange(n, dtype=np.int32)),
+            with_logprobs=False,
+        ).token_ids
+    )
+    assert set(tp.tolist()) == {0, 1}
+    mp = np.asarray(
+        _sample(
+            many,
+            _tensors(n, min_p=np.full(n, 0.5, np.float32), steps=np.arange(n, dtype=np.int32)),
+            with_logprobs=False,
+        ).token_ids
+    )
+    assert set(mp.tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_bitmask(temp: float) -> None:
+    rng = np.random.default_rng(5)
+    allowed = rng.random((8, V)) < 0.2
+    allowed[:, 3] = True
+    words = np.zeros((8, 2), np.uint32)
+    for tok in range(V):
+        words[:, tok // 32] |= allowed[:, tok].astype(np.uint32) << np.uint32(tok % 32)
+    words = words.view(np.int32)
+    np.testing.assert_array_equal(np.asarray(unpack_bitmask(jnp.asarray(words), V)), allowed)
+    extras = dict(
+        bias=np.zeros((8, V), np.float32),
+        output_counts=np.zeros((8, V), np.int32),
+        prompt_mask=np.zeros((8, V), bool),
+    )
+    for step in range(5):
+        t = _tensors(
+            8,
+            temperature=np.full(8, temp, np.float32),
+            bitmask=words,
+            steps=np.full(8, step, np.int32),
+            **extras,
+        )
+        tok = np.asarray(_sample(_logits(8, step), t, with_logprobs=False).token_ids)
+        assert allowed[np.arange(8), tok].all()
+
+
+def test_logprobs_and_rank() -> None:
+    logits = _logits(6)
+    out = _sample(logits, _tensors(6), with_logprobs=True)
+    lp = np.asarray(jax.nn.log_softmax(logits, -1))
+    tok = np.asarray(out.token_ids)
+    np.testing.assert_allclose(out.logprobs[:, 0], lp[np.arange(6), tok], atol=1e-5)
+    np.testing.assert_array_equal(out.logprob_ids[:, 1], lp.argmax(-1))
+    ranks = 1 + (lp > lp[np.arange(6), tok][:, None]).sum(-1)
+    np.testing.assert_array_equal(out.ranks, ranks)
+    assert not np.asarray(out.has_nan).any()
+    bad = logits.copy()
+    bad[2, 4] = np.nan
+    assert np.asarray(_sample(bad, _tensors(6), with_logprobs=False).has_nan).tolist() == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]

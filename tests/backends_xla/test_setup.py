@@ -1,0 +1,36 @@
+"""Runner set-up without compiling: dtypes, buckets, dummy weights, KV block sizing."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from xla_helpers import make_runner
+from xlaserve.backends_xla.utils import make_buckets, pick_bucket, resolve_dtype
+
+
+def test_buckets_and_dtypes() -> None:
+    assert make_buckets(16, 100) == [16, 32, 64, 100]
+    assert make_buckets(1, 4) == [1, 2, 4] and make_buckets(16, 8) == [8]
+    assert pick_bucket([16, 32], 17) == 32
+    with pytest.raises(ValueError, match="exceeds"):
+        pick_bucket([16, 32], 33)
+    assert resolve_dtype("auto", "bfloat16", "tpu") == jnp.bfloat16
+    assert resolve_dtype("auto", "float16", "cpu") == jnp.float32  # no fp16 on CPU
+    assert resolve_dtype("float16", "float32", "gpu") == jnp.float16
+
+
+def test_dummy_weights_and_cpu_kv_blocks(tiny_model_dir, jax_cache_dir) -> None:  # noqa: ANN001
+    runner = make_runner(tiny_model_dir("qwen3"), jax_cache_dir, load=False, load_format="dummy",
+                         num_kv_blocks=None, cpu_kv_cache_bytes=1 << 20)  # fmt: skip
+    runner.load_model()
+    norm = runner.state["layers"][1]["self_attn"]["q_norm"]["weight"].get_value()
+    assert norm.shape == (32,) and float(norm.min()) == 1.0
+    q = runner.state["layers"][0]["self_attn"]["q_proj"]["weight"].get_value()
+    assert q.shape == (4 * 32, 64) and 0.01 < float(q.std()) < 0.03
+    # Qwen3 tiny: 2 layers x 2 KV heads x head_dim 32 x 4 B x (k, v) = 1024 B per token, 4-token blocks.
+    assert runner.determine_num_kv_blocks() == (1 << 20) // (4 * 1024)
+
+
+def test_bad_tensor_parallel_is_a_clear_error(tiny_model_dir, jax_cache_dir) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 exceeds"):
+        make_runner(tiny_model_dir("llama"), jax_cache_dir, load=False, tensor_parallel_size=3)
