@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,6 +36,8 @@ class AttentionMetadata:
     # Host copies (python lists) so CPU-side loops need no device sync.
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    # Per-step values a backend derives once and reuses in every layer (e.g. gather indices).
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
@@ -136,9 +138,91 @@ class TorchRefAttention(AttentionBackend):
         return out
 
 
+class TorchBatchedAttention(TorchRefAttention):
+    """The CPU default: one padded, batched attention over all requests of the step instead of a
+    Python loop per request. Requests are padded to [B, max_q] queries and [B, max_kv] keys
+    gathered from the paged cache; a mask removes padding, the future and out-of-window keys.
+    Float32 math like the reference (same results up to summation order)."""
+
+    name = "torch_batched"
+
+    @staticmethod
+    def _layout(md: AttentionMetadata, block_size: int, num_tokens: int, device: torch.device) -> dict:
+        key = ("batched", block_size)
+        if key in md.derived:
+            return md.derived[key]
+        qsl, seq = md.query_start_loc_host, md.seq_lens_host
+        nb = len(seq)
+        q_lens = [qsl[b + 1] - qsl[b] for b in range(nb)]
+        max_q, max_kv = max(q_lens), max(seq)
+        # q_index[b, i] = flat query row of request b's i-th query (num_tokens = a zero pad row).
+        q_index = torch.full((nb, max_q), num_tokens, dtype=torch.long)
+        for b in range(nb):
+            q_index[b, : q_lens[b]] = torch.arange(qsl[b], qsl[b + 1])
+        nblk = math.ceil(max_kv / block_size)
+        blocks = md.block_tables[:, :nblk].long().cpu()
+        slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(nb, -1)[:, :max_kv]
+        seq_t = torch.tensor(seq)[:, None, None]
+        ql_t = torch.tensor(q_lens)[:, None, None]
+        qpos = seq_t - ql_t + torch.arange(max_q)[None, :, None]  # [B, Mq, 1] absolute positions
+        kpos = torch.arange(max_kv)[None, None, :]  # [1, 1, Mkv]
+        valid_q = q_index < num_tokens
+        causal = (kpos <= qpos) & valid_q[:, :, None]
+        out = dict(
+            q_index=q_index.to(device),
+            slots=slots.to(device),
+            qpos=qpos.to(device),
+            kpos=kpos.to(device),
+            causal=causal.to(device),
+            rows=valid_q.nonzero(as_tuple=True),
+            flat_rows=q_index[valid_q].to(device),
+        )
+        md.derived[key] = out
+        return out
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        n, block_size, hkv, d = k_cache.shape
+        t, hq, _ = q.shape
+        group = hq // hkv
+        lay = self._layout(md, block_size, t, q.device)
+        b, mq = lay["q_index"].shape
+        # q: [T + 1, Hq, D] (zero pad row) -> [B, Hkv, G * Mq, D]; k/v: [B, Hkv, Mkv, D]
+        qp = torch.cat([q.float(), q.new_zeros(1, hq, d, dtype=torch.float32)])[lay["q_index"]]
+        qp = qp.view(b, mq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * mq, d)
+        k = k_cache.view(n * block_size, hkv, d)[lay["slots"]].float().transpose(1, 2)
+        v = v_cache.view(n * block_size, hkv, d)[lay["slots"]].float().transpose(1, 2)
+        scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, Hkv, G * Mq, Mkv]
+        if logit_softcap:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        allowed = lay["causal"]
+        if sliding_window is not None:
+            allowed = allowed & (lay["kpos"] > lay["qpos"] - sliding_window)
+        mask = allowed[:, None, None, :, :].expand(b, 1, group, mq, -1).reshape(b, 1, group * mq, -1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        # Padding query rows are fully masked: softmax gives NaN there, and they are dropped below.
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v)  # [B, Hkv, G * Mq, D]
+        o = o.view(b, hkv, group, mq, d).permute(0, 3, 1, 2, 4).reshape(b, mq, hq, d)
+        out = torch.zeros_like(q)
+        out[lay["flat_rows"]] = o[lay["rows"]].to(q.dtype)
+        return out
+
+
 # name -> "module:Class", imported on first use.
 _BACKENDS: dict[str, str] = {
     "torch_ref": "xlaserve.backends_torch.layers.attention:TorchRefAttention",
+    "torch_batched": "xlaserve.backends_torch.layers.attention:TorchBatchedAttention",
+    # kernels_cuda.unified_attention + write_kv; the default on CUDA (runner.py).
+    "triton": "xlaserve.backends_torch.attention_triton:TritonAttention",
 }
 
 

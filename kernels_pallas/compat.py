@@ -1,0 +1,106 @@
+"""One place for Pallas API names that moved between JAX versions.
+
+Seen here: jax 0.10.2 (CPU, CI) and jax 0.11.2 (the GPU box). Older releases (<= 0.6) spelled
+several of these differently (`pltpu.TPUCompilerParams`, `pltpu.TPUMemorySpace.ANY`), so every
+name is looked up with a fallback chain instead of being imported directly. Kernel modules import
+from here and never touch `jax.experimental.pallas.tpu` names that have moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+JAX_VERSION: tuple[int, ...] = tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())
+
+
+def _first_attr(*candidates: tuple[Any, str]) -> Any:
+    for owner, name in candidates:
+        if owner is not None and hasattr(owner, name):
+            return getattr(owner, name)
+    names = ", ".join(name for _, name in candidates)
+    raise ImportError(f"none of [{names}] exists in jax {jax.__version__}")
+
+
+# Compiler params for Mosaic: `CompilerParams` (>= 0.6), `TPUCompilerParams` before.
+_TPUCompilerParams = _first_attr((pltpu, "CompilerParams"), (pltpu, "TPUCompilerParams"))
+
+# Memory space "leave it where it is" (HBM for inputs): `pl.ANY` (new), `pltpu.ANY`,
+# `pltpu.TPUMemorySpace.ANY` (old).
+ANY_MEMORY_SPACE: Any = _first_attr(
+    (pl, "ANY"),
+    (pltpu, "ANY"),
+    (getattr(pltpu, "TPUMemorySpace", None), "ANY"),
+    (getattr(pltpu, "MemorySpace", None), "ANY"),
+)
+
+# Scratch allocators: `pltpu.VMEM(shape, dtype)` / `pltpu.SMEM(...)`; old releases only had
+# `pltpu.TPUMemorySpace.VMEM`.
+VMEM: Any = _first_attr((pltpu, "VMEM"), (getattr(pltpu, "TPUMemorySpace", None), "VMEM"))
+SMEM: Any = _first_attr((pltpu, "SMEM"), (getattr(pltpu, "TPUMemorySpace", None), "SMEM"))
+
+PrefetchScalarGridSpec: Any = pltpu.PrefetchScalarGridSpec
+make_async_copy = pltpu.make_async_copy
+
+
+def dma_semaphores(shape: tuple[int, ...]) -> Any:
+    """A scratch array of DMA semaphores (`SemaphoreType.DMA(shape)`)."""
+    return pltpu.SemaphoreType.DMA(shape)
+
+
+def compiler_params(dimension_semantics: Sequence[str], vmem_limit_bytes: int | None = None) -> Any:
+    """Mosaic compiler params under whichever class name this JAX has."""
+    kwargs: dict[str, Any] = {"dimension_semantics": tuple(dimension_semantics)}
+    if vmem_limit_bytes is not None:
+        kwargs["vmem_limit_bytes"] = vmem_limit_bytes
+    return _TPUCompilerParams(**kwargs)
+
+
+def any_blockspec() -> pl.BlockSpec:
+    """A BlockSpec that leaves the operand in HBM (the kernel DMAs from it itself)."""
+    return pl.BlockSpec(memory_space=ANY_MEMORY_SPACE)
+
+
+# --- TPU interpret mode (runs Mosaic kernels on CPU; for tests) ------------------------------
+
+InterpretParams: Any = getattr(pltpu, "InterpretParams", None)
+
+
+@contextlib.contextmanager
+def tpu_interpret_mode(**params: Any) -> Iterator[None]:
+    """Run every Pallas TPU kernel traced inside on the CPU TPU interpreter.
+
+    Resets the interpreter's global state if the body raises (otherwise the next kernel sees
+    stale simulated buffers/semaphores).
+    """
+    if InterpretParams is None or not hasattr(pltpu, "force_tpu_interpret_mode"):
+        raise RuntimeError(f"jax {jax.__version__} has no TPU interpret mode")
+    try:
+        with pltpu.force_tpu_interpret_mode(InterpretParams(**params)):
+            yield
+    except BaseException:
+        reset_interpret_state()
+        raise
+
+
+def reset_interpret_state() -> None:
+    """`pltpu.reset_tpu_interpret_mode_state()` where it exists (needed after an exception)."""
+    reset = getattr(pltpu, "reset_tpu_interpret_mode_state", None)
+    if reset is not None:
+        reset()
+
+
+def is_interpret_forced() -> bool:
+    """True inside `tpu_interpret_mode()` / `pltpu.force_tpu_interpret_mode()`."""
+    try:
+        from jax._src import config as _config
+
+        state = getattr(_config, "pallas_tpu_interpret_mode_context_manager", None)
+        return state is not None and state.value is not None
+    except Exception:  # private API moved: assume not forced
+        return False
