@@ -92,6 +92,8 @@ class TorchModelRunner:
         self.sampler = Sampler(self.device, seed=config.model.seed)
         # CUDA step executor (one packed metadata upload, decode CUDA graphs); see init_kv_cache.
         self.cuda_step = None
+        # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
+        self.kv_offload = None
         self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
         # Draft model (speculative method "draft_model"): its spec, module and KV cache.
         sc = config.speculative
@@ -256,6 +258,9 @@ class TorchModelRunner:
         if self.draft_spec is not None:
             scratch = self._draft_scratch * self._draft_slots
             self.draft_kv_caches = self._alloc_caches(num_blocks + scratch, self.draft_spec)
+        from xlaserve.backends_torch.kv_offload import make_torch_kv_offload
+
+        self.kv_offload = make_torch_kv_offload(self)
         if self.device.type == "cuda" and self.attn_backend_name == "triton":
             from xlaserve.backends_torch.cuda_graphs import make_cuda_step_runner
 
@@ -341,10 +346,10 @@ class TorchModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         so = scheduler_output
-        if so.kv_copy_in or so.kv_copy_out:
-            raise NotImplementedError(
-                "KV offload copies are not implemented in the torch runner yet"
-            )
+        if so.has_kv_copies:  # before the forward, in the order runner.py documents
+            if self.kv_offload is None:
+                raise RuntimeError("KV offload copies scheduled but kv_offload_bytes is 0")
+            self.kv_offload.apply(so.kv_disk_out, so.kv_copy_out, so.kv_disk_in, so.kv_copy_in)
         stray = [r for r, d in so.spec_token_ids.items() if d and r not in so.num_scheduled_tokens]
         if stray:
             raise ValueError(f"speculative drafts for requests not scheduled this step: {stray}")

@@ -9,6 +9,10 @@ Logprobs come from log_softmax of the RAW logits. Vectorized over the batch [B, 
 
 Sampling uses the exponential-race trick (argmax(p / q), q ~ Exp(1)) so each request draws from
 its own generator without a device sync.
+
+`Sampler.verify` implements the speculative-decoding verification contract of
+`xlaserve.spec_decode.rejection` (greedy acceptance, lossless rejection sampling) on the same
+processing steps, one row per scored position.
 """
 
 from __future__ import annotations
@@ -165,6 +169,12 @@ def token_logprobs(
     return out
 
 
+@dataclass
+class VerifyOutput:
+    token_ids: list[list[int]]  # [B][1..d_b + 1]: accepted drafts + the bonus/recovered token
+    logprobs: list[list[TokenLogprobs] | None]  # [B]; one entry per returned token
+
+
 class Sampler:
     """Samples one token per row of a [B, V] logits tensor."""
 
@@ -213,3 +223,101 @@ class Sampler:
             for i, e in zip(sel, entries, strict=True):
                 lps[i] = e
         return SamplerOutput(token_ids=[int(t) for t in token_list], logprobs=lps)
+
+    def _race(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One sample from probs [V] by the exponential race with the row's generator."""
+        q = torch.empty_like(probs, dtype=torch.float32).exponential_(
+            generator=generator if generator is not None else self.generator
+        )
+        return int((probs / q.clamp_min(1e-20)).argmax())
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        drafts: list[list[int]],
+        draft_probs: list[torch.Tensor | None] | None = None,
+    ) -> VerifyOutput:
+        """Speculative verification (see xlaserve.spec_decode.rejection for the contract).
+
+        logits [R, V] float32 raw; request b owns 1 + len(drafts[b]) consecutive rows, and its
+        row i (a SamplingRow whose output_ids already end with drafts[b][:i], and whose bitmask
+        is the grammar row for position i) predicts the token after drafts[b][:i].
+        draft_probs[b]: [d_b, V] draft distributions, or None = deterministic (one-hot) drafts.
+        A request with no drafts is sampled exactly like `__call__` does it.
+        """
+        r_total, vocab = logits.shape
+        spans = [1 + len(d) for d in drafts]
+        if sum(spans) != r_total or len(rows) != r_total:
+            raise ValueError(f"{r_total} logits rows / {len(rows)} sampling rows for spans {spans}")
+        x = apply_constraints(logits.float().clone(), rows)
+        x = apply_penalties(x, rows)
+        argmax = x.argmax(dim=-1).tolist()  # [R]
+        rand_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        probs = torch.empty(0)
+        pos_of = {}
+        if rand_rows:
+            idx = torch.tensor(rand_rows, device=x.device)
+            filtered = filter_logits(x[idx], [rows[i].params for i in rand_rows])
+            probs = torch.softmax(filtered, dim=-1)  # [Rr, V]
+            pos_of = {i: j for j, i in enumerate(rand_rows)}
+        tokens: list[list[int]] = []
+        start = 0
+        for b, ds in enumerate(drafts):
+            row = rows[start]
+            out: list[int] = []
+            if row.params.greedy:
+                for i, t in enumerate(ds):
+                    if argmax[start + i] != t:
+                        break
+                    out.append(t)
+                out.append(argmax[start + len(out)])
+            else:
+                gen = row.generator if row.generator is not None else self.generator
+                q = None if draft_probs is None else draft_probs[b]
+                p_rows = probs[[pos_of[start + i] for i in range(len(ds) + 1)]]  # [1 + d, V]
+                if ds:
+                    u = torch.rand(len(ds), generator=gen, device=x.device)
+                    d_ids = torch.tensor(ds, device=x.device)
+                    p_x = p_rows[:-1].gather(1, d_ids[:, None])[:, 0]
+                    q_x = torch.ones_like(p_x) if q is None else q.gather(1, d_ids[:, None])[:, 0]
+                    accept = (u * q_x < p_x).tolist()  # u < p(x) / q(x)
+                    k = accept.index(False) if False in accept else len(ds)
+                else:
+                    k = 0
+                out = list(ds[:k])
+                if k < len(ds):  # rejected: sample from norm(max(0, p - q))
+                    resid = p_rows[k].clone()
+                    if q is None:
+                        resid[ds[k]] = 0.0
+                    else:
+                        resid = (resid - q[k]).clamp_min(0.0)
+                    if float(resid.sum()) <= 0.0:
+                        resid = p_rows[k]
+                    out.append(self._race(resid / resid.sum(), gen))
+                else:
+                    out.append(self._race(p_rows[k], gen))
+            tokens.append(out)
+            start += spans[b]
+        lps: list[list[TokenLogprobs] | None] = [None] * len(drafts)
+        want = [b for b in range(len(drafts)) if rows[sum(spans[:b])].params.logprobs is not None]
+        if want:
+            raw = torch.log_softmax(logits.float(), dim=-1)
+            starts = np.cumsum([0] + spans[:-1]).tolist()
+            sel_rows, sel_tok, tops = [], [], []
+            for b in want:
+                n = rows[starts[b]].params.logprobs
+                for i, t in enumerate(tokens[b]):
+                    sel_rows.append(starts[b] + i)
+                    sel_tok.append(t)
+                    tops.append(n)
+            entries = token_logprobs(
+                raw[torch.tensor(sel_rows, device=raw.device)],
+                torch.tensor(sel_tok, device=raw.device),
+                tops,
+            )
+            pos = 0
+            for b in want:
+                lps[b] = entries[pos : pos + len(tokens[b])]
+                pos += len(tokens[b])
+        return VerifyOutput(token_ids=tokens, logprobs=lps)

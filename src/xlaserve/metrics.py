@@ -6,10 +6,12 @@ Engine-wide numbers (queue lengths, KV usage, token totals) are read from the en
 into histograms when a request finishes (`ServerMetrics.observe_request`).
 
 Names (`xlaserve:` prefix; counters get `_total` appended on exposition):
-  gauges      num_requests_running, num_requests_waiting, kv_cache_usage_perc
+  gauges      num_requests_running, num_requests_waiting, kv_cache_usage_perc,
+              spec_decode_acceptance_rate (accepted / draft tokens),
+              spec_decode_mean_acceptance_length (tokens per verification: 1 + accepted / drafts)
   counters    prefix_cache_queries, prefix_cache_hits, num_preemptions, prompt_tokens,
               generation_tokens, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens,
-              request_success{finished_reason}
+              spec_decode_num_drafts (verifications with drafts), request_success{finished_reason}
   histograms  time_to_first_token_seconds, time_per_output_token_seconds,
               e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens
 """
@@ -132,6 +134,20 @@ class _EngineStatsCollector(Collector):
                 s.num_free_blocks,
             ),
         ]
+        num_drafts = getattr(s, "spec_num_drafts", 0)
+        if num_drafts:  # only once speculative decoding has run
+            gauges += [
+                (
+                    "xlaserve:spec_decode_acceptance_rate",
+                    "Accepted / proposed draft tokens (speculative decoding).",
+                    s.spec_num_accepted_tokens / max(s.spec_num_draft_tokens, 1),
+                ),
+                (
+                    "xlaserve:spec_decode_mean_acceptance_length",
+                    "Mean tokens emitted per verification with drafts (1 + accepted / drafts).",
+                    1.0 + s.spec_num_accepted_tokens / num_drafts,
+                ),
+            ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self._model], float(value))
@@ -167,6 +183,11 @@ class _EngineStatsCollector(Collector):
                 "xlaserve:spec_decode_num_accepted_tokens",
                 "Draft tokens accepted.",
                 s.spec_num_accepted_tokens,
+            ),
+            (
+                "xlaserve:spec_decode_num_drafts",
+                "Verifications (request, step) that had draft tokens.",
+                num_drafts,
             ),
         ]
         for name, doc, value in counters:

@@ -270,7 +270,7 @@ def test_cpu_kv_blocks_dtype_dummy_and_spec_decode(hf_model_dir) -> None:
     sched.run()
     assert len(sched.done["x"].output) == 2
     so = SchedulerOutput(num_scheduled_tokens={}, spec_token_ids={"x": [1, 2]})
-    with pytest.raises(NotImplementedError, match="speculative"):
+    with pytest.raises(ValueError, match="speculative"):  # drafts of an unscheduled request
         runner.execute(so)
     assert resolve_dtype("auto", "float16", "cpu") == torch.float32
     assert resolve_dtype("auto", "bfloat16", "cpu") == torch.bfloat16

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import KVCacheManager
@@ -27,9 +28,19 @@ from xlaserve.outputs import (
     RequestOutput,
 )
 from xlaserve.platforms import current_platform
-from xlaserve.runner import ModelRunner, TokenLogprobs, create_runner
+from xlaserve.runner import (
+    ModelRunner,
+    RunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+    create_runner,
+)
 from xlaserve.sampling_params import SamplingParams
+from xlaserve.spec_decode import NgramProposer, check_speculative_config
 from xlaserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from xlaserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +61,13 @@ class EngineStats:
     generation_tokens_total: int
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # (request, step) verifications that had at least one draft.
+    spec_num_drafts: int = 0
+    # KV offload (host/disk tier): prompt tokens reloaded instead of recomputed, bytes copied.
+    kv_offload_host_hits: int = 0
+    kv_offload_disk_hits: int = 0
+    kv_offload_bytes_out: int = 0
+    kv_offload_bytes_in: int = 0
 
 
 @dataclass(eq=False)
@@ -113,12 +131,20 @@ class LLMEngine:
         self.backend = (
             config.backend if config.backend != "auto" else current_platform.default_backend
         )
+        check_speculative_config(config.speculative, self.backend)  # before loading anything
         self.runner: ModelRunner = create_runner(config, self.spec, self.backend)
         self.runner.load_model()
         num_blocks = self.runner.determine_num_kv_blocks()
         self.runner.init_kv_cache(num_blocks)
         cc = config.cache
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        from xlaserve.core.offload import build_offload_manager
+
+        self.kv_manager = KVCacheManager(
+            num_blocks,
+            cc.block_size,
+            cc.enable_prefix_caching,
+            offload=build_offload_manager(config, self.runner),
+        )
         self.scheduler = Scheduler(config.scheduler, cc, self.kv_manager, self.max_model_len)
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, tuple[_Parent, _Sequence]] = {}
@@ -128,6 +154,16 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        self.spec_num_drafts = 0
+        sc = config.speculative
+        # n-gram drafts are proposed here, after each step; draft models run in the runner.
+        self._ngram = (
+            NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
+            if sc is not None and sc.method == "ngram"
+            else None
+        )
+        # Structured output: created with the first constrained request (imports xgrammar).
+        self._structured: StructuredOutputManager | None = None
         logger.info(
             "engine ready: model=%s backend=%s blocks=%d x %d tokens, max_model_len=%d",
             self.model_dir,
@@ -192,6 +228,10 @@ class LLMEngine:
                 f"prompt + max_tokens ({len(ids) + max_tokens}) exceeds the KV cache capacity "
                 f"({capacity} tokens)"
             )
+        # Structured output: validate the spec now (ValueError -> HTTP 400); compile async.
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._structured_manager().prepare(params.structured_outputs)
         now = arrival_time if arrival_time is not None else time.monotonic()
         parent = _Parent(request_id, text, ids, params, metrics=RequestMetrics(arrival_time=now))
         if params.prompt_logprobs is not None:
@@ -230,6 +270,8 @@ class LLMEngine:
             self._seqs[req.request_id] = (parent, seq)
         self._parents[request_id] = parent
         for seq in parent.seqs:
+            if grammar is not None:
+                self._structured.add_request(seq.request.request_id, grammar)
             self.scheduler.add_request(seq.request)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -241,6 +283,8 @@ class LLMEngine:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             for cid in ids:
                 self._seqs.pop(cid, None)
+                if self._structured is not None:
+                    self._structured.remove(cid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -250,12 +294,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        # Structured output: requests whose grammar failed to compile finish with an error.
+        failed = self._fail_bad_grammars() if self._structured is not None else []
         so = self.scheduler.schedule()
         # Finished ids reach the runner with the next non-empty step (runners never see empty ones).
         so.finished_req_ids |= self._pending_finished
         if so.is_empty:
             self._pending_finished = set(so.finished_req_ids)
-            return []
+            if self._structured is not None and self._structured.has_pending():
+                self._structured.wait_pending(timeout=0.05)  # idle: let the compile thread run
+            return failed
+        if self._structured is not None:
+            self._attach_bitmasks(so)
         self._pending_finished = set()
         now = time.monotonic()
         for rid in so.num_scheduled_tokens:
@@ -264,6 +314,8 @@ class LLMEngine:
                 parent.metrics.first_scheduled_time = now
         ro = self.runner.execute(so)
         updates = self.scheduler.update_from_output(so, ro)
+        if so.spec_token_ids:
+            self._count_spec(so, ro)
         now = time.monotonic()
         changed: dict[str, _Parent] = {}
         for rid, entries in ro.prompt_logprobs.items():
@@ -283,6 +335,8 @@ class LLMEngine:
                     parent.metrics.first_token_time = now
                 parent.metrics.last_token_time = now
                 self._add_logprobs(seq, ro.logprobs.get(req.request_id, []), len(new_tokens))
+                if self._structured is not None:
+                    self._advance_grammar(req, new_tokens)
                 stop = seq.detok.add_tokens(new_tokens)
                 if stop is not None and not req.is_finished:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
@@ -293,12 +347,64 @@ class LLMEngine:
                 if req.status == RequestStatus.FINISHED_ERROR:
                     parent.error = req.error
                 seq.detok.flush()
-        outputs = []
+        if self._ngram is not None:
+            self._propose_ngram(updates)
+        outputs = failed
         for parent in changed.values():
             outputs.append(self._make_output(parent))
             if parent.finished:
                 self._finish_parent(parent, now)
         return outputs
+
+    # ------------------------------------------------------------------ structured output
+    def _structured_manager(self) -> StructuredOutputManager:
+        if self._structured is None:
+            from xlaserve.structured.manager import StructuredOutputManager
+
+            mgr = StructuredOutputManager(
+                self.tokenizer, self.spec.vocab_size, self.eos_token_ids, self.config.structured
+            )
+            self._structured = mgr
+            self.scheduler.is_request_ready = lambda r: mgr.is_ready(r.request_id)
+        return self._structured
+
+    def _fail_bad_grammars(self) -> list[RequestOutput]:
+        outputs = []
+        for rid, msg in self._structured.poll().items():
+            entry = self._seqs.get(rid)
+            if entry is None:
+                continue
+            parent, seq = entry
+            seq.request.error = msg
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+            seq.finish_reason, parent.error = "error", msg
+            seq.detok.flush()
+            if parent.finished:
+                outputs.append(self._make_output(parent))
+                self._finish_parent(parent, time.monotonic())
+        return outputs
+
+    def _attach_bitmasks(self, so: SchedulerOutput) -> None:
+        """Bitmasks for constrained requests that sample this step (the chunk reaches the end of
+        the known tokens; schedule() already advanced num_computed_tokens)."""
+        mgr = self._structured
+        for rid in so.num_scheduled_tokens:
+            if not mgr.has_matcher(rid):
+                continue
+            req = self.scheduler.requests[rid]
+            if req.num_computed_tokens >= req.num_tokens:
+                so.grammar_bitmask[rid] = mgr.fill_bitmask(rid, so.spec_token_ids.get(rid))
+
+    def _advance_grammar(self, req: Request, new_tokens: list[int]) -> None:
+        terminated, error = self._structured.accept_tokens(req.request_id, new_tokens)
+        if req.is_finished:
+            return
+        if error is not None:
+            req.error = error
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+        elif terminated:  # the grammar accepted its stop token (e.g. with ignore_eos)
+            req.stop_reason = new_tokens[-1]
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _add_logprobs(self, seq: _Sequence, entries: list[TokenLogprobs], n: int) -> None:
         if seq.logprobs is None:
@@ -355,8 +461,36 @@ class LLMEngine:
         self._parents.pop(parent.request_id, None)
         for seq in parent.seqs:
             self._seqs.pop(seq.request.request_id, None)
+            if self._structured is not None:
+                self._structured.remove(seq.request.request_id)
 
     # ------------------------------------------------------------------ misc
+    def _count_spec(self, so: SchedulerOutput, ro: RunnerOutput) -> None:
+        """Draft / accepted token counters (engine-wide and per request)."""
+        for rid, drafts in so.spec_token_ids.items():
+            sampled = ro.sampled_token_ids.get(rid)
+            if not drafts or not sampled or rid in ro.errors:
+                continue
+            accepted = min(len(sampled) - 1, len(drafts))
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += len(drafts)
+            self.spec_num_accepted_tokens += accepted
+            entry = self._seqs.get(rid)
+            if entry is not None:
+                entry[0].metrics.spec_num_draft_tokens += len(drafts)
+                entry[0].metrics.spec_num_accepted_tokens += accepted
+
+    def _propose_ngram(self, updates: list[tuple[Request, list[int]]]) -> None:
+        """Drafts for each request that just got tokens and is decoding (KV complete up to its
+        last token), never past max_tokens / max_model_len (the bonus token counts)."""
+        for req, new_tokens in updates:
+            if not new_tokens or req.is_finished or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            left = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+            req.spec_token_ids = (
+                self._ngram.propose(req.all_token_ids, left - 1) if left > 1 else []
+            )
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
@@ -375,7 +509,14 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_drafts=self.spec_num_drafts,
+            kv_offload_host_hits=kv.offload_host_hits,
+            kv_offload_disk_hits=kv.offload_disk_hits,
+            kv_offload_bytes_out=kv.offload.bytes_out if kv.offload is not None else 0,
+            kv_offload_bytes_in=kv.offload.bytes_in if kv.offload is not None else 0,
         )
 
     def shutdown(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
         self.runner.shutdown()

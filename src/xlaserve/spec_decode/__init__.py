@@ -1,0 +1,43 @@
+"""Speculative decoding shared by both backends.
+
+- `ngram`: prompt-lookup proposer run by the engine after each step (no device work).
+- `rejection`: the verification contract (greedy and lossless rejection sampling) that every
+  backend's sampler implements, with a numpy reference.
+- Draft-model proposals run inside the backend runner (their own paged KV cache indexed by the
+  target's block tables) and come back in `RunnerOutput.spec_token_ids`.
+
+Nothing here imports torch or jax.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from xlaserve.spec_decode.ngram import NgramProposer, ngram_propose
+
+if TYPE_CHECKING:
+    from xlaserve.config import SpeculativeConfig
+
+__all__ = ["NgramProposer", "check_speculative_config", "ngram_propose"]
+
+# method -> backends that implement it.
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "ngram": ("torch",),
+    "draft_model": ("torch",),
+}
+
+
+def check_speculative_config(config: SpeculativeConfig | None, backend: str) -> None:
+    """Fail at engine construction (before any model loads) for what is not implemented."""
+    if config is None:
+        return
+    if config.method == "eagle":
+        raise NotImplementedError(
+            "speculative method 'eagle' is not implemented yet; use 'ngram' or 'draft_model'"
+        )
+    backends = SUPPORTED.get(config.method, ())
+    if backend not in backends:
+        raise NotImplementedError(
+            f"speculative method {config.method!r} is implemented for the "
+            f"{', '.join(backends)} backend(s), not {backend!r}"
+        )
