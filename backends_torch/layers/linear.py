@@ -1,13 +1,22 @@
 """Linear layers. Weights use the torch Linear layout [out, in] (the canonical checkpoint layout).
 
-Quantized and tensor-parallel variants will live here too, so model files never change for them.
+Quantized variants (`QuantLinear`, below) live here too, so model files never change for them;
+tensor-parallel ones will as well.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
+from xlaserve.quantization.numpy_quant import FP8_E4M3
 
 
 class Linear(nn.Module):
@@ -54,3 +63,241 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+# ---- quantized linear (int8 / int4 weight-only, fp8 w8a8) ------------------------------------------
+#
+# Canonical tensors per layer X (see xlaserve/quantization/numpy_quant.py): X.qweight, X.scales,
+# X.qzeros (int4), X.perm (GPTQ act-order), X.bias. Model files are unchanged: after a model is
+# built, `quantize_linears` swaps its eligible `Linear`s for `QuantLinear`s, and
+# `quantized_weight_stream` turns float checkpoint weights into the quantized tensors on the fly.
+
+_logger = logging.getLogger(__name__)
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """torch._scaled_mm fp8 needs CUDA compute capability >= 8.9 (Ada, Hopper and later)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "_scaled_mm")
+
+
+def _quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token fp8: x [M, K] -> (xq float8_e4m3fn [M, K], scale float32 [M, 1])."""
+    xs = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (x.float() / xs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), xs
+
+
+def fp8_linear_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Reference/emulation of the fp8 path: x [M, K] quantized per token, w8 float8 [N, K] with
+    per-channel w_scale [N]; fp32 math -> [M, N] x.dtype."""
+    xq, xs = _quantize_rows_fp8(x)
+    y = (xq.float() @ w8.float().t()) * xs * w_scale.float()[None, :]
+    return y.to(x.dtype)
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """CUDA cc >= 8.9: torch._scaled_mm with row-wise scales (x per token, w per channel)."""
+    m = x.shape[0]
+    xq, xs = _quantize_rows_fp8(x)
+    pad = (-m) % 16  # cuBLASLt fp8 wants every dim a multiple of 16
+    if pad:
+        xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
+        xs = torch.nn.functional.pad(xs, (0, 0, 0, pad), value=1.0)
+    y = torch._scaled_mm(
+        xq, w8.t(), scale_a=xs, scale_b=w_scale.float().view(1, -1), out_dtype=torch.bfloat16
+    )
+    return y[:m].to(x.dtype)
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for `Linear` with quantized weights. x: [..., in] -> [..., out].
+
+    int8: qweight int8 [N, K], scales f32 [N]; int4: qweight uint8 [N, K/2], scales f32 [N, G],
+    qzeros uint8 [N, G] (+ perm int32 [K] for GPTQ act-order); fp8: qweight uint8 [N, K] holding
+    float8_e4m3fn bits, scales f32 [N]. CPU: dequantize-on-the-fly matmul (fp8: emulated).
+    CUDA: Triton dequant-matmul (int8/int4), torch._scaled_mm (fp8, cc >= 8.9).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: QuantScheme,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.method = scheme.method
+        self.scheme = scheme
+        n, k = out_features, in_features
+
+        def param(shape: tuple[int, ...], dt: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
+
+        self.perm = None
+        self.qzeros = None
+        if self.method == "int8":
+            self.qweight = param((n, k), torch.int8)
+            self.scales = param((n,), torch.float32)
+        elif self.method == "int4":
+            self.group = scheme.layer_group(k)
+            if k % self.group or self.group % 2:
+                raise ValueError(f"int4: in_features {k} and group {self.group} do not fit")
+            self.qweight = param((n, k // 2), torch.uint8)
+            self.scales = param((n, k // self.group), torch.float32)
+            self.qzeros = param((n, k // self.group), torch.uint8)
+            if scheme.act_order:
+                self.perm = param((k,), torch.int32)
+        elif self.method == "fp8":
+            self.qweight = param((n, k), torch.uint8)
+            self.scales = param((n,), torch.float32)
+        else:
+            raise ValueError(f"unknown quantization method {self.method!r}")
+        self.bias = param((n,), dtype) if bias else None
+
+    @classmethod
+    def from_float(cls, linear: Linear, scheme: QuantScheme) -> QuantLinear:
+        """Quantize an initialised float `Linear` (dummy weights, tests)."""
+        w = linear.weight
+        q = cls(linear.in_features, linear.out_features, linear.bias is not None, scheme,
+                w.dtype, w.device)  # fmt: skip
+        tensors = quantize_weight(
+            scheme.method, w.detach().float().cpu().numpy(), scheme.group_size
+        )
+        with torch.no_grad():
+            for name, arr in tensors.items():
+                getattr(q, name).copy_(_np_for_torch(arr).to(w.device))
+            if linear.bias is not None:
+                q.bias.copy_(linear.bias)
+        return q
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [N, K] (in the input-channel order x is fed in after `perm`)."""
+        from xlaserve.kernels_cuda.quant_matmul import dequant_int4_torch
+
+        if self.method == "int8":
+            return (self.qweight.float() * self.scales[:, None]).to(dtype)
+        if self.method == "int4":
+            return dequant_int4_torch(self.qweight, self.scales, self.qzeros, dtype)
+        w = self.qweight.view(torch.float8_e4m3fn).float()
+        return (w * self.scales[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm.long())
+        y = self._matmul(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        on_cuda = x.is_cuda
+        if self.method == "int8":
+            if on_cuda:
+                from xlaserve.kernels_cuda.quant_matmul import int8_matmul
+
+                return int8_matmul(x.contiguous(), self.qweight, self.scales)
+            return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        if self.method == "int4":
+            from xlaserve.kernels_cuda import quant_matmul as qm
+
+            if on_cuda and qm.int4_block_k(self.group) is not None:
+                return qm.int4_matmul(x.contiguous(), self.qweight, self.scales, self.qzeros)
+            return F.linear(
+                x, qm.dequant_int4_torch(self.qweight, self.scales, self.qzeros, x.dtype)
+            )
+        w8 = self.qweight.view(torch.float8_e4m3fn)
+        if on_cuda and fp8_supported(x.device) and x.shape[1] % 16 == 0 and w8.shape[0] % 16 == 0:
+            return fp8_linear_scaled_mm(x, w8, self.scales)
+        return fp8_linear_ref(x, w8, self.scales)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, method={self.method}"
+
+
+def _np_for_torch(a: np.ndarray) -> torch.Tensor:
+    """numpy (incl. ml_dtypes float8) -> torch CPU tensor; fp8 as its uint8 bits."""
+    if a.dtype == FP8_E4M3:
+        a = a.view(np.uint8)
+    return torch.from_numpy(np.array(a, copy=True))
+
+
+def torch_quant_scheme(
+    config: object, spec: object, device: torch.device | str
+) -> QuantScheme | None:
+    """The scheme the torch backend serves `spec` with (config: EngineConfig), checked against the
+    device: fp8 on a device without fp8 matmuls raises, unless the checkpoint is pre-quantized
+    fp8 (then emulated, with a warning) or XLASERVE_FP8_EMULATION=1 (tests)."""
+    scheme = resolve_scheme(config.model.quantization, spec.model_dir, config.cache.kv_cache_dtype)
+    if scheme is None or scheme.method != "fp8" or fp8_supported(device):
+        return scheme
+    emulate = os.environ.get("XLASERVE_FP8_EMULATION", "0") == "1"
+    if scheme.source == "runtime" and not emulate:
+        raise RuntimeError(
+            "quantization='fp8': fp8 needs an NVIDIA GPU with compute capability >= 8.9 "
+            f"(this device: {torch.device(device)}); use 'int8' or 'int4' here"
+        )
+    _logger.warning(
+        "fp8 checkpoint on %s: no fp8 matmul here, emulating it (fp8 weights and per-token "
+        "activation rounding, fp32 math); fp8 needs an NVIDIA GPU with compute capability >= 8.9 "
+        "to run fast",
+        device,
+    )
+    return scheme
+
+
+def quantize_linears(
+    model: nn.Module, scheme: QuantScheme, from_weights: bool = False
+) -> list[str]:
+    """Swap every eligible `Linear` of `model` for a `QuantLinear` (in place); returns the swapped
+    names. `from_weights`: quantize the Linear's current float weight (dummy init); otherwise
+    the new parameters are left empty for `load_weights`."""
+    swapped: list[str] = []
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not Linear or scheme.skips(name):
+            continue
+        if scheme.method == "int4" and mod.in_features % 2:
+            continue
+        if from_weights:
+            new = QuantLinear.from_float(mod, scheme)
+        else:
+            w = mod.weight
+            new = QuantLinear(mod.in_features, mod.out_features, mod.bias is not None, scheme,
+                              w.dtype, w.device)  # fmt: skip
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+        swapped.append(name)
+    return swapped
+
+
+def quantized_weight_stream(
+    model: nn.Module, scheme: QuantScheme, weights: Iterable[tuple[str, np.ndarray]]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Canonical (name, array) pairs -> pairs `model.load_weights` accepts once its linears are
+    `QuantLinear`s: float weights of those layers are quantized here (runtime schemes); fp8
+    arrays become their uint8 bits."""
+    qlayers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    for name, arr in weights:
+        prefix, _, part = name.rpartition(".")
+        layer = qlayers.get(prefix)
+        if layer is None:
+            yield name, arr
+            continue
+        if part == "weight":
+            if scheme.prequantized:
+                raise ValueError(
+                    f"{prefix}: float weight in a {scheme.source} checkpoint where a quantized "
+                    "layer was expected (is it listed in the checkpoint's ignore list?)"
+                )
+            for k, v in quantize_weight(scheme.method, arr, scheme.group_size).items():
+                yield f"{prefix}.{k}", v.view(np.uint8) if v.dtype == FP8_E4M3 else v
+        elif arr.dtype == FP8_E4M3:
+            yield name, arr.view(np.uint8)
+        else:
+            yield name, arr

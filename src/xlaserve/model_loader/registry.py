@@ -746,4 +746,8 @@ def iter_canonical_weights(
         iter_pickle(spec.model_dir) if load_format == "pt" else iter_safetensors(spec.model_dir)
     )
     converted = (pair for name, w in source for pair in adapter.convert(name, w, spec))
-    yield from _stack_experts(converted, spec)
+    # Pre-quantized checkpoints (GPTQ/AWQ/compressed-tensors): per-layer tensors -> canonical
+    # X.qweight/X.scales/X.qzeros layouts; a no-op for float checkpoints.
+    from xlaserve.quantization.hf_formats import prequantized_stream
+
+    yield from prequantized_stream(_stack_experts(converted, spec), spec.model_dir)

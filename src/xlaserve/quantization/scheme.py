@@ -1,0 +1,160 @@
+"""QuantScheme: what a model's linear layers hold, resolved from the user's `quantization`
+argument and the checkpoint's config.json `quantization_config` (pre-quantized checkpoints are
+detected automatically)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from xlaserve.quantization.numpy_quant import INT4_DEFAULT_GROUP, int4_group_size
+
+METHODS = ("int8", "int4", "fp8")
+# Sources: "runtime" = quantize a float checkpoint while loading; the others are HF formats.
+SOURCES = ("runtime", "gptq", "awq", "compressed-tensors")
+# Linear layers never quantized (logits head, tiny MoE gates).
+DEFAULT_IGNORE = ("lm_head", "router", "shared_expert_gate")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    method: str  # "int8" | "int4" | "fp8"
+    source: str = "runtime"  # see SOURCES
+    # int4: requested group size (runtime: adjusted per layer by `int4_group_size`).
+    group_size: int = INT4_DEFAULT_GROUP
+    # GPTQ desc_act: int4 layers carry a `perm` [K] tensor.
+    act_order: bool = False
+    # GPTQ checkpoint_format "gptq" (v1) stores zero - 1; "gptq_v2" stores zero.
+    gptq_v1: bool = True
+    # Canonical-name fragments/regexes of linear layers left in float.
+    ignore: tuple[str, ...] = field(default=DEFAULT_IGNORE)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"quantization method must be one of {METHODS}, got {self.method!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"quantization source must be one of {SOURCES}, got {self.source!r}")
+
+    @property
+    def prequantized(self) -> bool:
+        return self.source != "runtime"
+
+    def layer_group(self, in_features: int) -> int:
+        """int4 group size of a layer with K = in_features (-1 / >= K: one group per row)."""
+        if self.source == "runtime":
+            return int4_group_size(in_features, self.group_size)
+        g = self.group_size
+        return in_features if g <= 0 or g >= in_features else g
+
+    def skips(self, name: str) -> bool:
+        """True when the linear layer `name` (canonical, e.g. "layers.0.mlp.up_proj") stays float."""
+        for pat in self.ignore:
+            if pat.startswith("re:"):
+                if re.match(pat[3:], name) or re.match(pat[3:], "model." + name):
+                    return True
+            elif name == pat or name.endswith("." + pat) or f".{pat}." in f".{name}.":
+                return True
+        return False
+
+
+def _ct_ignore(items: list[str]) -> tuple[str, ...]:
+    out = list(DEFAULT_IGNORE)
+    for it in items:
+        out.append(it if it.startswith("re:") else it.removeprefix("model."))
+    return tuple(out)
+
+
+def scheme_from_hf_config(qc: dict) -> QuantScheme:
+    """config.json `quantization_config` -> QuantScheme; NotImplementedError for other formats."""
+    kind = str(qc.get("quant_method", "")).lower()
+    if kind == "gptq":
+        bits = int(qc.get("bits", 4))
+        if bits != 4:
+            raise NotImplementedError(f"GPTQ with bits={bits} is not supported (only 4-bit)")
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise NotImplementedError(f"GPTQ checkpoint_format {fmt!r} is not supported")
+        return QuantScheme(
+            method="int4",
+            source="gptq",
+            group_size=int(qc.get("group_size", 128)),
+            act_order=bool(qc.get("desc_act", False)),
+            gptq_v1=fmt == "gptq",
+        )
+    if kind == "awq":
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm":
+            raise NotImplementedError(
+                f"AWQ bits={bits} version={version!r} is not supported (only 4-bit GEMM)"
+            )
+        if not qc.get("zero_point", True):
+            raise NotImplementedError("AWQ without zero points is not supported")
+        ignore = _ct_ignore(list(qc.get("modules_to_not_convert") or []))
+        return QuantScheme(
+            method="int4",
+            source="awq",
+            group_size=int(qc.get("group_size", qc.get("q_group_size", 128))),
+            ignore=ignore,
+        )
+    if kind == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        for grp in groups.values():
+            w = grp.get("weights") or {}
+            if w.get("type") == "float" and int(w.get("num_bits", 0)) == 8:
+                strategy = w.get("strategy", "tensor")
+                if strategy not in ("tensor", "channel"):
+                    raise NotImplementedError(
+                        f"compressed-tensors fp8 weight strategy {strategy!r} is not supported "
+                        "(tensor or channel only)"
+                    )
+                continue
+            raise NotImplementedError(
+                f"compressed-tensors scheme {w!r} is not supported (only fp8 'float-quantized')"
+            )
+        if not groups:
+            raise NotImplementedError("compressed-tensors config without config_groups")
+        return QuantScheme(
+            method="fp8", source="compressed-tensors", ignore=_ct_ignore(qc.get("ignore") or [])
+        )
+    raise NotImplementedError(
+        f"pre-quantized checkpoint format {kind!r} is not supported "
+        "(supported: gptq, awq, compressed-tensors fp8)"
+    )
+
+
+def read_quantization_config(model_dir: str | None) -> dict | None:
+    """config.json's `quantization_config` (or `compression_config`), None when absent."""
+    if not model_dir:
+        return None
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        cfg = json.load(f)
+    return cfg.get("quantization_config") or cfg.get("compression_config")
+
+
+def resolve_scheme(
+    requested: str | None, model_dir: str | None, kv_cache_dtype: str = "auto"
+) -> QuantScheme | None:
+    """The scheme to serve with: the checkpoint's own format when pre-quantized (the request, if
+    any, must agree with it), else `requested` applied at load time, else None."""
+    if kv_cache_dtype != "auto":
+        raise NotImplementedError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not implemented yet (only 'auto')"
+        )
+    qc = read_quantization_config(model_dir)
+    if qc is not None:
+        scheme = scheme_from_hf_config(qc)
+        if requested is not None and requested != scheme.method:
+            raise ValueError(
+                f"quantization={requested!r} conflicts with the checkpoint, which is already "
+                f"quantized as {scheme.method} ({scheme.source}); omit the argument"
+            )
+        return scheme
+    if requested is None:
+        return None
+    return QuantScheme(method=requested)
