@@ -267,6 +267,7 @@ class TorchModelRunner:
             self.cuda_step = make_cuda_step_runner(self)
 
     def shutdown(self) -> None:
+        self.cuda_step = None  # its CUDA graphs hold the KV cache and their memory pool
         self.kv_caches = []
         self.draft_kv_caches = []
         self.draft_model = None

@@ -35,6 +35,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); the fused kernel's contract (GPU path fuses it)."""
+        if x.is_cuda and residual is not None and x.dim() == 2:  # one Triton pass, fp32 math
+            from xlaserve.kernels_cuda import fused_add_rms_norm
+
+            return fused_add_rms_norm(
+                x, residual, self.weight, self.eps, self.weight_offset, inplace=False
+            )
         if residual is not None:
             x = x + residual
         return self.forward(x), x

@@ -1,0 +1,75 @@
+"""The "triton" attention backend: kernels_cuda.write_kv + kernels_cuda.unified_attention.
+
+One launch per layer for the whole ragged batch (prefill chunks and decodes mixed), no
+device->host sync inside: the metadata (device tensors + host ints) is built once per step by the
+runner, so a decode step can be captured in a CUDA graph. `TritonAttentionMetadata` adds the
+split-KV factor a graph must fix at capture time (None = the kernel's own heuristic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from xlaserve.backends_torch.layers.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    """AttentionMetadata + launch knobs of the Triton kernel (same for every layer of a step)."""
+
+    # Split-KV factor (power of 2 <= 64); fixed per captured CUDA graph, None = kernel heuristic.
+    num_kv_splits: int | None = None
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention through the Triton kernels (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from xlaserve.kernels_cuda import unified_attention, write_kv
+
+        self._write_kv = write_kv
+        self._attend = unified_attention
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """k, v: [T, Hkv, D] -> caches [N, S, Hkv, D] at slot_mapping [T] (negative slots skipped)."""
+        if slot_mapping.dtype != torch.int32:  # the runner builds int32 already; others may not
+            slot_mapping = slot_mapping.to(torch.int32)
+        self._write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D] -> out [T, Hq, D]; rows past query_start_loc[B] (padding) are zeros."""
+        splits = getattr(md, "num_kv_splits", None)
+        return self._attend(
+            q,
+            k_cache,
+            v_cache,
+            None,
+            md.query_start_loc,
+            md.seq_lens,
+            md.block_tables,
+            md.max_query_len,
+            md.max_seq_len,
+            scale,
+            sliding_window=sliding_window,
+            soft_cap=logit_softcap,
+            num_kv_splits=splits,
+        )

@@ -1,0 +1,312 @@
+"""GPU step execution for the Torch runner: packed metadata upload and decode CUDA graphs.
+
+`CudaStepRunner.forward` takes the step's flat host lists (built by the runner) and returns the
+model's hidden states [T, H]:
+
+- every step: the int32 inputs (ids, positions, slots, query_start_loc, seq_lens, block table)
+  are packed into one pinned host buffer with numpy and sent with ONE host->device copy; the
+  attention metadata is built once per step (not per layer) and nothing in the forward syncs.
+- decode-only steps (every request has one query token) of at most the largest bucket replay a
+  CUDA graph captured for the padded batch size (1, 2, 4, ..., max_num_seqs). The graph reads
+  static buffers; padding requests have seq_len 1, block 0 and slot -1 (no KV write), and their
+  output rows are dropped. Sampling stays outside the graph. `enforce_eager=True` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+from xlaserve.backends_torch.attention_triton import TritonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes to capture: powers of 2 below max_num_seqs, then max_num_seqs."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    out.append(max_num_seqs)
+    return out
+
+
+def graph_kv_splits(bucket: int, num_kv_heads: int, group: int, num_sms: int) -> int:
+    """Split-KV factor fixed at capture: fill ~2 programs per SM for small decode batches.
+    (Empty splits cost one early-exit program; the merge weighs them 0.)"""
+    block_q = max(16, 1 << (group - 1).bit_length()) // group  # the decode tile's BLOCK_Q
+    programs = (bucket // block_q + bucket) * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    want = min(2 * num_sms // programs, 16)
+    return 1 << (max(want, 1).bit_length() - 1)
+
+
+class _Packed:
+    """One pinned int32 host buffer and its device twin; views are carved per step."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.host = torch.empty(numel, dtype=torch.int32, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(numel, dtype=torch.int32, device=device)
+        self._copied = torch.cuda.Event()
+        self._pending = False
+
+    def host_view(self) -> np.ndarray:
+        """The host buffer, once the last upload from it has been read by the copy engine
+        (steps that sample nothing never sync, so the next step could overwrite it early)."""
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+        return self.host_np
+
+    def upload(self, n: int) -> torch.Tensor:
+        """Copy the first n host ints to the device (async, on the current stream)."""
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self._copied.record()
+        self._pending = True
+        return self.dev
+
+
+class CudaStepRunner:
+    """Runs one step's forward on CUDA; owns the decode CUDA graphs of one runner."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[KVCache],
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_kv_heads: int,
+        num_heads: int,
+        use_graphs: bool,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0][0].device
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.block_size = block_size
+        self.max_blocks = math.ceil(max_model_len / block_size)
+        self.max_num_seqs = max_num_seqs
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        # Eager-path upload buffer: ids, positions, slots [T] + qsl [B+1] + seq_lens [B] +
+        # block table [B, M].
+        t, b = max_num_batched_tokens, max(max_num_seqs, 1)
+        self._eager = _Packed(3 * t + 2 * b + 1 + b * self.max_blocks, self.device)
+        self.buckets = decode_buckets(max_num_seqs) if use_graphs else []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
+        self.capture_seconds = 0.0
+        self.num_replays = 0  # decode steps served by a graph (tests and stats read it)
+        self.num_eager = 0
+        if self.buckets:
+            self._setup_graph_buffers()
+
+    # ---- eager (any step) ------------------------------------------------------------------
+
+    def forward(
+        self, chunks: list[tuple[list[int], int, list[int]]]
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """chunks: per request (token ids to compute, position of the first, block table).
+        Returns (hidden [T, H], query_start_loc host list [B+1], seq_lens host list [B])."""
+        S = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        max_q = 0
+        for toks, start, table in chunks:
+            n = len(toks)
+            end = start + n
+            ids.extend(toks)
+            if n == 1:  # decode: no per-token range objects
+                positions.append(start)
+                slots.append(table[start // S] * S + start % S)
+            else:
+                positions.extend(range(start, end))
+                slots.extend(table[p // S] * S + p % S for p in range(start, end))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            max_q = max(max_q, n)
+        t, b = len(ids), len(seq_lens)
+        m = max(len(x) for x in tables)
+        if max_q == 1 and t == b and self.graphs and b <= self.buckets[-1] and m <= self.max_blocks:
+            hidden = self._replay(ids, positions, slots, seq_lens, tables)
+        else:
+            hidden = self._eager_forward(ids, positions, slots, qsl, seq_lens, tables, max_q, m)
+        return hidden, qsl, seq_lens
+
+    def _eager_forward(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        qsl: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        max_query_len: int,
+        m: int,
+    ) -> torch.Tensor:
+        t, b = len(ids), len(seq_lens)
+        self.num_eager += 1
+        need = 3 * t + 2 * b + 1 + b * m
+        buf = self._eager if need <= self._eager.host.numel() else _Packed(need, self.device)
+        h = buf.host_view()
+        h[0:t] = ids
+        h[t : 2 * t] = positions
+        h[2 * t : 3 * t] = slots
+        o = 3 * t
+        h[o : o + b + 1] = qsl
+        h[o + b + 1 : o + 2 * b + 1] = seq_lens
+        o += 2 * b + 1
+        _fill_table(h[o : o + b * m].reshape(b, m), tables)
+        dev = buf.upload(need)
+        md = TritonAttentionMetadata(
+            query_start_loc=dev[3 * t : 3 * t + b + 1],
+            seq_lens=dev[3 * t + b + 1 : 3 * t + 2 * b + 1],
+            block_tables=dev[o : o + b * m].view(b, m),
+            slot_mapping=dev[2 * t : 3 * t],
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens),
+            query_start_loc_host=qsl,
+            seq_lens_host=seq_lens,
+        )
+        return self.model(dev[0:t], dev[t : 2 * t], self.kv_caches, md)
+
+    # ---- decode CUDA graphs ----------------------------------------------------------------
+
+    def _setup_graph_buffers(self) -> None:
+        bmax, m = self.buckets[-1], self.max_blocks
+        # Layout: ids [Bmax] | positions [Bmax] | slots [Bmax] | seq_lens [Bmax] | table [Bmax, M];
+        # query_start_loc is arange (one token per request), constant, kept apart.
+        self._g = _Packed(4 * bmax + bmax * m, self.device)
+        d = self._g.dev
+        self.g_ids = d[0:bmax]
+        self.g_pos = d[bmax : 2 * bmax]
+        self.g_slots = d[2 * bmax : 3 * bmax]
+        self.g_seq_lens = d[3 * bmax : 4 * bmax]
+        self.g_table = d[4 * bmax :].view(bmax, m)
+        self.g_qsl = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
+
+    def _graph_md(self, b: int, splits: int) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            query_start_loc=self.g_qsl[: b + 1],
+            seq_lens=self.g_seq_lens[:b],
+            block_tables=self.g_table[:b],
+            slot_mapping=self.g_slots[:b],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size,
+            query_start_loc_host=list(range(b + 1)),
+            seq_lens_host=[1] * b,
+            num_kv_splits=splits,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per bucket, largest first so smaller ones reuse its memory pool."""
+        if not self.buckets:
+            return
+        t0 = time.perf_counter()
+        bmax = self.buckets[-1]
+        # Dummy decode inputs: token 0 at position 0, seq_len 1, block 0, no KV write.
+        self._g.host_np[:] = 0
+        self._g.host_np[3 * bmax : 4 * bmax] = 1
+        self._g.host_np[2 * bmax : 3 * bmax] = -1
+        self._g.upload(self._g.host.numel())
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                splits = graph_kv_splits(b, self.num_kv_heads, self.group, sms)
+                md = self._graph_md(b, splits)
+                ids, pos = self.g_ids[:b], self.g_pos[:b]
+                for _ in range(2):  # warm up: Triton compiles, allocator settles
+                    self.model(ids, pos, self.kv_caches, md)
+                stream.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    out = self.model(ids, pos, self.kv_caches, md)
+                self.graphs[b] = (g, out, splits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info(
+            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            len(self.graphs),
+            self.buckets,
+            self.capture_seconds,
+        )
+
+    def _replay(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        n = len(ids)
+        b = next(x for x in self.buckets if x >= n)
+        bmax, m = self.buckets[-1], self.max_blocks
+        h = self._g.host_view()
+        h[0:n] = ids
+        h[n:b] = 0
+        h[bmax : bmax + n] = positions
+        h[bmax + n : bmax + b] = 0
+        h[2 * bmax : 2 * bmax + n] = slots
+        h[2 * bmax + n : 2 * bmax + b] = -1
+        h[3 * bmax : 3 * bmax + n] = seq_lens
+        h[3 * bmax + n : 3 * bmax + b] = 1
+        table = h[4 * bmax : 4 * bmax + b * m].reshape(b, m)
+        _fill_table(table, tables)
+        # Only the first 4 * bmax + b * m ints are read by this bucket's graph.
+        self._g.upload(4 * bmax + b * m)
+        g, out, _ = self.graphs[b]
+        g.replay()
+        self.num_replays += 1
+        return out[:n]
+
+
+def _fill_table(dst: np.ndarray, tables: list[list[int]]) -> None:
+    """Rows of dst [B', M] <- block id lists (zero padded); rows past len(tables) zeroed."""
+    dst[:] = 0
+    for i, t in enumerate(tables):
+        dst[i, : len(t)] = t
+
+
+def make_cuda_step_runner(runner: object) -> CudaStepRunner:
+    """Build (and, unless config.enforce_eager, capture graphs for) a TorchModelRunner's GPU steps.
+    Called once the runner's model and KV cache exist: graphs bind the cache's addresses."""
+    cfg, spec = runner.config, runner.spec
+    step = CudaStepRunner(
+        runner.model,
+        runner.kv_caches,
+        hidden_size=spec.hidden_size,
+        dtype=runner.dtype,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+        num_kv_heads=spec.num_kv_heads,
+        num_heads=spec.num_heads,
+        use_graphs=not cfg.enforce_eager,
+    )
+    step.capture()
+    return step
