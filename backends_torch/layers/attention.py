@@ -200,17 +200,18 @@ class TorchBatchedAttention(TorchRefAttention):
         qp = qp.view(b, mq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * mq, d)
         k = k_cache.view(n * block_size, hkv, d)[lay["slots"]].float().transpose(1, 2)
         v = v_cache.view(n * block_size, hkv, d)[lay["slots"]].float().transpose(1, 2)
-        scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, Hkv, G * Mq, Mkv]
-        if logit_softcap:
-            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         allowed = lay["causal"]
         if sliding_window is not None:
             allowed = allowed & (lay["kpos"] > lay["qpos"] - sliding_window)
         mask = allowed[:, None, None, :, :].expand(b, 1, group, mq, -1).reshape(b, 1, group * mq, -1)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        # Padding query rows are fully masked: softmax gives NaN there, and they are dropped below.
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, v)  # [B, Hkv, G * Mq, D]
+        # Padding query rows are fully masked: they come out NaN or garbage and are dropped below.
+        if logit_softcap:
+            scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, Hkv, G * Mq, Mkv]
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            o = torch.matmul(probs, v)  # [B, Hkv, G * Mq, D]
+        else:  # the fused kernel: no [.., Mq, Mkv] score tensor kept around
+            o = torch.nn.functional.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
         o = o.view(b, hkv, group, mq, d).permute(0, 3, 1, 2, 4).reshape(b, mq, hq, d)
         out = torch.zeros_like(q)
         out[lay["flat_rows"]] = o[lay["rows"]].to(q.dtype)
