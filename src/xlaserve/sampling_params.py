@@ -13,6 +13,7 @@ Logprobs are of the raw model distribution (log_softmax of the unprocessed logit
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,12 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not math.isfinite(v):
+                bad(f"{name} must be a finite number, got {v!r}")
+        if self.logit_bias and not all(math.isfinite(b) for b in self.logit_bias.values()):
+            bad("logit_bias values must be finite numbers")
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n}")
         if self.temperature < 0:

@@ -6,8 +6,9 @@ outputs to that request's asyncio queue with `loop.call_soon_threadsafe` (one ca
 loop per step). Callers never touch the engine; they `await generate(...)` and iterate.
 
 Failure model:
-- `add_request` errors (bad prompt, context too long) raise `ValueError` in the caller;
-  a full waiting queue (`scheduler.max_num_waiting`) raises `EngineQueueFullError`.
+- `add_request` errors (bad prompt, context too long) raise `ValueError` in the caller; any
+  other exception while adding fails only that request (`RequestFailedError`); a full waiting
+  queue (`scheduler.max_num_waiting`) raises `EngineQueueFullError`.
 - A consumer that stops iterating (client disconnect -> CancelledError / GeneratorExit) aborts
   its request, which frees its KV blocks at the top of the next loop iteration.
 - If the loop thread crashes, the AsyncLLM becomes `errored`: every pending and future request
@@ -39,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop is not running (crashed or shut down)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (the engine itself keeps running)."""
 
 
 class EngineQueueFullError(RuntimeError):
@@ -292,6 +297,13 @@ class AsyncLLM:
                 self._streams[cmd.request_id] = cmd.stream
             except ValueError as e:
                 err = e
+            except Exception as e:  # noqa: BLE001 - one bad request must not kill the loop
+                logger.exception("add_request %s failed", cmd.request_id)
+                with contextlib.suppress(Exception):  # undo whatever was half-added
+                    engine.abort_request([cmd.request_id])
+                err = RequestFailedError(
+                    f"the engine could not accept this request: {type(e).__name__}: {e}"
+                )
         self._call(cmd.stream.loop, _resolve, cmd.done, err)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

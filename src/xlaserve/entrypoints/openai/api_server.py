@@ -26,7 +26,12 @@ from typing import Any
 from aiohttp import web
 
 from xlaserve.config import EngineConfig, ServerConfig
-from xlaserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineQueueFullError
+from xlaserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineQueueFullError,
+    RequestFailedError,
+)
 from xlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -95,6 +100,8 @@ def _to_api_error(e: BaseException) -> APIError:
         )
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "service_unavailable", code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), "server_error")
     if isinstance(e, ValueError):
         return APIError(400, str(e), param=param_from_message(str(e)))
     if isinstance(e, web.HTTPException):
@@ -142,12 +149,53 @@ async def _guard(
 # ------------------------------------------------------------------------------- helpers
 
 
+# Deeper JSON than this is refused (400) before any field is looked at: nothing in the schema
+# nests past a few levels, and deep nesting costs recursion in every later walk of the value.
+MAX_JSON_DEPTH = 64
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _json_depth_ok(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            if d > limit:
+                return False
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
 async def _json_body(request: web.Request) -> Any:
     raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
+        # NaN / Infinity are not JSON; Python's decoder would accept them as floats.
+        body = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, NaN
+        msg = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise APIError(400, f"malformed JSON body: {msg}") from None
+    if not _json_depth_ok(body):
+        raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels")
+    return body
+
+
+def _render_chat(
+    engine: AsyncLLM, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
+) -> str:
+    """The chat template's text; any template failure is the request's fault (400)."""
+    try:
+        return engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except (ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
+        raise APIError(400, f"chat template failed: {e}", param="messages") from None
+    except Exception as e:  # jinja2.TemplateError and friends (jinja2 is imported lazily)
+        if type(e).__module__.startswith("jinja2"):
+            raise APIError(400, f"chat template failed: {e}", param="messages") from None
+        raise
 
 
 def _check_model(engine: AsyncLLM, model: str | None) -> None:
@@ -527,12 +575,7 @@ def _chat_prompt(engine: AsyncLLM, req: ChatCompletionRequest) -> dict[str, Any]
     tok = engine.tokenizer
     messages = [m.to_template_dict() for m in req.messages]
     kwargs = req.chat_template_kwargs or {}
-    try:
-        text = tok.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, **kwargs
-        )
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    text = _render_chat(engine, messages, req.add_generation_prompt, **kwargs)
     # The template writes BOS itself: no special tokens added on top.
     return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
@@ -688,12 +731,7 @@ async def tokenize(request: web.Request) -> web.Response:
     tok = engine.tokenizer
     if req.messages is not None:
         messages = [m.to_template_dict() for m in req.messages]
-        try:
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt
-            )
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+        text = _render_chat(engine, messages, req.add_generation_prompt)
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
@@ -727,6 +765,8 @@ def build_app(
     app[STARTED_KEY] = time.time()
     m = ServerMetrics(lambda: engine.stats, engine.model_name)
     engine.add_finish_listener(m.observe_request)
+    if hasattr(engine, "metrics_collector"):  # data parallel: per-replica series (engine/dp.py)
+        m.registry.register(engine.metrics_collector())
     app[METRICS_KEY] = m
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
@@ -748,8 +788,11 @@ def build_app(
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Load the engine and serve until SIGINT/SIGTERM (then stop the engine thread)."""
-    engine = AsyncLLM.from_config(engine_config)
-    app = build_app(engine, server_config, owns_engine=True)
+    from xlaserve.engine.dp import build_async_engine
+
+    # data_parallel_size > 1: N replicas behind the prefix-aware balancer (same AsyncLLM surface).
+    engine = build_async_engine(engine_config)
+    app = build_app(engine, server_config, owns_engine=True)  # type: ignore[arg-type]
     host, port = server_config.host, server_config.port
     logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
     web.run_app(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,17 @@ from xlaserve.sampling_params import SamplingParams, StructuredOutputsParams
 # One prompt: text or token ids. A request may carry a list of prompts.
 PromptLike = str | list[str] | list[int] | list[list[int]]
 
+# JSON integers must fit a signed 64-bit integer (seeds, token ids and counts end up in int64
+# tensors; a bigger one would crash the engine thread, not the request).
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+# OpenAI's limits: choices per request, |logit_bias| per token.
+MAX_N = 128
+MAX_LOGIT_BIAS = 100.0
+# Keys the chat template itself sets: `chat_template_kwargs` may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
 
 class ProtocolError(ValueError):
     """A request body that does not match the schema; `param` names the offending field."""
@@ -31,6 +43,10 @@ class ProtocolError(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class _BadUnicode(ProtocolError):
+    """A string holding lone surrogates (JSON escapes allow them; UTF-8 and tokenizers do not)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +89,8 @@ def _convert(value: Any, tp: Any, param: str) -> Any:
         for alt in typing.get_args(tp):
             try:
                 return _convert(value, alt, param)
+            except _BadUnicode:
+                raise  # the right type with bad text: say so, not "must be X or Y"
             except ProtocolError:
                 continue
         raise ProtocolError(f"'{param}' must be {_type_name(tp)}", param)
@@ -102,15 +120,29 @@ def _convert(value: Any, tp: Any, param: str) -> Any:
             return value
     elif tp is int:
         # JSON has one number type: accept 3.0 as 3, refuse booleans and 3.5.
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not INT_MIN <= value <= INT_MAX:
+                raise ProtocolError(f"'{param}' is out of the 64-bit integer range", param)
+            return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                f = float(value)
+            except OverflowError:  # an integer beyond float range
+                f = math.inf
+            if not math.isfinite(f):
+                raise ProtocolError(f"'{param}' must be a finite number", param)
+            return f
     elif tp is str:
         if isinstance(value, str):
+            try:  # JSON's \ud800 escapes decode to lone surrogates: not text, refuse here
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _BadUnicode(
+                    f"'{param}' is not valid Unicode (lone surrogate code point)", param
+                ) from None
             return value
     else:  # pragma: no cover - a schema bug, not a client error
         raise TypeError(f"unsupported schema type {tp!r}")
@@ -184,6 +216,8 @@ class _SamplingFields:
     response_format: ResponseFormat | None = None
 
     def _check_common(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise ProtocolError(f"'n' must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError(
                 "'stream_options' is only allowed when 'stream' is true", "stream_options"
@@ -196,6 +230,11 @@ class _SamplingFields:
                     raise ProtocolError(
                         f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias"
                     ) from None
+                if not -MAX_LOGIT_BIAS <= self.logit_bias[k] <= MAX_LOGIT_BIAS:
+                    raise ProtocolError(
+                        f"'logit_bias' values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                        "logit_bias",
+                    )
 
     def _structured(self) -> StructuredOutputsParams | None:
         kinds: dict[str, Any] = {}
@@ -361,6 +400,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise ProtocolError("'messages' must be a non-empty array", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise ProtocolError(
+                f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs"
+            )
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = (
