@@ -38,8 +38,12 @@ format: install
 serve: install
 	$(BIN)/xlaserve serve
 
+# Thousands of mixed requests against a small, often-preempting KV cache; appends its figures to
+# bench/RESULTS.md. Fuzz harder with e.g. XLASERVE_FUZZ_EXAMPLES=1000 pytest tests/reliability.
+SOAK_REQUESTS ?= 3000
 soak: install
-	XLASERVE_SOAK_REQUESTS=3000 $(BIN)/python -m pytest -q tests -m soak
+	XLASERVE_SOAK_REQUESTS=$(SOAK_REQUESTS) XLASERVE_SOAK_RESULTS=bench/RESULTS.md \
+		$(BIN)/python -m pytest -q -s -m soak tests/reliability/test_soak_server.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
