@@ -32,6 +32,7 @@ from xlaserve import config as cfg
 # Subcommands other modules provide, imported only when used: name -> "module:attribute".
 LAZY_COMMANDS: dict[str, str] = {
     "bench": "xlaserve.bench.cli:bench",
+    "convert": "xlaserve.entrypoints.convert:convert",
 }
 
 # Config sections turned into flags: (EngineConfig attribute or "server"/"engine", class, title).
