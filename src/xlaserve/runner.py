@@ -65,15 +65,28 @@ class SchedulerOutput:
     # req_id -> allowed-token bitmask, numpy int32 [num_positions, ceil(vocab / 32)] (bit i of
     # word w allows token 32 * w + i); num_positions = 1 + number of drafts. Absent = unconstrained.
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
-    # Host-tier KV copies the runner performs before the forward pass (offloading):
-    # list of (host_slot, device_block_id) to copy in.
+    # KV offloading (core/offload.py). The runner performs these copies BEFORE the forward pass,
+    # in exactly this order: 1. kv_disk_out, 2. kv_copy_out, 3. kv_disk_in, 4. kv_copy_in,
+    # 5. forward. Blocks evicted in this step are copied out before this step's forward
+    # overwrites them; a host slot is used by at most one write per step and is never
+    # overwritten after being read in the same step (the offload manager pins it).
+    # (host_slot, device_block_id): host tier -> device block (host/disk prefix hits).
     kv_copy_in: list[tuple[int, int]] = field(default_factory=list)
-    # (device_block_id, host_slot) to copy out (after the forward pass).
+    # (device_block_id, host_slot): device block -> host tier (evicted or swapped-out blocks).
     kv_copy_out: list[tuple[int, int]] = field(default_factory=list)
+    # (host_slot, block_hash): write the host slot to the disk tier (file named by the hash).
+    kv_disk_out: list[tuple[int, int]] = field(default_factory=list)
+    # (block_hash, host_slot): read the block's disk file into the host slot.
+    kv_disk_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def has_kv_copies(self) -> bool:
+        return bool(self.kv_copy_in or self.kv_copy_out or self.kv_disk_out or self.kv_disk_in)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing for the runner: no tokens and no KV copies (copies must never be dropped)."""
+        return self.total_num_scheduled_tokens == 0 and not self.has_kv_copies
 
 
 @dataclass

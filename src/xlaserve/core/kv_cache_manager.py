@@ -8,6 +8,11 @@ Prefix caching: every *full* block of a request's tokens gets a chained hash
 hash is registered can be shared by any later request with the same prefix. Blocks nobody
 references sit in an LRU free queue; a free block still carrying a hash keeps its KV until it is
 handed out again (then its hash is evicted), so a later request can revive it.
+
+Offload (core/offload.py): with a host tier, a hashed block whose hash is evicted is copied out
+to a host slot first (the copy precedes the forward of the step that reuses the block), and a
+prefix lookup that misses on the device continues in the host tier, then on disk: those hits get
+fresh device blocks filled by a copy-in before the forward, and count as computed tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from xlaserve.core.offload import OffloadManager, OffloadOps
 from xlaserve.core.request import Request
 
 
@@ -43,7 +49,12 @@ class KVCacheBlock:
 class BlockPool:
     """N blocks, an O(1) LRU free queue (OrderedDict: front = evicted first) and the hash map."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        offload: OffloadManager | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -55,6 +66,8 @@ class BlockPool:
         )
         # block hash -> the one block registered under it (free or in use).
         self.cached: dict[int, KVCacheBlock] = {}
+        # Host/disk tier: evicted hashed blocks are copied out there.
+        self.offload = offload
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +85,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free.popitem(last=False)
             if block.block_hash is not None:
+                if self.offload is not None:
+                    self.offload.offload_block(block.block_id, block.block_hash)
                 del self.cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
@@ -110,6 +125,8 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.offload is not None:
+            self.offload.reset()
         return True
 
 
@@ -117,13 +134,18 @@ class KVCacheManager:
     """Per-request block tables on top of a BlockPool."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        offload: OffloadManager | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.offload = offload if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, self.offload)
         # request_id -> its blocks in position order.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request_id -> how many leading blocks of it are registered in the prefix cache.
@@ -131,6 +153,12 @@ class KVCacheManager:
         # Prefix-cache stats in tokens: asked for / found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # request_id -> hashes of the blocks after its device hits that the host/disk tier
+        # serves (from get_computed_blocks, consumed by allocate_slots).
+        self._tier_hits: dict[str, list[int]] = {}
+        # Tokens brought back from the host tier / from disk (included in prefix_cache_hits).
+        self.offload_host_hits = 0
+        self.offload_disk_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -180,7 +208,12 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit = len(blocks) * self.block_size
+        num_tier = 0
+        if self.offload is not None:
+            rest = request.block_hashes[len(blocks) : max_blocks]
+            num_tier = self.offload.num_servable(rest)
+            self._tier_hits[request.request_id] = rest[:num_tier]
+        num_hit = (len(blocks) + num_tier) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit
         return blocks, num_hit
@@ -195,7 +228,10 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make room for request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         (+ lookahead) tokens. Returns the ids of the blocks newly taken from the free queue
-        (prefix-hit blocks are not in it), or None, changing nothing, when too few are free."""
+        (prefix-hit blocks are not in it), or None, changing nothing, when too few are free.
+
+        num_new_computed_tokens beyond the device hits (new_computed_blocks) are host/disk tier
+        hits found by get_computed_blocks: they get new blocks and copy-ins this step."""
         computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -207,7 +243,20 @@ class KVCacheManager:
             return None
 
         self.pool.touch(computed_blocks)
+        # Host/disk hits: pin their slots (loading from disk) before evictions could take them.
+        num_tier = num_new_computed_tokens // self.block_size - len(computed_blocks)
+        tier_slots = []
+        if num_tier > 0:
+            tier_hashes = self._tier_hits.pop(request.request_id)[:num_tier]
+            assert len(tier_hashes) == num_tier, "allocate_slots without get_computed_blocks"
+            num_host = sum(1 for h in tier_hashes if self.offload.tier_of(h) == "host")
+            self.offload_host_hits += num_host * self.block_size
+            self.offload_disk_hits += (num_tier - num_host) * self.block_size
+            tier_slots = self.offload.prepare_loads(tier_hashes)
         new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        # The first num_tier new blocks hold the tier hits (positions right after the device hits).
+        for slot, block in zip(tier_slots, new_blocks, strict=False):
+            self.offload.copy_in(slot, block.block_id)
         req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
         req_blocks.extend(computed_blocks)
         req_blocks.extend(new_blocks)
@@ -224,11 +273,24 @@ class KVCacheManager:
                 self.num_cached_blocks[request.request_id] = num_full
         return [b.block_id for b in new_blocks]
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its last blocks are evicted first."""
+    def free(self, request: Request, swap: bool = False) -> None:
+        """Release the request's blocks, tail first, so its last blocks are evicted first.
+
+        swap (preemption_mode="swap"): first copy its full, registered blocks out to the host
+        tier, so a resume reloads them even after the device evicted them (a partial last
+        block is recomputed)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        self._tier_hits.pop(request.request_id, None)
+        if swap and self.offload is not None:
+            for block in blocks[:num_cached]:
+                if block.block_hash is not None:
+                    self.offload.offload_block(block.block_id, block.block_hash)
         self.pool.free_blocks(reversed(blocks))
+
+    def take_offload_ops(self) -> OffloadOps:
+        """The step's host/disk copies (drained once per schedule()); unpins host slots."""
+        return self.offload.end_step() if self.offload is not None else OffloadOps()
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
