@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
 from xlaserve.backends_torch.layers.attention import AttentionMetadata, get_attention_backend
 from xlaserve.backends_torch.models import get_model_class
 from xlaserve.backends_torch.sampler import Sampler, SamplingRow, token_logprobs
@@ -139,6 +140,10 @@ class TorchModelRunner:
             from xlaserve.model_loader.registry import iter_canonical_weights
 
             weights = iter_canonical_weights(self.spec, self.config.load.load_format)
+            if tp_world_size() > 1:  # cut each full tensor to this rank's shard
+                from xlaserve.backends_torch.distributed.layers import tp_weight_stream
+
+                weights = tp_weight_stream(model, weights)
             if qs is not None:  # swap in QuantLinears; quantize float weights while loading
                 from xlaserve.backends_torch.layers import linear as ql
 
@@ -159,17 +164,25 @@ class TorchModelRunner:
             else:
                 from xlaserve.model_loader.registry import iter_canonical_weights
 
-                draft.load_weights(
-                    iter_canonical_weights(self.draft_spec, self.config.load.load_format)
-                )
+                dw = iter_canonical_weights(self.draft_spec, self.config.load.load_format)
+                if tp_world_size() > 1:
+                    from xlaserve.backends_torch.distributed.layers import tp_weight_stream
+
+                    dw = tp_weight_stream(draft, dw)
+                draft.load_weights(dw)
             self.draft_model = draft.eval()
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block id: the target's KV plus, with a draft model, the draft's KV."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_token = self.spec.kv_bytes_per_token(elem)
+
+        def rank_bytes(spec: ModelSpec) -> int:  # this rank's KV heads only (tensor parallel)
+            h = spec.num_kv_heads
+            return spec.kv_bytes_per_token(elem) * kv_heads_per_rank(h) // h
+
+        per_token = rank_bytes(self.spec)
         if self.draft_spec is not None:
-            per_token += self.draft_spec.kv_bytes_per_token(elem)
+            per_token += rank_bytes(self.draft_spec)
         return self.block_size * per_token
 
     def determine_num_kv_blocks(self) -> int:
@@ -242,7 +255,8 @@ class TorchModelRunner:
         self, num_blocks: int, spec: ModelSpec | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         spec = spec or self.spec
-        shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        # Hkv of this rank: tensor parallelism splits the KV heads.
+        shape = (num_blocks, self.block_size, kv_heads_per_rank(spec.num_kv_heads), spec.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

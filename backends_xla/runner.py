@@ -1,16 +1,28 @@
 """XlaModelRunner: the JAX backend behind the ModelRunner protocol (src/xlaserve/runner.py).
 
-One step = two jitted calls with static shapes: the model forward (tokens padded to a token
-bucket T, requests to a request bucket B; the KV cache donated and updated in place) and the
-sampler (B rows). Every (T, B) combination a step can produce is compiled at `init_kv_cache`
-(unless `enforce_eager`), so serving never compiles; JAX's persistent compilation cache makes the
-next start-up fast. Per-request state persists across steps (a persistent batch): the scheduler
-sends only what changed.
+One step = two compiled programs with static shapes, compiled apart so their counts add up
+instead of multiplying:
+
+- the forward, one per token bucket T: tokens padded to T; the per-request metadata (kv_lens,
+  block tables, query offsets, last-token rows) padded to a FIXED R = max_num_seqs rows, which
+  costs a few KB; the KV cache donated and updated in place. It returns the hidden rows of the
+  last token of each request [R, H] (and all hidden states [T, H]).
+- "logits + sample", one per request bucket B: the first B of those rows -> logits [B, V] ->
+  one sampler program that handles every SamplingParams feature with arrays (sampler.py).
+
+Prompt logprobs (rare) use a third program per token bucket, compiled the first time a step asks
+for them (`lazy_compiles` records it). Everything else is compiled ahead of time at
+`init_kv_cache` (unless `enforce_eager`: then each program is compiled at first use), as
+`jax.stages.Compiled` executables, which cannot silently recompile while serving; JAX's persistent
+compilation cache makes the next start-up fast. Per-request state persists across steps (a
+persistent batch): the scheduler sends only what changed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import jax
@@ -20,7 +32,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
-from xlaserve.backends_xla.sampler import SamplingTensors, sample, token_logprobs
+from xlaserve.backends_xla.sampler import (
+    SamplingTensors,
+    host_tensors,
+    neutral_extras,
+    sample,
+    token_logprobs,
+)
 from xlaserve.backends_xla.utils import (
     make_buckets,
     make_mesh,
@@ -38,6 +56,10 @@ from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+SMALLEST_TOKEN_BUCKET = 16
+PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, V] logits materialized at once for prompt logprobs
+FORWARD, SAMPLE, PROMPT_LOGPROBS = "forward", "sample", "prompt_logprobs"
+
 
 @dataclass
 class _ReqState:
@@ -49,7 +71,6 @@ class _ReqState:
     seed: int  # uint32 sampling seed: the request's own or drawn once by the runner
     output_counts: np.ndarray | None = None  # i32 [V], kept only when penalties are on
     prompt_mask: np.ndarray | None = None  # bool [V], kept only when penalties are on
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_output(self) -> int:
@@ -58,16 +79,16 @@ class _ReqState:
 
 @dataclass
 class _Batch:
-    """Host arrays of one padded step, plus which rows sample."""
+    """Host arrays of one padded step (T tokens, R = max_num_seqs request rows)."""
 
     input_ids: np.ndarray  # i32 [T]
     positions: np.ndarray  # i32 [T]
     slot_mapping: np.ndarray  # i32 [T], -1 = padding
-    kv_lens: np.ndarray  # i32 [B]
-    block_tables: np.ndarray  # i32 [B, M]
-    cu_q_lens: np.ndarray  # i32 [B+1]
+    kv_lens: np.ndarray  # i32 [R]
+    block_tables: np.ndarray  # i32 [R, M]
+    cu_q_lens: np.ndarray  # i32 [R+1]
     num_seqs: np.ndarray  # i32 [1]
-    logits_indices: np.ndarray  # i32 [B]: last token of each request in T
+    logits_indices: np.ndarray  # i32 [R]: last token of each request in T
     req_ids: list[str] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # first position computed this step
     counts: list[int] = field(default_factory=list)  # tokens computed this step
@@ -96,7 +117,7 @@ class XlaModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
-        self.token_buckets = make_buckets(16, sched.max_num_batched_tokens)
+        self.token_buckets = make_buckets(SMALLEST_TOKEN_BUCKET, sched.max_num_batched_tokens)
         self.seq_buckets = make_buckets(1, sched.max_num_seqs)
         self.vocab = spec.vocab_size
         self.requests: dict[str, _ReqState] = {}
@@ -108,30 +129,52 @@ class XlaModelRunner:
         self.state: nnx.State | None = None
         self.kv_caches: list[tuple[jax.Array, jax.Array]] | None = None
         self.num_kv_blocks = 0
-        self._sample_fn = jax.jit(sample, static_argnames=("with_logprobs",))
+        self.kv_offload = None  # host/disk tier copy engine (kv_offload.py), set by init_kv_cache
+        # (kind, bucket) -> compiled executable; kinds FORWARD (T), SAMPLE (B), PROMPT_LOGPROBS (T).
+        self.programs: dict[tuple[str, int], jax.stages.Compiled] = {}
+        self.lazy_compiles: list[tuple[str, int]] = []  # programs compiled after start-up
+        self._neutral: dict[int, dict[str, jax.Array]] = {}  # B -> device-resident neutral extras
+        self._hidden_dtype: jnp.dtype = self.dtype
 
     # ---------------------------------------------------------------- set-up
     def load_model(self) -> None:
         self.graphdef, self.state = load_model(
             self.spec, self.dtype, self.mesh, self.config.load.load_format, self.config.model.seed
         )
-        graphdef = self.graphdef
+        graphdef, rep = self.graphdef, self._replicated
 
         def forward(state, kv_caches, input_ids, positions, md, logits_indices):  # noqa: ANN001, ANN202
             model = nnx.merge(graphdef, state)
             hidden, kv_caches = model(input_ids, positions, kv_caches, md)
-            # Pin the cache's sharding so the donated input and the output always match.
+            # Pin shardings so the donated cache and the next programs' inputs always match.
             kv_caches = [
                 tuple(jax.lax.with_sharding_constraint(c, self._kv_sharding) for c in kv)
                 for kv in kv_caches
             ]
-            return model.compute_logits(hidden[logits_indices]), hidden, kv_caches
+            hidden = jax.lax.with_sharding_constraint(hidden, rep)
+            return hidden[logits_indices], hidden, kv_caches
+
+        def logits_and_sample(state, rows, st):  # noqa: ANN001, ANN202
+            b = st.temperature.shape[0]  # the request bucket; rows is [R, H]
+            return sample(nnx.merge(graphdef, state).compute_logits(rows[:b]), st)
 
         def prompt_logprobs(state, hidden, targets):  # noqa: ANN001, ANN202
-            return token_logprobs(nnx.merge(graphdef, state).compute_logits(hidden), targets)
+            model = nnx.merge(graphdef, state)
+            t, c = hidden.shape[0], PROMPT_LOGPROBS_CHUNK
+            if t <= c or t % c:
+                return token_logprobs(model.compute_logits(hidden), targets)
+            # Chunks of rows keep the [rows, V] logits small for big buckets and vocabularies.
+            out = jax.lax.map(
+                lambda ht: token_logprobs(model.compute_logits(ht[0]), ht[1]),
+                (hidden.reshape(t // c, c, -1), targets.reshape(t // c, c)),
+            )
+            return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
 
-        self._forward_fn = jax.jit(forward, donate_argnums=(1,))
-        self._prompt_lp_fn = jax.jit(prompt_logprobs)
+        self._jitted = {
+            FORWARD: jax.jit(forward, donate_argnums=(1,)),
+            SAMPLE: jax.jit(logits_and_sample),
+            PROMPT_LOGPROBS: jax.jit(prompt_logprobs),
+        }
 
     def _kv_block_bytes(self) -> int:
         """Bytes one KV block takes on one device."""
@@ -163,18 +206,16 @@ class XlaModelRunner:
     def _peak_activation_bytes(self) -> int:
         """Temporary memory of the largest forward + sampler, from XLA's memory analysis."""
         t, b = self.token_buckets[-1], self.seq_buckets[-1]
-        batch = self._dummy_batch(t, b)
+        sampler_bytes = 6 * b * self.vocab * 4
         kv = [(jax.ShapeDtypeStruct((1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim), self.dtype,
                                     sharding=self._kv_sharding),) * 2] * self.spec.num_layers  # fmt: skip
-        args = self._device_inputs(batch)
+        args = self._device_inputs(self._dummy_batch(t))
         try:
-            stats = self._forward_fn.lower(self.state, kv, *args).compile().memory_analysis()
-            return (
-                int(stats.temp_size_in_bytes + stats.output_size_in_bytes) + 6 * b * self.vocab * 4
-            )
+            stats = self._jitted[FORWARD].lower(self.state, kv, *args).compile().memory_analysis()
+            return int(stats.temp_size_in_bytes + stats.output_size_in_bytes) + sampler_bytes
         except Exception:  # noqa: BLE001 - memory analysis is optional on some backends
             h, i = self.spec.hidden_size, self.spec.intermediate_size
-            return 4 * t * (6 * h + 3 * i + 2 * self.vocab) + 6 * b * self.vocab * 4
+            return 4 * t * (6 * h + 3 * i + 2 * self.vocab) + sampler_bytes
 
     def init_kv_cache(self, num_blocks: int) -> None:
         if self.state is None:
@@ -189,55 +230,92 @@ class XlaModelRunner:
         )
         self.kv_caches = alloc()
         self.num_kv_blocks = num_blocks
+        from xlaserve.backends_xla.kv_offload import make_xla_kv_offload
+
+        self.kv_offload = make_xla_kv_offload(self)
         if not self.config.enforce_eager:
-            self._warm_up()
+            self.compile_all()
 
-    def bucket_combinations(self) -> list[tuple[int, int]]:
-        """(token bucket, request bucket) pairs a step can produce (B <= T always)."""
-        out = []
-        for t in self.token_buckets:
-            b_max = pick_bucket(self.seq_buckets, min(t, self.max_num_seqs))
-            out += [(t, b) for b in self.seq_buckets if b <= b_max]
-        return out
+    def startup_programs(self) -> list[tuple[str, int]]:
+        """Programs compiled at start-up: (token buckets) + (request buckets), no product."""
+        return [(FORWARD, t) for t in self.token_buckets] + [(SAMPLE, b) for b in self.seq_buckets]
 
-    def _warm_up(self) -> None:
-        """Compile (and run once on padding) every bucket: forward, sampler variants, prompt logprobs."""
-        seen_t: set[int] = set()
-        seen_b: set[int] = set()
-        combos = self.bucket_combinations()
-        for t, b in tqdm(combos, desc="Compiling XLA buckets", unit="bucket", leave=False):
-            logits, hidden = self._forward(self._dummy_batch(t, b))
-            if b not in seen_b:
-                seen_b.add(b)
-                for extras in (False, True):
-                    st = self._put(self._sampling_tensors([None] * b, [], b, extras, {}))
-                    for with_lp in (False, True):
-                        self._sample_fn(logits, st, with_logprobs=with_lp)
-            if t not in seen_t:
-                seen_t.add(t)
-                self._prompt_lp_fn(self.state, hidden, self._put(np.zeros(t, np.int32)))
-        jax.block_until_ready(self.kv_caches)
-        logger.info("compiled %d XLA bucket combinations", len(combos))
+    def _lower(self, kind: str, n: int) -> jax.stages.Lowered:
+        """Trace and lower one program for bucket n (T for FORWARD/PROMPT_LOGPROBS, B for SAMPLE)."""
+        fn = self._jitted[kind]
+        if kind == FORWARD:
+            lowered = fn.lower(
+                self.state, self.kv_caches, *self._device_inputs(self._dummy_batch(n))
+            )
+            self._hidden_dtype = lowered.out_info[1].dtype
+            return lowered
+        h = self.spec.hidden_size
+        if kind == SAMPLE:
+            rows = jax.ShapeDtypeStruct(
+                (self.max_num_seqs, h), self._hidden_dtype, sharding=self._replicated
+            )
+            return fn.lower(
+                self.state, rows, self._put_sampling(host_tensors(n, self.vocab, False), n)
+            )
+        hidden = jax.ShapeDtypeStruct((n, h), self._hidden_dtype, sharding=self._replicated)
+        targets = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated)
+        return fn.lower(self.state, hidden, targets)  # fmt: skip
+
+    def compile_all(self, programs: list[tuple[str, int]] | None = None) -> None:
+        """Compile `programs` (default: every start-up program), lowering one by one (tracing
+        holds the GIL) and compiling in threads (XLA releases it), with a progress bar."""
+        todo = [p for p in (programs or self.startup_programs()) if p not in self.programs]
+        lowered = {p: self._lower(*p) for p in todo}
+        workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
+        with (
+            ThreadPoolExecutor(workers) as pool,
+            tqdm(
+                total=len(todo), desc="Compiling XLA programs", unit="program", leave=False
+            ) as bar,
+        ):
+            futures = {pool.submit(low.compile): p for p, low in lowered.items()}
+            for fut in as_completed(futures):
+                self.programs[futures[fut]] = fut.result()
+                bar.update()
+        logger.info(
+            "compiled %d XLA programs (%d token buckets %s, %d request buckets %s)",
+            len(todo), len(self.token_buckets), self.token_buckets, len(self.seq_buckets), self.seq_buckets,
+        )  # fmt: skip
+
+    def _program(self, kind: str, n: int) -> jax.stages.Compiled:
+        prog = self.programs.get((kind, n))
+        if prog is None:
+            if kind != PROMPT_LOGPROBS and not self.config.enforce_eager:
+                logger.warning("compiling %s program for bucket %d while serving", kind, n)
+            self.lazy_compiles.append((kind, n))
+            prog = self.programs[(kind, n)] = self._lower(kind, n).compile()
+        return prog
 
     def shutdown(self) -> None:
         self.requests.clear()
         self.kv_caches = None
         self.state = None
+        self.programs.clear()
+        self._neutral.clear()
 
     # ---------------------------------------------------------------- one step
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         so = scheduler_output
         if so.spec_token_ids:
             raise NotImplementedError("speculative decoding is not supported by backend 'xla' yet")
-        if so.kv_copy_in or so.kv_copy_out:
-            raise NotImplementedError("KV offloading is not supported by backend 'xla' yet")
+        if so.has_kv_copies:  # before the forward, in the order runner.py documents
+            if self.kv_offload is None:
+                raise RuntimeError("KV offload copies scheduled but kv_offload_bytes is 0")
+            self.kv_caches = self.kv_offload.apply(
+                self.kv_caches, so.kv_disk_out, so.kv_copy_out, so.kv_disk_in, so.kv_copy_in
+            )
         self._update_states(so)
         out = RunnerOutput()
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return out
         batch = self._prepare(so)
-        logits, hidden = self._forward(batch)
-        b = len(batch.kv_lens)
+        rows_h, hidden = self._forward(batch)
+        b = pick_bucket(self.seq_buckets, len(batch.req_ids))
         rows = [
             self.requests[r] if s else None
             for r, s in zip(batch.req_ids, batch.sampling, strict=True)
@@ -247,8 +325,8 @@ class XlaModelRunner:
             self._needs_extras(r, rid, so) for r, rid in zip(rows, batch.req_ids, strict=False)
         )
         with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
-        st = self._put(self._sampling_tensors(rows, batch.req_ids, b, extras, so.grammar_bitmask))
-        res = jax.device_get(self._sample_fn(logits, st, with_logprobs=with_lp))
+        st = self._sampling_tensors(rows, batch.req_ids, b, extras, with_lp, so.grammar_bitmask)
+        res = jax.device_get(self._program(SAMPLE, b)(self.state, rows_h, st))
         self._prompt_logprobs(batch, hidden, out)
         for i, rid in enumerate(batch.req_ids):
             r = self.requests[rid]
@@ -316,8 +394,7 @@ class XlaModelRunner:
             raise ValueError(
                 f"{len(items)} requests in one step exceed max_num_seqs {self.max_num_seqs}"
             )
-        t, b = pick_bucket(self.token_buckets, total), pick_bucket(self.seq_buckets, len(items))
-        batch = self._dummy_batch(t, b)
+        batch = self._dummy_batch(pick_bucket(self.token_buckets, total))
         s, off = self.block_size, 0
         for i, (rid, n) in enumerate(items):
             r = self.requests[rid]
@@ -347,15 +424,15 @@ class XlaModelRunner:
         batch.num_seqs[0] = len(items)
         return batch
 
-    def _dummy_batch(self, t: int, b: int) -> _Batch:
-        """An all-padding batch of bucket (t, b): no cache writes, no real request."""
-        z = np.zeros
-        return _Batch(z(t, np.int32), z(t, np.int32), np.full(t, -1, np.int32), z(b, np.int32),
-                      z((b, self.max_blocks_per_seq), np.int32), z(b + 1, np.int32), z(1, np.int32),
-                      z(b, np.int32))  # fmt: skip
+    def _dummy_batch(self, t: int) -> _Batch:
+        """An all-padding batch of token bucket t: no cache writes, no real request."""
+        z, r = np.zeros, self.max_num_seqs
+        return _Batch(z(t, np.int32), z(t, np.int32), np.full(t, -1, np.int32), z(r, np.int32),
+                      z((r, self.max_blocks_per_seq), np.int32), z(r + 1, np.int32), z(1, np.int32),
+                      z(r, np.int32))  # fmt: skip
 
     def _put(self, tree):  # noqa: ANN001, ANN202
-        """Host arrays -> replicated device arrays (one sharding always, so jit never re-keys)."""
+        """Host arrays -> replicated device arrays (one sharding always, as compiled)."""
         return jax.device_put(tree, self._replicated)
 
     def _device_inputs(self, batch: _Batch) -> tuple:
@@ -366,11 +443,11 @@ class XlaModelRunner:
         return ids, pos, AttentionMetadata(slots, kv_lens, tables, cu, ns, mesh=self.mesh), li
 
     def _forward(self, batch: _Batch) -> tuple[jax.Array, jax.Array]:
-        """Run the model; keeps the (donated) cache; returns logits [B, V] and hidden [T, H]."""
-        logits, hidden, self.kv_caches = self._forward_fn(
+        """Run the model; keeps the (donated) cache; returns last-token rows [R, H], hidden [T, H]."""
+        rows, hidden, self.kv_caches = self._program(FORWARD, len(batch.input_ids))(
             self.state, self.kv_caches, *self._device_inputs(batch)
         )
-        return logits, hidden
+        return rows, hidden
 
     # ---------------------------------------------------------------- sampling inputs
     def _needs_extras(self, r: _ReqState | None, rid: str, so: SchedulerOutput) -> bool:
@@ -384,45 +461,50 @@ class XlaModelRunner:
             or (r.num_output < p.min_tokens and p.all_stop_token_ids())
         )
 
+    def _put_sampling(self, host: dict[str, np.ndarray], b: int) -> SamplingTensors:
+        """Host fields -> SamplingTensors on the device; dense fields missing from `host` are
+        the bucket's device-resident neutral ones (copied once)."""
+        if b not in self._neutral:
+            self._neutral[b] = self._put(neutral_extras(b, self.vocab))
+        return SamplingTensors(**{**self._neutral[b], **self._put(host)})
+
     def _sampling_tensors(
-        self, rows: list[_ReqState | None], req_ids: list[str], b: int, extras: bool, bitmasks: dict
+        self,
+        rows: list[_ReqState | None],
+        req_ids: list[str],
+        b: int,
+        extras: bool,
+        with_logprobs: bool,
+        bitmasks: dict,
     ) -> SamplingTensors:
         """Padded per-row parameters; rows that do not sample this step (None) are greedy.
         bitmasks: req_id -> i32 [positions, W] (row 0 is this step's)."""
-        f32, v = np.float32, self.vocab
-        temp, top_k, top_p = np.zeros(b, f32), np.zeros(b, np.int32), np.ones(b, f32)
-        min_p, seeds, steps = np.zeros(b, f32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
-        rep, freq, pres = np.ones(b, f32), np.zeros(b, f32), np.zeros(b, f32)
-        if extras:
-            bias, bitmask = np.zeros((b, v), f32), np.full((b, -(-v // 32)), -1, np.int32)
-            counts, pmask = np.zeros((b, v), np.int32), np.zeros((b, v), bool)
+        v = self.vocab
+        h = host_tensors(b, v, extras)
+        h["use_extras"], h["want_logprobs"] = np.asarray(extras), np.asarray(with_logprobs)
         for i, r in enumerate(rows):
             if r is None:
                 continue
             p = r.params
-            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            seeds[i], steps[i] = r.seed, r.num_output
-            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+            h["temperature"][i], h["top_k"][i], h["top_p"][i] = p.temperature, p.top_k, p.top_p
+            h["min_p"][i], h["seeds"][i], h["steps"][i] = p.min_p, r.seed, r.num_output
+            h["repetition_penalty"][i] = p.repetition_penalty
+            h["frequency_penalty"][i] = p.frequency_penalty
+            h["presence_penalty"][i] = p.presence_penalty
             if not extras:
                 continue
             for tok, val in (p.logit_bias or {}).items():
                 if 0 <= tok < v:
-                    bias[i, tok] += val
+                    h["bias"][i, tok] += val
             if r.num_output < p.min_tokens:
                 stop = [t for t in p.all_stop_token_ids() if 0 <= t < v]
-                bias[i, stop] = -np.inf
+                h["bias"][i, stop] = -np.inf
             if req_ids[i] in bitmasks:
-                bitmask[i] = np.asarray(bitmasks[req_ids[i]], np.int32).reshape(
-                    -1, bitmask.shape[1]
-                )[0]
+                w = h["bitmask"].shape[1]
+                h["bitmask"][i] = np.asarray(bitmasks[req_ids[i]], np.int32).reshape(-1, w)[0]
             if r.output_counts is not None:
-                counts[i], pmask[i] = r.output_counts, r.prompt_mask
-        dense = (
-            dict(bias=bias, bitmask=bitmask, output_counts=counts, prompt_mask=pmask)
-            if extras
-            else {}
-        )
-        return SamplingTensors(temp, top_k, top_p, min_p, seeds, steps, rep, freq, pres, **dense)
+                h["output_counts"][i], h["prompt_mask"][i] = r.output_counts, r.prompt_mask
+        return self._put_sampling(h, b)
 
     def _prompt_logprobs(self, batch: _Batch, hidden: jax.Array, out: RunnerOutput) -> None:
         """Logprobs of prompt tokens whose preceding position was computed this step."""
@@ -437,10 +519,12 @@ class XlaModelRunner:
             off += n
         if not wanted:
             return
-        targets = np.zeros(len(batch.input_ids), np.int32)
+        t = len(batch.input_ids)
+        targets = np.zeros(t, np.int32)
         for rid, base, lo, hi in wanted:
             targets[base + lo - 1 : base + hi - 1] = self.requests[rid].token_ids[lo:hi]
-        lps, ids, ranks = jax.device_get(self._prompt_lp_fn(self.state, hidden, self._put(targets)))
+        prog = self._program(PROMPT_LOGPROBS, t)
+        lps, ids, ranks = jax.device_get(prog(self.state, hidden, self._put(targets)))
         for rid, base, lo, hi in wanted:
             k = 1 + self.requests[rid].params.prompt_logprobs
             rows = range(base + lo - 1, base + hi - 1)

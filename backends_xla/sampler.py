@@ -1,10 +1,11 @@
 """On-device sampling with the full SamplingParams semantics (order: sampling_params.py docstring).
 
 All per-request parameters of a step are batched into padded arrays (`SamplingTensors`, rows =
-the request bucket B), so one jitted function serves a bucket. The optional dense inputs
-(`bias`, `bitmask`, `output_counts`, `prompt_mask`) are None when no request of the step needs
-them: None changes the pytree structure, so "plain" and "extras" steps are two compiled variants
-per bucket, both compiled at start-up.
+the request bucket B), so ONE jitted program serves a bucket whatever the step asks for: the
+dense inputs (`bias`, `bitmask`, `output_counts`, `prompt_mask`) are always present (a step that
+needs none of them passes device-resident neutral arrays, so nothing is copied), and runtime
+`lax.cond`s skip the work nobody asked for: the dense extras (`use_extras`), the top-k/top-p/min-p
+filter and Gumbel noise (only when some row has temperature > 0) and the logprobs (`want_logprobs`).
 
 Axis letters: B requests, V vocab, W = ceil(V / 32) bitmask words, K top logprobs.
 """
@@ -16,23 +17,24 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Top logprobs are always computed at the API maximum (SamplingParams allows <= 20) and cut on
 # the host, so the number asked never changes a compiled shape.
 MAX_LOGPROBS = 20
+GREEDY_EPS = 1e-5  # temperature below this = greedy
+
+_FIELDS = [
+    "temperature", "top_k", "top_p", "min_p", "seeds", "steps", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "bias", "bitmask", "output_counts", "prompt_mask",
+    "use_extras", "want_logprobs",
+]  # fmt: skip
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "temperature", "top_k", "top_p", "min_p", "seeds", "steps", "repetition_penalty",
-        "frequency_penalty", "presence_penalty", "bias", "bitmask", "output_counts", "prompt_mask",
-    ],
-    meta_fields=[],
-)  # fmt: skip
+@functools.partial(jax.tree_util.register_dataclass, data_fields=_FIELDS, meta_fields=[])
 @dataclass(frozen=True)
 class SamplingTensors:
-    temperature: jax.Array  # f32 [B]; 0 = greedy
+    temperature: jax.Array  # f32 [B]; < GREEDY_EPS = greedy
     top_k: jax.Array  # i32 [B]; 0 = off
     top_p: jax.Array  # f32 [B]; 1 = off
     min_p: jax.Array  # f32 [B]; 0 = off
@@ -41,12 +43,39 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # f32 [B]; 1 = off
     frequency_penalty: jax.Array  # f32 [B]
     presence_penalty: jax.Array  # f32 [B]
-    bias: jax.Array | None = None  # f32 [B, V]: logit_bias, -inf for stop tokens under min_tokens
-    bitmask: jax.Array | None = (
-        None  # i32 [B, W]: structured-output allowed tokens (all bits 1 = any)
+    bias: jax.Array  # f32 [B, V]: logit_bias, -inf for stop tokens under min_tokens
+    bitmask: jax.Array  # i32 [B, W]: structured-output allowed tokens (all bits 1 = any)
+    output_counts: jax.Array  # i32 [B, V]: occurrences of each token in the output
+    prompt_mask: jax.Array  # bool [B, V]: token occurs in the prompt
+    use_extras: jax.Array  # bool []: apply bias, bitmask and penalties (else they are neutral)
+    want_logprobs: jax.Array  # bool []: compute logprobs / ranks (else zeros)
+
+
+def host_tensors(b: int, vocab: int, extras: bool = True) -> dict[str, np.ndarray]:
+    """Neutral host arrays of every SamplingTensors field for B = b rows (greedy, no extras).
+    With `extras` False the dense [B, V] fields are left out (the runner keeps neutral ones on
+    the device)."""
+    f32 = np.float32
+    out = dict(
+        temperature=np.zeros(b, f32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, f32),
+        min_p=np.zeros(b, f32), seeds=np.zeros(b, np.uint32), steps=np.zeros(b, np.int32),
+        repetition_penalty=np.ones(b, f32), frequency_penalty=np.zeros(b, f32),
+        presence_penalty=np.zeros(b, f32), use_extras=np.asarray(False),
+        want_logprobs=np.asarray(False),
+    )  # fmt: skip
+    if extras:
+        out.update(neutral_extras(b, vocab))
+    return out
+
+
+def neutral_extras(b: int, vocab: int) -> dict[str, np.ndarray]:
+    """Dense fields that change nothing: zero bias, every token allowed, no counts, no prompt."""
+    return dict(
+        bias=np.zeros((b, vocab), np.float32),
+        bitmask=np.full((b, -(-vocab // 32)), -1, np.int32),
+        output_counts=np.zeros((b, vocab), np.int32),
+        prompt_mask=np.zeros((b, vocab), bool),
     )
-    output_counts: jax.Array | None = None  # i32 [B, V]: occurrences of each token in the output
-    prompt_mask: jax.Array | None = None  # bool [B, V]: token occurs in the prompt
 
 
 @functools.partial(
@@ -57,9 +86,11 @@ class SamplingTensors:
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: jax.Array  # i32 [B]
-    logprobs: jax.Array | None  # f32 [B, 1+K]: sampled token, then the top K (raw distribution)
-    logprob_ids: jax.Array | None  # i32 [B, 1+K]
-    ranks: jax.Array | None  # i32 [B]: 1-based rank of the sampled token
+    logprobs: (
+        jax.Array
+    )  # f32 [B, 1+K]: sampled token, then the top K (raw distribution); 0 if not asked
+    logprob_ids: jax.Array  # i32 [B, 1+K]
+    ranks: jax.Array  # i32 [B]: 1-based rank of the sampled token
     has_nan: jax.Array  # bool [B]: the row's logits contain NaN (the request fails)
 
 
@@ -78,6 +109,12 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     logits = logits - t.frequency_penalty[:, None] * counts.astype(jnp.float32)
     return logits - t.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def _apply_extras(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    logits = logits + t.bias
+    logits = jnp.where(unpack_bitmask(t.bitmask, logits.shape[-1]), logits, -jnp.inf)
+    return apply_penalties(logits, t)
 
 
 def filter_logits(
@@ -104,47 +141,46 @@ def _row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, with_logprobs: bool) -> SamplerOutput:
-    """logits f32 [B, V] (raw model output) -> SamplerOutput. Jit with `with_logprobs` static."""
-    raw = logits
-    v = logits.shape[-1]
-    if t.bias is not None:
-        logits = logits + t.bias
-    if t.bitmask is not None:
-        logits = jnp.where(unpack_bitmask(t.bitmask, v), logits, -jnp.inf)
-    if t.output_counts is not None:
-        logits = apply_penalties(logits, t)
-    greedy_ids = jnp.argmax(logits, axis=-1)
-    greedy = t.temperature < 1e-5
-    scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    filtered = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(
-        _row_keys(t.seeds, t.steps)
-    )
-    sampled_ids = jnp.argmax(filtered + gumbel, axis=-1)
-    token_ids = jnp.where(greedy, greedy_ids, sampled_ids).astype(jnp.int32)
-    has_nan = jnp.any(jnp.isnan(raw), axis=-1)
-    if not with_logprobs:
-        return SamplerOutput(token_ids, None, None, None, has_nan)
+def _logprobs(raw: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Entry 0 = `token_ids`' logprob, then the top K of the raw distribution; 1-based ranks."""
     lp = jax.nn.log_softmax(raw, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, v))
+    top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, raw.shape[-1]))
     tok_lp = jnp.take_along_axis(lp, token_ids[:, None], axis=-1)  # [B, 1]
     ranks = 1 + jnp.sum(lp > tok_lp, axis=-1).astype(jnp.int32)
-    return SamplerOutput(
-        token_ids,
-        jnp.concatenate([tok_lp, top_lp], axis=-1),
-        jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1),
-        ranks,
-        has_nan,
-    )
+    ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
+    return jnp.concatenate([tok_lp, top_lp], axis=-1), ids, ranks
+
+
+def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
+    """logits f32 [B, V] (raw model output) -> SamplerOutput. One program for every feature."""
+    raw = logits
+    b, v = logits.shape
+    logits = jax.lax.cond(t.use_extras, _apply_extras, lambda x, _: x, logits, t)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = t.temperature < GREEDY_EPS
+
+    def random_ids(x: jax.Array) -> jax.Array:
+        scaled = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
+        filtered = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(
+            _row_keys(t.seeds, t.steps)
+        )
+        return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+    # All-greedy steps (the common serving case) skip the sort and the noise entirely.
+    sampled = jax.lax.cond(jnp.all(greedy), lambda x: greedy_ids, random_ids, logits)
+    token_ids = jnp.where(greedy, greedy_ids, sampled)
+    has_nan = jnp.any(jnp.isnan(raw), axis=-1)
+    k = 1 + min(MAX_LOGPROBS, v)
+
+    def no_logprobs(_r: jax.Array, _ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros(b, jnp.int32)
+
+    lps, ids, ranks = jax.lax.cond(t.want_logprobs, _logprobs, no_logprobs, raw, token_ids)
+    return SamplerOutput(token_ids, lps, ids, ranks, has_nan)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prompt logprobs: logits f32 [T, V], targets i32 [T] -> (logprobs [T, 1+K], ids [T, 1+K],
     ranks [T]) with entry 0 the target token, then the top K of the raw distribution."""
-    lp = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, logits.shape[-1]))
-    tgt_lp = jnp.take_along_axis(lp, targets[:, None], axis=-1)
-    ranks = 1 + jnp.sum(lp > tgt_lp, axis=-1).astype(jnp.int32)
-    ids = jnp.concatenate([targets[:, None], top_ids.astype(jnp.int32)], axis=-1)
-    return jnp.concatenate([tgt_lp, top_lp], axis=-1), ids, ranks
+    return _logprobs(logits, targets)

@@ -7,6 +7,15 @@ import importlib
 # family -> "module:Class" under xlaserve.models_flax.
 _FAMILIES: dict[str, str] = {
     "llama": "llama:LlamaForCausalLM",
+    # The generic decoder serves every family below through ModelSpec fields (see decoder.py).
+    "granite": "decoder:DecoderForCausalLM",
+    "gemma": "decoder:DecoderForCausalLM",
+    "olmo2": "decoder:DecoderForCausalLM",
+    "gpt2": "decoder:DecoderForCausalLM",
+    "gpt_neox": "decoder:DecoderForCausalLM",
+    "starcoder2": "decoder:DecoderForCausalLM",
+    "moe": "decoder:DecoderForCausalLM",
+    "mla": "decoder:DecoderForCausalLM",  # + MLAttention (mla.py)
 }
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from xlaserve.kernels_pallas import ragged_paged_attention, write_kv
-from xlaserve.models_flax.layers import Linear, RMSNorm, apply_rotary
+from xlaserve.models_flax.layers import Linear, apply_rotary, make_norm
 
 from xlaserve.model_loader.spec import ModelSpec
 
@@ -87,9 +87,12 @@ class Attention(nnx.Module):
         self.k_proj = Linear(h, spec.num_kv_heads * d, dtype, spec.qkv_bias, tp="col")
         self.v_proj = Linear(h, spec.num_kv_heads * d, dtype, spec.qkv_bias, tp="col")
         self.o_proj = Linear(spec.num_heads * d, h, dtype, spec.o_bias, tp="row")
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(d, spec.norm_eps, dtype, spec.norm_weight_offset)
-            self.k_norm = RMSNorm(d, spec.norm_eps, dtype, spec.norm_weight_offset)
+        self.full_qk_norm = spec.qk_norm and spec.qk_norm_scope == "full"
+        if spec.qk_norm:  # "head": over each head's D dims; "full": over the whole projection
+            qd, kd = (spec.q_size, spec.kv_size) if self.full_qk_norm else (d, d)
+            norm = (spec.norm_kind, spec.norm_eps, dtype, spec.norm_weight_offset, spec.norm_bias)
+            self.q_norm = make_norm(norm[0], qd, *norm[1:])
+            self.k_norm = make_norm(norm[0], kd, *norm[1:])
         else:
             self.q_norm = self.k_norm = None
         self.sliding_window = spec.layer_sliding_window(layer)
@@ -97,15 +100,25 @@ class Attention(nnx.Module):
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, kv: KVCache, md: AttentionMetadata
+        self,
+        x: jax.Array,
+        cos: jax.Array | None,
+        sin: jax.Array | None,
+        kv: KVCache,
+        md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
+        """x [T, H]; cos/sin [T, R/2] (None: no rope, e.g. learned positions) -> [T, H]."""
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.full_qk_norm:  # OLMo2: normalise before the head split
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.full_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
         o = paged_attention(
             q,

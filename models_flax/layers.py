@@ -71,6 +71,56 @@ class RMSNorm(nnx.Module):
         return (xf * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
+class LayerNorm(nnx.Module):
+    """Standard LayerNorm over the last dim (optional bias), computed in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, bias: bool = True) -> None:
+        self.weight = _param((dim,), dtype)
+        self.bias = _param((dim,), dtype) if bias else None
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim]
+        xf = x.astype(jnp.float32)
+        mu = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+        y = (xf - mu) * jax.lax.rsqrt(var + self.eps) * self.weight[...].astype(jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def make_norm(
+    kind: str, dim: int, eps: float, dtype: jnp.dtype, offset: float = 0.0, bias: bool = False
+) -> RMSNorm | LayerNorm:
+    """ "rms" -> RMSNorm (weight offset), "layer" -> LayerNorm (optional bias)."""
+    if kind == "rms":
+        return RMSNorm(dim, eps, dtype, offset)
+    if kind == "layer":
+        return LayerNorm(dim, eps, dtype, bias)
+    raise ValueError(f"unknown norm kind {kind!r} (expected 'rms' or 'layer')")
+
+
+def get_activation(name: str):  # noqa: ANN201 - a jnp elementwise function
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; known: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+class MLP(nnx.Module):
+    """Plain MLP down(act(up(x))) (GPT-2, NeoX, StarCoder2): [T, H] -> [T, H]."""
+
+    def __init__(
+        self, hidden: int, inter: int, activation: str, dtype: jnp.dtype, bias: bool = False
+    ) -> None:
+        get_activation(activation)  # fail early on an unknown name
+        self.activation = activation
+        self.up_proj = Linear(hidden, inter, dtype, bias, tp="col")
+        self.down_proj = Linear(inter, hidden, dtype, bias, tp="row")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(get_activation(self.activation)(self.up_proj(x)))
+
+
 class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)): [T, H] -> [T, H]."""
 

@@ -77,6 +77,15 @@ def load_model(
     parameter (so a wrong weight-name map fails loudly instead of serving zeros).
     """
     check_tensor_parallel(spec, mesh.shape["model"])
+    from xlaserve.model_loader.resolve import is_orbax_dir
+
+    if load_format == "orbax" or (
+        load_format == "auto" and spec.model_dir and is_orbax_dir(spec.model_dir)
+    ):
+        # `xlaserve convert --to orbax` output: restored straight into the mesh's shardings.
+        from xlaserve.backends_xla.orbax_io import restore_state
+
+        return restore_state(spec, dtype, mesh)
     cls = get_model_class(spec.family)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(spec, dtype)))
     flat = {_name(path): var for path, var in nnx.to_flat_state(abstract)}

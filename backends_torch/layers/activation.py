@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from xlaserve.backends_torch.layers.linear import Linear
+from xlaserve.backends_torch.layers.linear import make_linear
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -49,9 +49,9 @@ class MLP(nn.Module):
         self.act = get_activation(activation)
         self.gated = gated
         if gated:
-            self.gate_proj = Linear(hidden, intermediate, bias, dtype, device)
-        self.up_proj = Linear(hidden, intermediate, bias, dtype, device)
-        self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
+            self.gate_proj = make_linear(hidden, intermediate, bias, dtype, device, "column")
+        self.up_proj = make_linear(hidden, intermediate, bias, dtype, device, "column")
+        self.down_proj = make_linear(intermediate, hidden, bias, dtype, device, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

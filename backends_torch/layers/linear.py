@@ -1,7 +1,7 @@
 """Linear layers. Weights use the torch Linear layout [out, in] (the canonical checkpoint layout).
 
 Quantized variants (`QuantLinear`, below) live here too, so model files never change for them;
-tensor-parallel ones will as well.
+tensor-parallel ones come through the `make_*` factories (backends_torch/distributed/layers.py).
 """
 
 from __future__ import annotations
@@ -63,6 +63,67 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+    def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied embeddings: hidden [B, H] -> logits [B, V]."""
+        return F.linear(hidden, self.weight)
+
+
+# ---- factories: the plain layer, or its tensor-parallel variant inside a TP worker ------------
+# Models build their layers through these, so they carry no TP logic (backends_torch/distributed).
+
+
+def _tp_active() -> bool:
+    from xlaserve.backends_torch.distributed.parallel_state import tp_world_size
+
+    return tp_world_size() > 1
+
+
+def make_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    parallel: str | None = None,
+    replicas: int = 1,
+) -> Linear:
+    """`Linear`, or with a TP group: parallel="column" (output split) / "row" (input split,
+    all-reduced). `replicas`: ranks sharing one column shard (KV heads fewer than ranks)."""
+    if parallel is None or not _tp_active():
+        return Linear(in_features, out_features, bias, dtype, device)
+    from xlaserve.backends_torch.distributed import layers as tpl
+
+    if parallel == "column":
+        return tpl.ColumnParallelLinear(in_features, out_features, bias, dtype, device, replicas)
+    if parallel == "row":
+        return tpl.RowParallelLinear(in_features, out_features, bias, dtype, device)
+    raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
+
+
+def make_vocab_embedding(
+    num_embeddings: int,
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Token embedding [V, H] (vocab-parallel with a TP group); has `as_lm_head` for tying."""
+    if not _tp_active():
+        return VocabEmbedding(num_embeddings, dim, dtype, device)
+    from xlaserve.backends_torch.distributed.layers import VocabParallelEmbedding
+
+    return VocabParallelEmbedding(num_embeddings, dim, dtype, device)
+
+
+def make_lm_head(
+    hidden: int, vocab: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """Untied lm head: hidden [B, H] -> logits [B, V] (vocab-split and all-gathered with TP)."""
+    if not _tp_active():
+        return Linear(hidden, vocab, False, dtype, device)
+    from xlaserve.backends_torch.distributed.layers import ParallelLMHead
+
+    return ParallelLMHead(vocab, hidden, dtype, device)
 
 
 # ---- quantized linear (int8 / int4 weight-only, fp8 w8a8) ------------------------------------------

@@ -20,9 +20,15 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
 from xlaserve.backends_torch.layers.activation import MLP
 from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from xlaserve.backends_torch.layers.linear import Linear, VocabEmbedding
+from xlaserve.backends_torch.layers.linear import (
+    VocabEmbedding,
+    make_linear,
+    make_lm_head,
+    make_vocab_embedding,
+)
 from xlaserve.backends_torch.layers.moe import FusedMoE
 from xlaserve.backends_torch.layers.norm import make_norm
 from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
@@ -73,12 +79,19 @@ class DecoderAttention(nn.Module):
         device: str,
     ) -> None:
         super().__init__()
-        self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        h = spec.hidden_size
-        self.q_proj = Linear(h, spec.q_size, spec.qkv_bias, dtype, device)
-        self.k_proj = Linear(h, spec.kv_size, spec.qkv_bias, dtype, device)
-        self.v_proj = Linear(h, spec.kv_size, spec.qkv_bias, dtype, device)
-        self.o_proj = Linear(spec.q_size, h, spec.o_bias, dtype, device)
+        # Heads of this rank (tensor parallelism splits heads; layers carry the split).
+        tp = tp_world_size()
+        self.hq, self.hkv, self.d = (
+            spec.num_heads // tp,
+            kv_heads_per_rank(spec.num_kv_heads),
+            spec.head_dim,
+        )
+        kv_rep = max(1, tp // spec.num_kv_heads)  # ranks sharing one KV head
+        h, qkvb = spec.hidden_size, spec.qkv_bias
+        self.q_proj = make_linear(h, spec.q_size, qkvb, dtype, device, "column")
+        self.k_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
+        self.v_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
+        self.o_proj = make_linear(spec.q_size, h, spec.o_bias, dtype, device, "row")
         self.qk_norm = spec.qk_norm
         self.full_qk_norm = spec.qk_norm and spec.qk_norm_scope == "full"
         if spec.qk_norm:
@@ -210,7 +223,7 @@ class DecoderForCausalLM(CausalLMBase):
             attn_backend = TorchRefAttention()
         self.spec = spec
         self._norm_offset = spec.norm_weight_offset
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
+        self.embed_tokens = make_vocab_embedding(spec.vocab_size, spec.hidden_size, dtype, device)
         if spec.position_embedding == "learned":
             self.embed_positions = VocabEmbedding(
                 spec.max_position_embeddings, spec.hidden_size, dtype, device
@@ -222,7 +235,7 @@ class DecoderForCausalLM(CausalLMBase):
         )
         self.norm = spec_norm(spec, spec.hidden_size, dtype, device)
         if not spec.tie_word_embeddings:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+            self.lm_head = make_lm_head(spec.hidden_size, spec.vocab_size, dtype, device)
 
     @torch.inference_mode()
     def forward(
@@ -245,8 +258,8 @@ class DecoderForCausalLM(CausalLMBase):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, w).float()
+        tied = self.spec.tie_word_embeddings
+        logits = (self.embed_tokens.as_lm_head(hidden) if tied else self.lm_head(hidden)).float()
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
         if self.spec.final_logit_softcap:

@@ -10,6 +10,7 @@ Names (`xlaserve:` prefix; counters get `_total` appended on exposition):
               spec_decode_acceptance_rate (accepted / draft tokens),
               spec_decode_mean_acceptance_length (tokens per verification: 1 + accepted / drafts)
   counters    prefix_cache_queries, prefix_cache_hits, num_preemptions, prompt_tokens,
+              kv_offload_host_hits, kv_offload_bytes_out, kv_offload_bytes_in,
               generation_tokens, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens,
               spec_decode_num_drafts (verifications with drafts), request_success{finished_reason}
   histograms  time_to_first_token_seconds, time_per_output_token_seconds,
@@ -167,6 +168,21 @@ class _EngineStatsCollector(Collector):
                 "xlaserve:num_preemptions",
                 "Preemptions (recompute) so far.",
                 s.num_preemptions_total,
+            ),
+            (
+                "xlaserve:kv_offload_host_hits",
+                "Prompt tokens whose KV was reloaded from the host tier instead of recomputed.",
+                getattr(s, "kv_offload_host_hits", 0),
+            ),
+            (
+                "xlaserve:kv_offload_bytes_out",
+                "KV bytes copied device -> host tier.",
+                getattr(s, "kv_offload_bytes_out", 0),
+            ),
+            (
+                "xlaserve:kv_offload_bytes_in",
+                "KV bytes copied host tier -> device.",
+                getattr(s, "kv_offload_bytes_in", 0),
             ),
             (
                 "xlaserve:prompt_tokens",

@@ -6,26 +6,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from xlaserve.backends_xla.sampler import SamplingTensors, apply_penalties, sample, unpack_bitmask
+from xlaserve.backends_xla.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    host_tensors,
+    sample,
+    unpack_bitmask,
+)
 
 V = 50
-_sample = jax.jit(sample, static_argnames=("with_logprobs",))
+
+
+def _unregister(listener) -> None:  # noqa: ANN001
+    from jax._src import monitoring  # the public module has no unregister in every version
+
+    monitoring.unregister_event_duration_listener(listener)
+
+
+_jitted = jax.jit(sample)  # one program per shape, whatever features a step uses
+
+
+def _sample(logits: np.ndarray, t: SamplingTensors, with_logprobs: bool):  # noqa: ANN202
+    return _jitted(
+        logits, SamplingTensors(**{**vars(t), "want_logprobs": jnp.asarray(with_logprobs)})
+    )
 
 
 def _tensors(b: int, **kw) -> SamplingTensors:
-    base = dict(
-        temperature=np.ones(b, np.float32),
-        top_k=np.zeros(b, np.int32),
-        top_p=np.ones(b, np.float32),
-        min_p=np.zeros(b, np.float32),
-        seeds=np.arange(b, dtype=np.uint32),
-        steps=np.zeros(b, np.int32),
-        repetition_penalty=np.ones(b, np.float32),
-        frequency_penalty=np.zeros(b, np.float32),
-        presence_penalty=np.zeros(b, np.float32),
-    )
+    """Temperature 1 and distinct seeds by default; any dense field given turns the extras on."""
+    base = host_tensors(b, V)
+    base.update(temperature=np.ones(b, np.float32), seeds=np.arange(b, dtype=np.uint32))
+    dense = {"bias", "bitmask", "output_counts", "prompt_mask"}
+    base["use_extras"] = np.asarray(bool(dense & set(kw)))
     base.update(kw)
-    return SamplingTensors(**{k: (None if v is None else jnp.asarray(v)) for k, v in base.items()})
+    return SamplingTensors(**{k: jnp.asarray(v) for k, v in base.items()})
 
 
 def _logits(b: int, seed: int = 0) -> np.ndarray:
@@ -171,3 +185,36 @@ def test_logprobs_and_rank() -> None:
         False,
         False,
     ]
+
+
+def test_one_program_serves_every_feature() -> None:
+    """Greedy, random, extras and logprobs steps of one bucket share one compiled program, and
+    the runtime switches (all-greedy skip, use_extras off) do not change the results."""
+    lowerings: list[str] = []
+
+    def listener(event: str, duration: float, **kw: object) -> None:
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowerings.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    fn = jax.jit(lambda lg, t: sample(lg, t))  # a fresh function: nothing cached yet
+    logits = _logits(6, 9)
+    bias = np.zeros((6, V), np.float32)
+    bias[:, 11] = 100.0
+    temps = np.array([0, 1, 0, 1, 0, 0.5], np.float32)
+    greedy = fn(logits, _tensors(6, temperature=np.zeros(6, np.float32)))
+    mixed = fn(logits, _tensors(6, temperature=temps, want_logprobs=np.asarray(True)))
+    # use_extras off: the dense arrays are ignored even when they hold a bias.
+    ignored = fn(logits, _tensors(6, temperature=np.zeros(6, np.float32), bias=bias,
+                                  use_extras=np.asarray(False)))  # fmt: skip
+    forced = fn(logits, _tensors(6, temperature=temps, bias=bias))
+    _unregister(listener)
+    assert len(lowerings) == 1  # one program for all four feature sets
+    np.testing.assert_array_equal(greedy.token_ids, logits.argmax(-1))
+    np.testing.assert_array_equal(ignored.token_ids, logits.argmax(-1))
+    g = temps == 0
+    np.testing.assert_array_equal(np.asarray(mixed.token_ids)[g], logits.argmax(-1)[g])
+    assert (np.asarray(forced.token_ids) == 11).all()
+    assert not np.asarray(greedy.logprobs).any()  # logprobs not asked: zeros, not computed
+    lp = np.asarray(jax.nn.log_softmax(logits, -1))
+    np.testing.assert_allclose(mixed.logprobs[:, 0], lp[np.arange(6), mixed.token_ids], atol=1e-5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from xlaserve.config import CacheConfig, SchedulerConfig
 from xlaserve.core.kv_cache_manager import KVCacheManager
@@ -52,6 +52,9 @@ class Scheduler:
         # Ids the runner must forget at the next step (finished, aborted, preempted).
         self._finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # Structured output hook (set by the engine): False while a request's grammar is still
+        # compiling; such waiting requests are skipped without blocking the ones behind them.
+        self.is_request_ready: Callable[[Request], bool] | None = None
 
     # ----- queues -----------------------------------------------------------------------------
 
@@ -84,7 +87,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV; it resumes from token 0 (prefix hits help)."""
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        # "swap": its full blocks are copied out to the host tier, so resuming reloads them.
+        self.kv_cache_manager.free(request, swap=self.config.preemption_mode == "swap")
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -134,6 +138,7 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests (not in a step that had to preempt: blocks are short).
+        not_ready: list[Request] = []  # grammar still compiling: skipped, put back in order
         while (
             not preempted
             and self.waiting
@@ -141,6 +146,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if self.is_request_ready is not None and not self.is_request_ready(req):
+                not_ready.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if num_new > budget:
@@ -161,6 +169,8 @@ class Scheduler:
             new_reqs.append(req)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
+        # Skipped requests were at the head of the queue: they go back there, same order.
+        self.waiting.extendleft(reversed(not_ready))
 
         output = SchedulerOutput(
             new_requests=[
@@ -180,6 +190,10 @@ class Scheduler:
             spec_token_ids=spec_token_ids,
             finished_req_ids=self._finished_req_ids,
         )
+        # Host/disk tier copies of this step (evictions, swap-outs, tier hits); see runner.py.
+        ops = kv.take_offload_ops()
+        output.kv_disk_out, output.kv_copy_out = ops.disk_out, ops.copy_out
+        output.kv_disk_in, output.kv_copy_in = ops.disk_in, ops.copy_in
         self._finished_req_ids = set()
         # Advance optimistically; update_from_output takes back rejected draft positions.
         for req_id, n in num_scheduled.items():

@@ -19,7 +19,7 @@ from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
 from xlaserve.model_loader.registry import build_spec
-from xlaserve.model_loader.resolve import resolve_model_dir
+from xlaserve.model_loader.resolve import is_orbax_dir, resolve_model_dir
 from xlaserve.outputs import (
     CompletionOutput,
     Logprob,
@@ -131,8 +131,22 @@ class LLMEngine:
         self.backend = (
             config.backend if config.backend != "auto" else current_platform.default_backend
         )
+        if is_orbax_dir(self.model_dir) or config.load.load_format == "orbax":
+            # Orbax checkpoints hold the Flax parameter tree: only the XLA backend reads them.
+            if config.backend == "torch":
+                raise ValueError(
+                    f"{self.model_dir} is an orbax checkpoint (xlaserve convert --to orbax), which "
+                    "only backend 'xla' can load; pass backend='xla' or the safetensors directory"
+                )
+            self.backend = "xla"
         check_speculative_config(config.speculative, self.backend)  # before loading anything
-        self.runner: ModelRunner = create_runner(config, self.spec, self.backend)
+        if self.backend == "torch" and config.parallel.tensor_parallel_size > 1:
+            # One TorchModelRunner shard per device, over torch.distributed (imports torch).
+            from xlaserve.backends_torch.distributed.executor import make_executor
+
+            self.runner: ModelRunner = make_executor(config, self.spec)
+        else:
+            self.runner = create_runner(config, self.spec, self.backend)
         self.runner.load_model()
         num_blocks = self.runner.determine_num_kv_blocks()
         self.runner.init_kv_cache(num_blocks)

@@ -1,0 +1,310 @@
+"""Structured output through xgrammar: grammar compilation off the step loop, one matcher per
+sequence, packed allowed-token bitmasks per step.
+
+Life of a constrained sequence (driven by `LLMEngine`):
+1. `prepare(params)` (synchronous, in `add_request`): parse the spec into an `xgrammar.Grammar`
+   (cheap; raises ValueError with the reason for a malformed schema / regex / EBNF).
+2. `add_request(req_id, prepared)`: a cache hit gets its matcher at once; a miss is compiled on a
+   worker thread (the tokenizer-dependent, expensive part). Until then `is_ready(req_id)` is False
+   and the scheduler skips the request without blocking the others.
+3. Each step `poll()` turns finished compilations into matchers (or per-request errors), then
+   `fill_bitmasks` gives int32 [P, W] (P = 1 + drafts, W = ceil(V / 32)) for each sampling request.
+4. `accept_tokens(req_id, tokens)` advances the matcher; a terminated matcher ends the request.
+
+xgrammar (and with it torch) is imported lazily: only when the first constrained request arrives.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from xlaserve.config import StructuredOutputConfig
+from xlaserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+# Compact JSON (no free whitespace between tokens): with free whitespace a model can loop on
+# spaces/newlines forever inside an object; the output is valid JSON either way.
+JSON_ANY_WHITESPACE = False
+
+GrammarKey = tuple[str, str]
+
+
+def clean_xgrammar_error(e: BaseException) -> str:
+    """Strip xgrammar's C++ location prefix ("[12:00:00] /project/cpp/x.cc:12: ")."""
+    msg = str(e).strip()
+    msg = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", msg)
+    msg = msg.replace("Check failed: (error.empty()) is false: ", "")
+    return msg.splitlines()[0] if msg else type(e).__name__
+
+
+def choice_to_ebnf(choices: list[str]) -> str:
+    """`root ::= "a" | "b"`: EBNF string literals take JSON escapes, so json.dumps escapes them."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+# xgrammar 0.2.9 writes length-bounded JSON strings (minLength/maxLength) with the character
+# class below, which lets raw control characters (e.g. TAB) into strings: invalid JSON for strict
+# parsers. Its unbounded-string rule excludes \0-\x1f; we patch the bounded one to match.
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_STRICT_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def _forbid_control_chars(grammar: xgr.Grammar) -> xgr.Grammar:
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
+    except Exception:  # the printed grammar did not parse back: keep xgrammar's own
+        logger.debug("could not patch string rule of a JSON schema grammar", exc_info=True)
+        return grammar
+
+
+def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    """Parse a spec into an xgrammar Grammar (no tokenizer needed). ValueError with the reason."""
+    import xgrammar as xgr
+
+    try:
+        if params.json is not None:
+            schema = params.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError(
+                    f"a JSON schema must be an object, got {type(schema).__name__}"
+                ) from None
+            grammar = xgr.Grammar.from_json_schema(
+                json.dumps(schema), any_whitespace=JSON_ANY_WHITESPACE
+            )
+            return _forbid_control_chars(grammar)
+        if params.json_object:
+            # Any JSON object (the builtin JSON grammar would also admit a top-level array).
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=JSON_ANY_WHITESPACE, strict_mode=False
+            )
+        if params.regex is not None:
+            return xgr.Grammar.from_regex(params.regex)
+        if params.choice is not None:
+            return xgr.Grammar.from_ebnf(choice_to_ebnf(params.choice))
+        return xgr.Grammar.from_ebnf(params.grammar or "")
+    except ValueError:
+        raise
+    except Exception as e:  # xgrammar raises RuntimeError with the parser's message
+        kind = params.key()[0]
+        raise ValueError(f"invalid structured output {kind}: {clean_xgrammar_error(e)}") from None
+
+
+def build_tokenizer_info(
+    tokenizer: Any, vocab_size: int, stop_token_ids: list[int]
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, sized to the model's lm_head (V may exceed the
+    tokenizer's vocab: the extra ids get "" and are never allowed).
+
+    `tokenizer`: xlaserve's Tokenizer (wrapping a `tokenizers.Tokenizer`) or a raw
+    `tokenizers.Tokenizer`. Special tokens other than the stop tokens are blanked so a grammar
+    can never spell text with them (they would vanish from the detokenized output).
+    """
+    import xgrammar as xgr
+
+    raw = getattr(tokenizer, "_tok", tokenizer)  # the `tokenizers.Tokenizer` inside
+    vocab: dict[str, int] = raw.get_vocab(with_added_tokens=True)
+    encoded: list[str] = [""] * vocab_size
+    for tok, i in vocab.items():
+        if i < vocab_size:
+            encoded[i] = tok
+    stops = sorted({t for t in stop_token_ids if 0 <= t < vocab_size})
+    for i in getattr(tokenizer, "all_special_ids", set()) or set():
+        if 0 <= i < vocab_size and i not in stops:
+            encoded[i] = ""
+    try:
+        # Detects byte-level / byte-fallback / raw vocab and add_prefix_space from tokenizer.json,
+        # without needing transformers.
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(raw.to_str())
+    except Exception:  # private helper moved: let transformers' wrapper detect it
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=raw)
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf, vocab_size=vocab_size, stop_token_ids=stops or None
+        )
+        meta = {"vocab_type": info.vocab_type, "add_prefix_space": info.add_prefix_space}
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=meta["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stops or None,
+        add_prefix_space=meta["add_prefix_space"],
+    )
+
+
+@dataclass
+class PreparedGrammar:
+    """What `prepare` returns: the cache key and (on a cache miss) the parsed grammar."""
+
+    key: GrammarKey
+    grammar: Any = None  # xgr.Grammar | None (None when already compiled and cached)
+
+
+class StructuredOutputManager:
+    """Compiled-grammar LRU cache + per-sequence GrammarMatchers. Not thread-safe: every method
+    runs on the engine's thread; only `GrammarCompiler.compile_grammar` runs on the worker."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int] | None = None,
+        config: StructuredOutputConfig | None = None,
+    ) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.config = config or StructuredOutputConfig()
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32  # W
+        stops = list(stop_token_ids or [])
+        if not stops and getattr(tokenizer, "eos_token_id", None) is not None:
+            stops = [tokenizer.eos_token_id]
+        self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stops)
+        # Our own LRU replaces xgrammar's cache (bounded by count, as the config says).
+        self._compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=2, cache_enabled=False
+        )
+        self._cache: OrderedDict[GrammarKey, Any] = OrderedDict()  # key -> CompiledGrammar
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="xlaserve-grammar")
+        self._inflight: dict[GrammarKey, cf.Future] = {}
+        self._waiting: dict[str, GrammarKey] = {}  # req_id -> key still compiling
+        self._matchers: dict[str, Any] = {}  # req_id -> GrammarMatcher
+        self.num_compiled = 0
+
+    # ----- requests ---------------------------------------------------------------------------
+
+    def prepare(self, params: StructuredOutputsParams) -> PreparedGrammar:
+        """Validate synchronously (ValueError with the reason); cheap on a cache hit."""
+        key = params.key()
+        if key in self._cache or key in self._inflight:
+            return PreparedGrammar(key)
+        return PreparedGrammar(key, build_grammar(params))
+
+    def add_request(self, req_id: str, prepared: PreparedGrammar) -> None:
+        """Attach a sequence to its grammar: a matcher now (cache hit) or after compilation."""
+        key = prepared.key
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            self._matchers[req_id] = self._new_matcher(self._cache[key])
+            return
+        if key not in self._inflight:
+            if prepared.grammar is None:
+                raise ValueError("grammar evicted before compilation; prepare it again")
+            self._inflight[key] = self._executor.submit(
+                self._compiler.compile_grammar, prepared.grammar
+            )
+        self._waiting[req_id] = key
+
+    def remove(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+        self._waiting.pop(req_id, None)
+
+    def is_constrained(self, req_id: str) -> bool:
+        return req_id in self._matchers or req_id in self._waiting
+
+    def has_matcher(self, req_id: str) -> bool:
+        return req_id in self._matchers
+
+    def is_ready(self, req_id: str) -> bool:
+        """False while the request's grammar is compiling (or failed and not yet reported)."""
+        return req_id not in self._waiting
+
+    def has_pending(self) -> bool:
+        return bool(self._waiting)
+
+    def wait_pending(self, timeout: float) -> None:
+        """Block until some compilation finishes (or timeout): lets an idle engine yield the CPU
+        to the compile thread instead of spinning."""
+        futures = [self._inflight[k] for k in set(self._waiting.values()) if k in self._inflight]
+        if futures:
+            cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    def poll(self) -> dict[str, str]:
+        """Collect finished compilations. Returns req_id -> error for sequences whose grammar
+        failed to compile (the caller fails them); the others get their matchers."""
+        errors: dict[str, str] = {}
+        for key, fut in list(self._inflight.items()):
+            if not fut.done():
+                continue
+            del self._inflight[key]
+            ids = [rid for rid, k in self._waiting.items() if k == key]
+            try:
+                compiled = fut.result()
+            except Exception as e:
+                msg = f"structured output grammar failed to compile: {clean_xgrammar_error(e)}"
+                for rid in ids:
+                    errors[rid] = msg
+                    del self._waiting[rid]
+                continue
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+            for rid in ids:
+                self._matchers[rid] = self._new_matcher(compiled)
+                del self._waiting[rid]
+        return errors
+
+    def _new_matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    # ----- per step ---------------------------------------------------------------------------
+
+    def fill_bitmask(self, req_id: str, drafts: list[int] | None = None) -> np.ndarray:
+        """Allowed tokens at the request's next 1 + len(drafts) positions: int32 [P, W].
+
+        Row i is the mask after drafts[:i] were accepted; the matcher is rolled back after.
+        Rows after a draft the grammar rejects allow everything (the runner's verification
+        stops at that draft, since its own row masks it out).
+        """
+        drafts = drafts or []
+        m = self._matchers[req_id]
+        out = np.full((1 + len(drafts), self.num_words), -1, dtype=np.int32)
+        accepted = 0
+        for i in range(1 + len(drafts)):
+            m.fill_next_token_bitmask(out, i)
+            if i == len(drafts) or not m.accept_token(drafts[i]):
+                break
+            accepted += 1
+        if accepted:
+            m.rollback(accepted)
+        return out
+
+    def accept_tokens(self, req_id: str, tokens: list[int]) -> tuple[bool, str | None]:
+        """Advance the matcher with the tokens the request got. Returns (terminated, error);
+        error is set when a token violates the grammar (the sampler did not apply the mask)."""
+        m = self._matchers.get(req_id)
+        if m is None:
+            return False, None
+        for t in tokens:
+            if m.is_terminated():
+                break
+            if not m.accept_token(t):
+                return False, f"token {t} violates the structured output grammar"
+        return m.is_terminated(), None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
