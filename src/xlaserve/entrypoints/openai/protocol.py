@@ -214,6 +214,8 @@ class _SamplingFields:
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's current name: {"json": ..., "json_object": true, "regex": ..., "choice": [...], "grammar": ...}
+    structured_outputs: dict[str, Any] | None = None
 
     def _check_common(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -237,35 +239,24 @@ class _SamplingFields:
                     )
 
     def _structured(self) -> StructuredOutputsParams | None:
-        kinds: dict[str, Any] = {}
-        if self.guided_json is not None:
-            kinds["json"] = self.guided_json
-        if self.guided_regex is not None:
-            kinds["regex"] = self.guided_regex
-        if self.guided_choice is not None:
-            kinds["choice"] = self.guided_choice
-        if self.guided_grammar is not None:
-            kinds["grammar"] = self.guided_grammar
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            kinds["json_object"] = True
-        elif rf is not None and rf.type == "json_schema":
-            schema = (rf.json_schema or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise ProtocolError(
-                    "'response_format.json_schema.schema' must be a JSON schema object",
-                    "response_format",
-                )
-            kinds["json"] = schema
-        if not kinds:
-            return None
-        if len(kinds) > 1:
-            raise ProtocolError(
-                "give at most one of guided_json, guided_regex, guided_choice, guided_grammar,"
-                " response_format",
-                "response_format",
-            )
-        return StructuredOutputsParams(**kinds)
+        """One constraint from response_format / structured_outputs / guided_* (400 otherwise)."""
+        from xlaserve.structured.openai_compat import structured_from_request
+
+        body: dict[str, Any] = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+            "structured_outputs": self.structured_outputs,
+        }
+        if self.response_format is not None:
+            rf = self.response_format
+            body["response_format"] = {"type": rf.type, "json_schema": rf.json_schema}
+        try:
+            return structured_from_request(body)
+        except (TypeError, ValueError) as e:
+            param = "response_format" if self.response_format is not None else "structured_outputs"
+            raise ProtocolError(str(e), param) from None
 
     def _sampling(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
