@@ -10,6 +10,11 @@ instead of multiplying:
 - "logits + sample", one per request bucket B: the first B of those rows -> logits [B, V] ->
   one sampler program that handles every SamplingParams feature with arrays (sampler.py).
 
+With a speculative_config (n-gram drafts, K = num_speculative_tokens) the forward gathers
+R * (1 + K) rows instead of R and one "logits + verify" program per request bucket B (compiled at
+start-up) scores 1 + K rows per request and accepts / rejects on the device (sampler.verify);
+steps without drafts keep using the sample program.
+
 Prompt logprobs (rare) use a third program per token bucket, compiled the first time a step asks
 for them (`lazy_compiles` records it). Everything else is compiled ahead of time at
 `init_kv_cache` (unless `enforce_eager`: then each program is compiled at first use), as
@@ -38,6 +43,7 @@ from xlaserve.backends_xla.sampler import (
     neutral_extras,
     sample,
     token_logprobs,
+    verify,
 )
 from xlaserve.backends_xla.utils import (
     make_buckets,
@@ -58,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 SMALLEST_TOKEN_BUCKET = 16
 PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, V] logits materialized at once for prompt logprobs
-FORWARD, SAMPLE, PROMPT_LOGPROBS = "forward", "sample", "prompt_logprobs"
+FORWARD, SAMPLE, PROMPT_LOGPROBS, VERIFY = "forward", "sample", "prompt_logprobs", "verify"
 
 
 @dataclass
@@ -88,11 +94,14 @@ class _Batch:
     block_tables: np.ndarray  # i32 [R, M]
     cu_q_lens: np.ndarray  # i32 [R+1]
     num_seqs: np.ndarray  # i32 [1]
-    logits_indices: np.ndarray  # i32 [R]: last token of each request in T
+    # i32 [R * (1 + K)]: rows [0, R) = last token of each request in T; with speculation
+    # (K drafts max) rows R + i*K + j = draft position j of request i (padding: its last token).
+    logits_indices: np.ndarray
     req_ids: list[str] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # first position computed this step
     counts: list[int] = field(default_factory=list)  # tokens computed this step
     sampling: list[bool] = field(default_factory=list)  # chunk reaches the end of known tokens
+    drafts: list[list[int]] = field(default_factory=list)  # speculative drafts per request
 
 
 class XlaModelRunner:
@@ -107,6 +116,14 @@ class XlaModelRunner:
             raise ValueError(
                 f"quantization {config.model.quantization!r} is not supported by backend 'xla'"
             )
+        sc = config.speculative
+        if sc is not None and sc.method != "ngram":
+            raise NotImplementedError(
+                f"speculative method {sc.method!r} is not supported by backend 'xla' "
+                "(only 'ngram'); use backend='torch' for draft_model"
+            )
+        # K: the verify programs score 1 + K rows per request (fixed shapes, compiled at start).
+        self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
         self.config, self.spec = config, spec
         self.compilation_cache_dir = setup_compilation_cache(config.compilation_cache_dir)
         self.platform = jax.default_backend()
@@ -120,6 +137,7 @@ class XlaModelRunner:
         self.token_buckets = make_buckets(SMALLEST_TOKEN_BUCKET, sched.max_num_batched_tokens)
         self.seq_buckets = make_buckets(1, sched.max_num_seqs)
         self.vocab = spec.vocab_size
+        self.num_rows = self.max_num_seqs * (1 + self.num_spec_tokens)  # forward's gathered rows
         self.requests: dict[str, _ReqState] = {}
         self._seed_rng = np.random.default_rng(config.model.seed)
         self._replicated = NamedSharding(self.mesh, P())
@@ -158,6 +176,15 @@ class XlaModelRunner:
             b = st.temperature.shape[0]  # the request bucket; rows is [R, H]
             return sample(nnx.merge(graphdef, state).compute_logits(rows[:b]), st)
 
+        r, k = self.max_num_seqs, self.num_spec_tokens
+
+        def logits_and_verify(state, rows, st, drafts, num_drafts):  # noqa: ANN001, ANN202
+            b = drafts.shape[0]  # the request bucket; rows is [R * (1 + K), H]
+            h = rows.shape[-1]
+            pre = rows[r : r + b * k].reshape(b, k, h)
+            full = jnp.concatenate([pre, rows[:b, None]], axis=1).reshape(b * (k + 1), h)
+            return verify(nnx.merge(graphdef, state).compute_logits(full), st, drafts, num_drafts)
+
         def prompt_logprobs(state, hidden, targets):  # noqa: ANN001, ANN202
             model = nnx.merge(graphdef, state)
             t, c = hidden.shape[0], PROMPT_LOGPROBS_CHUNK
@@ -174,6 +201,7 @@ class XlaModelRunner:
             FORWARD: jax.jit(forward, donate_argnums=(1,)),
             SAMPLE: jax.jit(logits_and_sample),
             PROMPT_LOGPROBS: jax.jit(prompt_logprobs),
+            VERIFY: jax.jit(logits_and_verify),
         }
 
     def _kv_block_bytes(self) -> int:
@@ -237,11 +265,16 @@ class XlaModelRunner:
             self.compile_all()
 
     def startup_programs(self) -> list[tuple[str, int]]:
-        """Programs compiled at start-up: (token buckets) + (request buckets), no product."""
-        return [(FORWARD, t) for t in self.token_buckets] + [(SAMPLE, b) for b in self.seq_buckets]
+        """Programs compiled at start-up: (token buckets) + (request buckets), no product; with
+        speculation also one verify program per request bucket."""
+        progs = [(FORWARD, t) for t in self.token_buckets] + [(SAMPLE, b) for b in self.seq_buckets]
+        if self.num_spec_tokens:
+            progs += [(VERIFY, b) for b in self.seq_buckets]
+        return progs
 
     def _lower(self, kind: str, n: int) -> jax.stages.Lowered:
-        """Trace and lower one program for bucket n (T for FORWARD/PROMPT_LOGPROBS, B for SAMPLE)."""
+        """Trace and lower one program for bucket n (T for FORWARD/PROMPT_LOGPROBS, B for
+        SAMPLE/VERIFY)."""
         fn = self._jitted[kind]
         if kind == FORWARD:
             lowered = fn.lower(
@@ -250,13 +283,17 @@ class XlaModelRunner:
             self._hidden_dtype = lowered.out_info[1].dtype
             return lowered
         h = self.spec.hidden_size
-        if kind == SAMPLE:
+        if kind in (SAMPLE, VERIFY):
             rows = jax.ShapeDtypeStruct(
-                (self.max_num_seqs, h), self._hidden_dtype, sharding=self._replicated
+                (self.num_rows, h), self._hidden_dtype, sharding=self._replicated
             )
-            return fn.lower(
-                self.state, rows, self._put_sampling(host_tensors(n, self.vocab, False), n)
-            )
+            if kind == SAMPLE:
+                st = self._put_sampling(host_tensors(n, self.vocab, False), n)
+                return fn.lower(self.state, rows, st)
+            m = n * (1 + self.num_spec_tokens)
+            st = self._put_sampling(host_tensors(m, self.vocab, False), m)
+            drafts = self._put(np.zeros((n, self.num_spec_tokens), np.int32))
+            return fn.lower(self.state, rows, st, drafts, self._put(np.zeros(n, np.int32)))
         hidden = jax.ShapeDtypeStruct((n, h), self._hidden_dtype, sharding=self._replicated)
         targets = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated)
         return fn.lower(self.state, hidden, targets)  # fmt: skip
@@ -301,8 +338,11 @@ class XlaModelRunner:
     # ---------------------------------------------------------------- one step
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         so = scheduler_output
-        if so.spec_token_ids:
-            raise NotImplementedError("speculative decoding is not supported by backend 'xla' yet")
+        stray = [r for r, d in so.spec_token_ids.items() if d and r not in so.num_scheduled_tokens]
+        if stray:
+            raise ValueError(f"speculative drafts for requests not scheduled this step: {stray}")
+        if any(so.spec_token_ids.values()) and not self.num_spec_tokens:
+            raise ValueError("speculative drafts scheduled but no speculative_config was set")
         if so.has_kv_copies:  # before the forward, in the order runner.py documents
             if self.kv_offload is None:
                 raise RuntimeError("KV offload copies scheduled but kv_offload_bytes is 0")
@@ -315,6 +355,9 @@ class XlaModelRunner:
             return out
         batch = self._prepare(so)
         rows_h, hidden = self._forward(batch)
+        if any(batch.drafts):
+            self._verify_step(so, batch, rows_h, hidden, out)
+            return out
         b = pick_bucket(self.seq_buckets, len(batch.req_ids))
         rows = [
             self.requests[r] if s else None
@@ -399,17 +442,25 @@ class XlaModelRunner:
         for i, (rid, n) in enumerate(items):
             r = self.requests[rid]
             c = r.num_computed
-            if c + n > len(r.token_ids):
+            ds = list(so.spec_token_ids.get(rid, ()))
+            if len(ds) > self.num_spec_tokens:
                 raise ValueError(
-                    f"{rid}: {n} tokens scheduled from {c} but only {len(r.token_ids)} are known"
+                    f"{rid}: {len(ds)} drafts exceed num_speculative_tokens {self.num_spec_tokens}"
                 )
+            known = r.token_ids + ds if ds else r.token_ids
+            if c + n > len(known):
+                raise ValueError(
+                    f"{rid}: {n} tokens scheduled from {c} but only {len(known)} are known"
+                )
+            if ds and c + n != len(known):
+                raise ValueError(f"{rid}: {len(ds)} drafts scheduled but the chunk ends at {c + n}")
             blocks = np.asarray(r.block_ids, np.int32)
             if len(blocks) * s < c + n or len(blocks) > self.max_blocks_per_seq:
                 raise ValueError(
                     f"{rid}: {len(blocks)} blocks cannot hold {c + n} tokens (max_model_len {self.max_model_len})"
                 )
             pos = np.arange(c, c + n, dtype=np.int32)
-            batch.input_ids[off : off + n] = r.token_ids[c : c + n]
+            batch.input_ids[off : off + n] = known[c : c + n]
             batch.positions[off : off + n] = pos
             batch.slot_mapping[off : off + n] = blocks[pos // s] * s + pos % s
             batch.kv_lens[i] = c + n
@@ -417,10 +468,14 @@ class XlaModelRunner:
             off += n
             batch.cu_q_lens[i + 1 :] = off
             batch.logits_indices[i] = off - 1
+            k, d = self.num_spec_tokens, len(ds)
+            for j in range(k):  # draft positions j < d score row off-1-d+j; padding: the last
+                batch.logits_indices[self.max_num_seqs + i * k + j] = off - 1 - d + min(j, d)
             batch.req_ids.append(rid)
             batch.starts.append(c)
             batch.counts.append(n)
-            batch.sampling.append(c + n == len(r.token_ids))
+            batch.sampling.append(c + n == len(known))
+            batch.drafts.append(ds)
         batch.num_seqs[0] = len(items)
         return batch
 
@@ -429,7 +484,7 @@ class XlaModelRunner:
         z, r = np.zeros, self.max_num_seqs
         return _Batch(z(t, np.int32), z(t, np.int32), np.full(t, -1, np.int32), z(r, np.int32),
                       z((r, self.max_blocks_per_seq), np.int32), z(r + 1, np.int32), z(1, np.int32),
-                      z(r, np.int32))  # fmt: skip
+                      z(self.num_rows, np.int32))  # fmt: skip
 
     def _put(self, tree):  # noqa: ANN001, ANN202
         """Host arrays -> replicated device arrays (one sharding always, as compiled)."""
@@ -476,9 +531,12 @@ class XlaModelRunner:
         extras: bool,
         with_logprobs: bool,
         bitmasks: dict,
+        positions: list[int] | None = None,
+        prefixes: list[list[int]] | None = None,
     ) -> SamplingTensors:
         """Padded per-row parameters; rows that do not sample this step (None) are greedy.
-        bitmasks: req_id -> i32 [positions, W] (row 0 is this step's)."""
+        bitmasks: req_id -> i32 [positions, W] (row 0 is this step's). With speculation, row i
+        scores position positions[i] after the drafts prefixes[i] (counts, steps, bitmask row)."""
         v = self.vocab
         h = host_tensors(b, v, extras)
         h["use_extras"], h["want_logprobs"] = np.asarray(extras), np.asarray(with_logprobs)
@@ -486,8 +544,10 @@ class XlaModelRunner:
             if r is None:
                 continue
             p = r.params
+            j = positions[i] if positions is not None else 0
+            n_out = r.num_output + j
             h["temperature"][i], h["top_k"][i], h["top_p"][i] = p.temperature, p.top_k, p.top_p
-            h["min_p"][i], h["seeds"][i], h["steps"][i] = p.min_p, r.seed, r.num_output
+            h["min_p"][i], h["seeds"][i], h["steps"][i] = p.min_p, r.seed, n_out
             h["repetition_penalty"][i] = p.repetition_penalty
             h["frequency_penalty"][i] = p.frequency_penalty
             h["presence_penalty"][i] = p.presence_penalty
@@ -496,15 +556,89 @@ class XlaModelRunner:
             for tok, val in (p.logit_bias or {}).items():
                 if 0 <= tok < v:
                     h["bias"][i, tok] += val
-            if r.num_output < p.min_tokens:
+            if n_out < p.min_tokens:
                 stop = [t for t in p.all_stop_token_ids() if 0 <= t < v]
                 h["bias"][i, stop] = -np.inf
             if req_ids[i] in bitmasks:
                 w = h["bitmask"].shape[1]
-                h["bitmask"][i] = np.asarray(bitmasks[req_ids[i]], np.int32).reshape(-1, w)[0]
+                mask = np.asarray(bitmasks[req_ids[i]], np.int32).reshape(-1, w)
+                if mask.shape[0] <= j:
+                    raise ValueError(
+                        f"{req_ids[i]}: grammar bitmask has {mask.shape[0]} rows, position {j} scored"
+                    )
+                h["bitmask"][i] = mask[j]
             if r.output_counts is not None:
                 h["output_counts"][i], h["prompt_mask"][i] = r.output_counts, r.prompt_mask
+                for tok in prefixes[i] if prefixes is not None else ():
+                    if 0 <= tok < v:
+                        h["output_counts"][i, tok] += 1
         return self._put_sampling(h, b)
+
+    def _verify_step(
+        self,
+        so: SchedulerOutput,
+        batch: _Batch,
+        rows_h: jax.Array,
+        hidden: jax.Array,
+        out: RunnerOutput,
+    ) -> None:
+        """A step with drafts: one verify program over 1 + K rows per request (padded)."""
+        k = self.num_spec_tokens
+        b = pick_bucket(self.seq_buckets, len(batch.req_ids))
+        reqs: list[_ReqState | None] = []
+        rids: list[str] = []
+        positions: list[int] = []
+        prefixes: list[list[int]] = []
+        drafts = np.zeros((b, k), np.int32)
+        num_drafts = np.zeros(b, np.int32)
+        for i in range(b):
+            live = i < len(batch.req_ids) and batch.sampling[i]
+            r = self.requests[batch.req_ids[i]] if live else None
+            ds = batch.drafts[i] if live else []
+            drafts[i, : len(ds)], num_drafts[i] = ds, len(ds)
+            for j in range(k + 1):
+                jj = min(j, len(ds))  # padding rows repeat the last real position
+                reqs.append(r)
+                rids.append(batch.req_ids[i] if live else "")
+                positions.append(jj)
+                prefixes.append(ds[:jj])
+        extras = any(self._needs_extras(r, rid, so) for r, rid in zip(reqs, rids, strict=True))
+        with_lp = any(r is not None and r.params.logprobs is not None for r in reqs)
+        st = self._sampling_tensors(
+            reqs, rids, len(reqs), extras, with_lp, so.grammar_bitmask, positions, prefixes
+        )
+        res = jax.device_get(
+            self._program(VERIFY, b)(
+                self.state, rows_h, st, self._put(drafts), self._put(num_drafts)
+            )
+        )
+        self._prompt_logprobs(batch, hidden, out)
+        for i, rid in enumerate(batch.req_ids):
+            r = self.requests[rid]
+            r.num_computed += batch.counts[i]
+            if not batch.sampling[i]:
+                out.sampled_token_ids[rid] = []
+                continue
+            if res.has_nan[i]:
+                out.errors[rid] = "the model produced NaN logits"
+                continue
+            toks = [int(t) for t in res.token_ids[i, : int(res.num_tokens[i])]]
+            for tok in toks:
+                self._append(r, tok)
+            # KV is valid up to the last accepted draft; the new last token is computed next.
+            r.num_computed = len(r.token_ids) - 1
+            out.sampled_token_ids[rid] = toks
+            if r.params.logprobs is not None:
+                m = 1 + r.params.logprobs
+                rows = range(i * (k + 1), i * (k + 1) + len(toks))
+                out.logprobs[rid] = [
+                    TokenLogprobs(
+                        res.logprob_ids[j, :m].tolist(),
+                        res.logprobs[j, :m].tolist(),
+                        int(res.ranks[j]),
+                    )
+                    for j in rows
+                ]
 
     def _prompt_logprobs(self, batch: _Batch, hidden: jax.Array, out: RunnerOutput) -> None:
         """Logprobs of prompt tokens whose preceding position was computed this step."""

@@ -184,3 +184,74 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ja
     """Prompt logprobs: logits f32 [T, V], targets i32 [T] -> (logprobs [T, 1+K], ids [T, 1+K],
     ranks [T]) with entry 0 the target token, then the top K of the raw distribution."""
     return _logprobs(logits, targets)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["token_ids", "num_tokens", "logprobs", "logprob_ids", "ranks", "has_nan"],
+    meta_fields=[],
+)
+@dataclass(frozen=True)
+class VerifyOutput:
+    token_ids: jax.Array  # i32 [B, K+1]: accepted drafts, then the bonus/recovered token; padded
+    num_tokens: jax.Array  # i32 [B]: 1..d+1 tokens emitted
+    logprobs: jax.Array  # f32 [B*(K+1), 1+M]: per emitted token (raw distribution); 0 if not asked
+    logprob_ids: jax.Array  # i32 [B*(K+1), 1+M]
+    ranks: jax.Array  # i32 [B*(K+1)]
+    has_nan: jax.Array  # bool [B]
+
+
+def verify(
+    logits: jax.Array, t: SamplingTensors, drafts: jax.Array, num_drafts: jax.Array
+) -> VerifyOutput:
+    """Speculative verification (contract: xlaserve.spec_decode.rejection), one program per B.
+
+    logits f32 [B*(K+1), V] raw: row (b, j) scores position j of request b (j > d_b: padding
+    copies of row d_b); `t` has one row per (b, j), processed like `sample` (its counts / bias /
+    bitmask / steps already those of position j). drafts i32 [B, K] (padded), num_drafts i32 [B].
+    Greedy: accept while draft == argmax. Sampled: accept with prob p(x) (one-hot q), on
+    rejection sample p with the draft removed, else the bonus token from p_d."""
+    raw = logits
+    n, v = logits.shape
+    b, k = drafts.shape
+    k1 = k + 1
+    logits = jax.lax.cond(t.use_extras, _apply_extras, lambda x, _: x, logits, t)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(b, k1)
+    greedy_row = t.temperature < GREEDY_EPS
+    greedy_req = greedy_row.reshape(b, k1)[:, 0]
+    valid = jnp.arange(k)[None, :] < num_drafts[:, None]  # [B, K]
+    pos = jnp.arange(k1)[None, :]
+
+    def random_path(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scaled = x / jnp.where(greedy_row, 1.0, t.temperature)[:, None]
+        logp = jax.nn.log_softmax(filter_logits(scaled, t.top_k, t.top_p, t.min_p), axis=-1)
+        logp = logp.reshape(b, k1, v)
+        keys = _row_keys(t.seeds, t.steps)
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
+        p_x = jnp.take_along_axis(logp[:, :k], drafts[:, :, None], axis=-1)[..., 0]  # [B, K]
+        accept = jnp.log(u.reshape(b, k1)[:, :k]) < p_x  # u < p(x) / 1
+        # Residual norm(max(0, p - onehot(x))) = p without the draft (where a draft exists).
+        drop = jax.nn.one_hot(jnp.pad(drafts, ((0, 0), (0, 1))), v, dtype=bool)
+        drop &= jnp.pad(valid, ((0, 0), (0, 1)))[:, :, None]
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+        resid = jnp.where(drop, -jnp.inf, logp) + gumbel.reshape(b, k1, v)
+        return accept, jnp.argmax(resid, axis=-1).astype(jnp.int32)
+
+    def greedy_path(_x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((b, k), bool), greedy_ids
+
+    accept_s, sampled = jax.lax.cond(jnp.all(greedy_row), greedy_path, random_path, logits)
+    accept = jnp.where(greedy_req[:, None], drafts == greedy_ids[:, :k], accept_s) & valid
+    n_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # [B]
+    last = jnp.where(greedy_req[:, None], greedy_ids, sampled)
+    final = jnp.take_along_axis(last, n_acc[:, None], axis=1)  # [B, 1]
+    padded = jnp.pad(drafts, ((0, 0), (0, 1)))
+    tokens = jnp.where(pos < n_acc[:, None], padded, jnp.where(pos == n_acc[:, None], final, 0))
+    has_nan = jnp.any(jnp.isnan(raw).reshape(b, k1, v), axis=(1, 2))
+    m = 1 + min(MAX_LOGPROBS, v)
+
+    def no_logprobs(_r: jax.Array, _ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return jnp.zeros((n, m), jnp.float32), jnp.zeros((n, m), jnp.int32), jnp.zeros(n, jnp.int32)
+
+    lps, ids, ranks = jax.lax.cond(t.want_logprobs, _logprobs, no_logprobs, raw, tokens.reshape(n))
+    return VerifyOutput(tokens, n_acc + 1, lps, ids, ranks, has_nan)

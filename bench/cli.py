@@ -166,6 +166,20 @@ def prefix_caching_cmd(**kw: Any) -> None:
     run_prefix_caching(model, echo=click.echo, **kw)
 
 
+@bench.command("structured-output")
+@_engine_options
+@click.option("--batch-sizes", default="1,8", show_default=True, help="Comma-separated.")
+@click.option("--output-len", type=int, default=128, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True)
+def structured_output_cmd(**kw: Any) -> None:
+    """Decode tokens/s with and without a JSON schema (structured-output cost)."""
+    from xlaserve.bench.offline import run_structured_output
+
+    model, kw = _split(kw)
+    kw["batch_sizes"] = [int(b) for b in _csv(kw["batch_sizes"])]
+    run_structured_output(model, echo=click.echo, **kw)
+
+
 @bench.command("compare-hf")
 @click.option("--model", default=None, help="Model dir; default: the demo model.")
 @click.option("--num-prompts", type=int, default=16, show_default=True)

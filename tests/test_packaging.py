@@ -23,8 +23,18 @@ SUBPACKAGES = [
 def test_regular_install_maps_all_folders(tmp_path) -> None:
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(target), ROOT],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            ROOT,
+        ],
         check=True,
         capture_output=True,
     )
@@ -35,8 +45,12 @@ def test_regular_install_maps_all_folders(tmp_path) -> None:
         "print(os.path.dirname(xlaserve.__file__))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(target)},
-        cwd=str(tmp_path), check=True, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(target)},
+        cwd=str(tmp_path),
+        check=True,
+        capture_output=True,
+        text=True,
     )
     assert out.stdout.strip().startswith(str(target))
     # the demo model ships as package data

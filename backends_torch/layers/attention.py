@@ -147,7 +147,9 @@ class TorchBatchedAttention(TorchRefAttention):
     name = "torch_batched"
 
     @staticmethod
-    def _layout(md: AttentionMetadata, block_size: int, num_tokens: int, device: torch.device) -> dict:
+    def _layout(
+        md: AttentionMetadata, block_size: int, num_tokens: int, device: torch.device
+    ) -> dict:
         key = ("batched", block_size)
         if key in md.derived:
             return md.derived[key]
@@ -161,7 +163,9 @@ class TorchBatchedAttention(TorchRefAttention):
             q_index[b, : q_lens[b]] = torch.arange(qsl[b], qsl[b + 1])
         nblk = math.ceil(max_kv / block_size)
         blocks = md.block_tables[:, :nblk].long().cpu()
-        slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(nb, -1)[:, :max_kv]
+        slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(nb, -1)[
+            :, :max_kv
+        ]
         seq_t = torch.tensor(seq)[:, None, None]
         ql_t = torch.tensor(q_lens)[:, None, None]
         qpos = seq_t - ql_t + torch.arange(max_q)[None, :, None]  # [B, Mq, 1] absolute positions
@@ -203,7 +207,9 @@ class TorchBatchedAttention(TorchRefAttention):
         allowed = lay["causal"]
         if sliding_window is not None:
             allowed = allowed & (lay["kpos"] > lay["qpos"] - sliding_window)
-        mask = allowed[:, None, None, :, :].expand(b, 1, group, mq, -1).reshape(b, 1, group * mq, -1)
+        mask = (
+            allowed[:, None, None, :, :].expand(b, 1, group, mq, -1).reshape(b, 1, group * mq, -1)
+        )
         # Padding query rows are fully masked: they come out NaN or garbage and are dropped below.
         if logit_softcap:
             scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, Hkv, G * Mq, Mkv]
@@ -211,7 +217,9 @@ class TorchBatchedAttention(TorchRefAttention):
             probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             o = torch.matmul(probs, v)  # [B, Hkv, G * Mq, D]
         else:  # the fused kernel: no [.., Mq, Mkv] score tensor kept around
-            o = torch.nn.functional.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qp, k, v, attn_mask=mask, scale=scale
+            )
         o = o.view(b, hkv, group, mq, d).permute(0, 3, 1, 2, 4).reshape(b, mq, hq, d)
         out = torch.zeros_like(q)
         out[lay["flat_rows"]] = o[lay["rows"]].to(q.dtype)

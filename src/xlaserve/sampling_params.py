@@ -114,7 +114,14 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not math.isfinite(v):
                 bad(f"{name} must be a finite number, got {v!r}")

@@ -7,7 +7,11 @@ import math
 import pytest
 import torch
 
-from xlaserve.backends_torch.layers.attention import AttentionMetadata, TorchBatchedAttention, TorchRefAttention
+from xlaserve.backends_torch.layers.attention import (
+    AttentionMetadata,
+    TorchBatchedAttention,
+    TorchRefAttention,
+)
 
 
 def _batch(q_lens: list[int], kv_lens: list[int], hq: int, hkv: int, d: int, s: int, seed: int):

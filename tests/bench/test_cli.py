@@ -7,7 +7,14 @@ import sys
 
 from click.testing import CliRunner
 
-SUBCOMMANDS = ("serve", "throughput", "latency", "prefix-caching", "compare-hf")
+SUBCOMMANDS = (
+    "serve",
+    "throughput",
+    "latency",
+    "prefix-caching",
+    "structured-output",
+    "compare-hf",
+)
 
 
 def test_python_dash_m_lists_subcommands() -> None:

@@ -1,4 +1,5 @@
-"""Offline subcommands (throughput, latency, prefix-caching, compare-hf) on a tiny model."""
+"""Offline subcommands (throughput, latency, prefix-caching, structured-output, compare-hf)
+on a tiny model."""
 
 from __future__ import annotations
 
@@ -146,6 +147,34 @@ def test_prefix_caching_on_vs_off(bench_model_dir: Path, tmp_path: Path) -> None
     assert off["prefix_cache_hits"] == 0 and off["hit_rate"] == 0.0
     assert res["speedup"] == pytest.approx(off["phase2_s"] / on["phase2_s"])
     assert res["outputs_match"] is True  # caching must not change greedy tokens
+
+
+def test_structured_output(bench_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "so.json"
+    text = _invoke(
+        [
+            "structured-output",
+            "--model",
+            str(bench_model_dir),
+            *ENGINE,
+            "--batch-sizes",
+            "1,2",
+            "--output-len",
+            "6",
+            "--repeats",
+            "2",
+            "--output-json",
+            str(out),
+        ]
+    )
+    assert "json schema" in text
+    res = _load(out)
+    assert [r["batch_size"] for r in res["results"]] == [1, 2]
+    for r in res["results"]:
+        assert len(r["plain_runs"]) == 2 and len(r["structured_runs"]) == 2
+        assert r["plain_tokens_per_second"] > 0 and r["structured_tokens_per_second"] > 0
+        ratio = r["structured_tokens_per_second"] / r["plain_tokens_per_second"]
+        assert r["ratio"] == pytest.approx(ratio)
 
 
 def test_compare_hf(bench_model_dir: Path, tmp_path: Path) -> None:

@@ -38,6 +38,18 @@ def engine_config(path: str, **kw: object) -> EngineConfig:
     return EngineConfig.from_kwargs(**base)
 
 
+def slow_steps(eng: AsyncLLM, seconds: float) -> None:
+    """Make every engine step take at least `seconds`, so timing tests do not depend on how
+    fast the machine decodes (a fast CI machine finishes the tiny model's requests early)."""
+    step = eng.engine.step
+
+    def slow_step() -> list:
+        time.sleep(seconds)
+        return step()
+
+    eng.engine.step = slow_step
+
+
 def wait_until(cond, timeout: float = 10.0, interval: float = 0.05) -> bool:  # noqa: ANN001
     end = time.monotonic() + timeout
     while time.monotonic() < end:

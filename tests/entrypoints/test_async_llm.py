@@ -9,7 +9,7 @@ import time
 
 import aiohttp
 import pytest
-from ep_helpers import MODEL_NAME, engine_config, http, serve
+from ep_helpers import MODEL_NAME, engine_config, http, serve, slow_steps
 
 from xlaserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineQueueFullError
 from xlaserve.sampling_params import SamplingParams
@@ -64,6 +64,7 @@ def test_waiting_queue_bound_answers_503_with_retry_after(model_path: str) -> No
     eng = AsyncLLM.from_config(
         engine_config(model_path, num_kv_blocks=128, max_num_seqs=1, max_num_waiting=1)
     )
+    slow_steps(eng, 0.02)  # 40 tokens take >= 0.8 s: later arrivals find the first still running
     gen = serve(eng, owns_engine=True)
     srv = next(gen)
     try:

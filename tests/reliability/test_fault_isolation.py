@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from ep_helpers import engine_config, serve
+from ep_helpers import engine_config, serve, slow_steps
 from rel_helpers import Client, check_error_body
 
 from xlaserve.config import ServerConfig
@@ -281,6 +281,7 @@ def test_unexpected_add_error_fails_only_that_request(rel_model_path: str) -> No
 
 def test_request_timeout_gives_504_and_frees_blocks(rel_model_path: str) -> None:
     eng = AsyncLLM.from_config(engine_config(rel_model_path, num_kv_blocks=128))
+    slow_steps(eng, 0.01)  # 240 tokens take >= 2.4 s, well past the 0.5 s timeout
     gen = serve(eng, ServerConfig(request_timeout=0.5), owns_engine=True)
     srv = next(gen)
     url = srv.base_url + "/v1/completions"

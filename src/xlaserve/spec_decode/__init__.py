@@ -22,7 +22,7 @@ __all__ = ["NgramProposer", "check_speculative_config", "ngram_propose"]
 
 # method -> backends that implement it.
 SUPPORTED: dict[str, tuple[str, ...]] = {
-    "ngram": ("torch",),
+    "ngram": ("torch", "xla"),
     "draft_model": ("torch",),
 }
 
