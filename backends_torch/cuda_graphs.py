@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import torch
+
 from xlaserve.backends_torch.attention_triton import TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)

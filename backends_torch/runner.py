@@ -21,11 +21,11 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
 from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
 from xlaserve.backends_torch.layers.attention import AttentionMetadata, get_attention_backend
 from xlaserve.backends_torch.models import get_model_class
 from xlaserve.backends_torch.sampler import Sampler, SamplingRow, token_logprobs
-
 from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.platforms import current_platform

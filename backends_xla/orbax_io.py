@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from xlaserve.models_flax import get_model_class
-from xlaserve.models_flax.loader import param_sharding
 
 from xlaserve.model_loader.resolve import is_orbax_dir
 from xlaserve.model_loader.spec import ModelSpec
+from xlaserve.models_flax import get_model_class
+from xlaserve.models_flax.loader import param_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -246,10 +246,9 @@ def convert_to_orbax(
     `tensor_parallel_size` devices, like the XLA backend does, and save it as an orbax model
     directory. Returns the marker dict."""
     from xlaserve.backends_xla.utils import make_mesh, resolve_dtype
-    from xlaserve.models_flax.loader import load_model
-
     from xlaserve.model_loader.registry import build_spec
     from xlaserve.model_loader.resolve import resolve_model_dir
+    from xlaserve.models_flax.loader import load_model
 
     src_dir = resolve_model_dir(model)
     if is_orbax_dir(src_dir):

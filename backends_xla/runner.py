@@ -37,6 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
+
 from xlaserve.backends_xla.sampler import (
     SamplingTensors,
     host_tensors,
@@ -52,11 +53,10 @@ from xlaserve.backends_xla.utils import (
     resolve_dtype,
     setup_compilation_cache,
 )
-from xlaserve.models_flax.attention import AttentionMetadata
-from xlaserve.models_flax.loader import kv_heads_sharded, load_model
-
 from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
+from xlaserve.models_flax.attention import AttentionMetadata
+from xlaserve.models_flax.loader import kv_heads_sharded, load_model
 from xlaserve.runner import RunnerOutput, SchedulerOutput, TokenLogprobs
 from xlaserve.sampling_params import SamplingParams
 

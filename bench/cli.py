@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+
 from xlaserve.bench.datasets import DATASETS
 from xlaserve.bench.request_funcs import REQUEST_FUNCS
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from xlaserve.bench.request_funcs import RequestFuncOutput
 
 METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 from tqdm.asyncio import tqdm
+
 from xlaserve.bench.datasets import BenchTokenizer, SampleRequest, get_samples
 from xlaserve.bench.metrics import (
     METRICS,

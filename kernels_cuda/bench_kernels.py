@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from xlaserve.kernels_cuda.activation import silu_and_mul, silu_and_mul_ref
 from xlaserve.kernels_cuda.kv_write import write_kv, write_kv_ref
 from xlaserve.kernels_cuda.norm import fused_add_rms_norm, fused_add_rms_norm_ref

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from xlaserve.kernels_cuda._common import (
     FLOAT_DTYPES,
     check_device,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
 from xlaserve.kernels_pallas import compat
 
 _IMPLS = ("auto", "pallas_tpu", "xla", "reference")

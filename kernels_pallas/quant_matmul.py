@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
 from xlaserve.kernels_pallas import compat
 
 # Tuned block sizes as data: (block_m, block_n, block_k_int8). M is padded to block_m.

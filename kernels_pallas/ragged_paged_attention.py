@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
 from xlaserve.kernels_pallas import compat
 
 # A large finite negative logit for masked keys: exp(MASK - m) underflows to 0, and a row whose

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from xlaserve.kernels_pallas import ragged_paged_attention, write_kv
-from xlaserve.models_flax.layers import Linear, apply_rotary, make_norm
 
+from xlaserve.kernels_pallas import ragged_paged_attention, write_kv
 from xlaserve.model_loader.spec import ModelSpec
+from xlaserve.models_flax.layers import Linear, apply_rotary, make_norm
 
 KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [N, S, Hkv, D]
 

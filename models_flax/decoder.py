@@ -25,12 +25,12 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from xlaserve.models_flax.attention import Attention, AttentionMetadata, KVCache
-from xlaserve.models_flax.layers import MLP, Embed, GatedMLP, Linear, Rotary, make_norm
-from xlaserve.models_flax.moe import FusedMoE
 
 from xlaserve.model_loader.rope import rope_inv_freq
 from xlaserve.model_loader.spec import ModelSpec
+from xlaserve.models_flax.attention import Attention, AttentionMetadata, KVCache
+from xlaserve.models_flax.layers import MLP, Embed, GatedMLP, Linear, Rotary, make_norm
+from xlaserve.models_flax.moe import FusedMoE
 
 
 def spec_norm(spec: ModelSpec, dim: int, dtype: jnp.dtype) -> nnx.Module:

@@ -16,9 +16,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from xlaserve.models_flax import get_model_class
 
 from xlaserve.model_loader.spec import ModelSpec
+from xlaserve.models_flax import get_model_class
 
 _KV_PROJ = (".self_attn.k_proj.", ".self_attn.v_proj.")
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from xlaserve.kernels_pallas import write_kv
+from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.attention import AttentionMetadata, KVCache, paged_attention
 from xlaserve.models_flax.layers import Linear, RMSNorm, apply_rotary
-
-from xlaserve.model_loader.spec import ModelSpec
 
 # HF's DeepSeek latent norms use their default eps, not rms_norm_eps.
 _LATENT_EPS = 1e-6

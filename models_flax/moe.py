@@ -17,10 +17,10 @@ import os
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from xlaserve.kernels_pallas.gmm import gmm
-from xlaserve.models_flax.layers import GatedMLP, Linear, _param, get_activation
 
+from xlaserve.kernels_pallas.gmm import gmm
 from xlaserve.model_loader.spec import ModelSpec
+from xlaserve.models_flax.layers import GatedMLP, Linear, _param, get_activation
 
 
 def select_experts(

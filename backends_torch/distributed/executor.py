@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from xlaserve.backends_torch.distributed import parallel_state as ps
 
+from xlaserve.backends_torch.distributed import parallel_state as ps
 from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.runner import RunnerOutput, SchedulerOutput

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from xlaserve.backends_torch.distributed.parallel_state import (
     tp_all_gather,
     tp_all_reduce,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from xlaserve.backends_torch.layers.linear import make_linear
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

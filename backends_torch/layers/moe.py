@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from xlaserve.backends_torch.layers.activation import MLP, get_activation
 from xlaserve.backends_torch.layers.linear import Linear
-
 from xlaserve.model_loader.spec import ModelSpec
 
 ExpertsFn = Callable[..., torch.Tensor]

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+
 from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
 from xlaserve.backends_torch.layers.activation import MLP
 from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend, AttentionMetadata
@@ -33,7 +34,6 @@ from xlaserve.backends_torch.layers.moe import FusedMoE
 from xlaserve.backends_torch.layers.norm import make_norm
 from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
 from xlaserve.backends_torch.models.base import CausalLMBase
-
 from xlaserve.model_loader.spec import ModelSpec
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

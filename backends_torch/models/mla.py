@@ -17,12 +17,12 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from xlaserve.backends_torch.layers.linear import Linear
 from xlaserve.backends_torch.layers.norm import RMSNorm
 from xlaserve.backends_torch.layers.rotary import RotaryEmbedding, apply_rotary
 from xlaserve.backends_torch.models.decoder import DecoderForCausalLM, layer_window
-
 from xlaserve.model_loader.spec import ModelSpec
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

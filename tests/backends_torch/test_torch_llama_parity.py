@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 from torch_hf_models import FAMILIES, load_hf
+
 from xlaserve.backends_torch.layers.attention import AttentionMetadata
 from xlaserve.backends_torch.models import get_model_class
-
 from xlaserve.model_loader.registry import build_spec, iter_canonical_weights
 
 S = 4  # block size: sequences span several blocks

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 from torch_hf_models import load_hf
-from xlaserve.backends_torch.runner import TorchModelRunner, resolve_dtype
 
+from xlaserve.backends_torch.runner import TorchModelRunner, resolve_dtype
 from xlaserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
 from xlaserve.model_loader.registry import build_spec
 from xlaserve.runner import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from xlaserve.backends_torch.sampler import (
     Sampler,
     SamplingRow,
@@ -13,7 +14,6 @@ from xlaserve.backends_torch.sampler import (
     filter_logits,
     unpack_bitmask,
 )
-
 from xlaserve.sampling_params import SamplingParams
 
 V = 40

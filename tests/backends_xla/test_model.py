@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from xla_helpers import hf_logits
+
+from xlaserve.model_loader.registry import build_spec
 from xlaserve.models_flax import get_model_class
 from xlaserve.models_flax.attention import AttentionMetadata
 from xlaserve.models_flax.loader import load_model
-
-from xlaserve.model_loader.registry import build_spec
 
 BLOCK = 4
 NUM_BLOCKS = 12

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from xlaserve.backends_xla.sampler import (
     SamplingTensors,
     apply_penalties,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 from xla_helpers import make_runner
+
 from xlaserve.backends_xla.utils import make_buckets, pick_bucket, resolve_dtype
 
 

@@ -20,7 +20,6 @@ def hf_logits(path: str, prompt: list[int]) -> np.ndarray:
 def make_runner(path: str, cache_dir: str, load: bool = True, **kw):  # noqa: ANN201
     """An XlaModelRunner over a tiny model with few buckets (fast compiles), KV cache ready."""
     from xlaserve.backends_xla.runner import XlaModelRunner
-
     from xlaserve.config import EngineConfig
     from xlaserve.model_loader.registry import build_spec
 

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from xlaserve.bench.datasets import WORDS
 
 VOCAB = 384

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+
 from xlaserve.bench.datasets import (
     WORDS,
     BenchTokenizer,

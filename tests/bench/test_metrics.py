@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from xlaserve.bench.metrics import calculate_metrics, parse_goodput
 from xlaserve.bench.request_funcs import RequestFuncOutput, iter_sse_data
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+
 from xlaserve.bench.cli import bench
 
 ENGINE = ["--backend", "torch", "--num-kv-blocks", "128", "--block-size", "8"]

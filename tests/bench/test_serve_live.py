@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+
 from xlaserve.bench.cli import bench
 from xlaserve.bench.datasets import BenchTokenizer, sample_random
 from xlaserve.bench.serve import ServeBenchConfig, run_serve_benchmark

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from xlaserve.backends_torch.distributed import layers as tpl
 from xlaserve.backends_torch.distributed import parallel_state as ps
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from tiny_models import hf_greedy
+
 from xlaserve import LLM, SamplingParams
 from xlaserve.demo import demo_draft_model_path, demo_model_path
 

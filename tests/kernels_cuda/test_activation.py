@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from xlaserve.kernels_cuda.activation import (
     gelu_and_mul,
     gelu_and_mul_ref,

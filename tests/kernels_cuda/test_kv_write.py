@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from xlaserve.kernels_cuda.kv_write import write_kv, write_kv_ref
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from xlaserve.kernels_cuda.norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,

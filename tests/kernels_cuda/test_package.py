@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+
 import xlaserve.kernels_cuda as kc
 
 

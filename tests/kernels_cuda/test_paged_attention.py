@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from xlaserve.kernels_cuda.paged_attention import unified_attention, unified_attention_ref
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from xlaserve.kernels_cuda.rotary import (
     compute_cos_sin_cache,
     rotary_embedding,

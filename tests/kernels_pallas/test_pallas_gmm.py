@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from xlaserve.kernels_pallas.gmm import GmmBlockSizes, gmm, make_visits
 
 

@@ -11,6 +11,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from xlaserve.kernels_pallas import BlockSizes, ragged_paged_attention, write_kv
 
 D = 8

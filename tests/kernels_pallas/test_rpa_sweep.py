@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _rpa_testlib import make_case, np_attention
+
 from xlaserve.kernels_pallas import (
     BlockSizes,
     compat,

@@ -78,6 +78,7 @@ class _PagedBatch:
 def _flax_model(path: str):  # noqa: ANN202
     from flax import nnx
     from jax.sharding import Mesh
+
     from xlaserve.models_flax import get_model_class
     from xlaserve.models_flax.loader import load_model
 

@@ -82,7 +82,6 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     from xlaserve.backends_xla.orbax_io import convert_to_orbax
-
     from xlaserve.demo import demo_model_path
 
     tmp = tempfile.mkdtemp(prefix="orbax-bench-")

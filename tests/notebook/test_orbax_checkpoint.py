@@ -21,6 +21,8 @@ pytest.importorskip("orbax.checkpoint")
 
 from click.testing import CliRunner  # noqa: E402
 from flax import nnx  # noqa: E402
+
+from xlaserve import LLM, SamplingParams  # noqa: E402
 from xlaserve.backends_xla.orbax_io import (  # noqa: E402
     MARKER_FILE,
     convert_to_orbax,
@@ -28,13 +30,11 @@ from xlaserve.backends_xla.orbax_io import (  # noqa: E402
     restore_state,
 )
 from xlaserve.backends_xla.utils import make_mesh  # noqa: E402
-from xlaserve.models_flax.loader import load_model  # noqa: E402
-
-from xlaserve import LLM, SamplingParams  # noqa: E402
 from xlaserve.demo import demo_model_path  # noqa: E402
 from xlaserve.entrypoints.cli import main as cli_main  # noqa: E402
 from xlaserve.model_loader.registry import build_spec  # noqa: E402
 from xlaserve.model_loader.resolve import is_orbax_dir  # noqa: E402
+from xlaserve.models_flax.loader import load_model  # noqa: E402
 
 PROMPTS = ["In the beginning God", "And the earth was", "Let there be light", "darkness"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

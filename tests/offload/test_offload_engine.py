@@ -12,9 +12,9 @@ import os
 
 import pytest
 import torch
-from xlaserve.backends_torch.kv_offload import TorchKVOffload
 
 from xlaserve import LLM, SamplingParams
+from xlaserve.backends_torch.kv_offload import TorchKVOffload
 from xlaserve.metrics import ServerMetrics
 
 PREFIX = list(range(10, 50))  # 40 tokens = 10 blocks of 4

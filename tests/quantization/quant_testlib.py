@@ -17,9 +17,9 @@ def runner_logits(model_dir: str, token_ids: list[int], **kwargs: object) -> np.
     """Logits [T, V] float32 of every position of `token_ids` (one prefill) on the torch runner
     built with EngineConfig.from_kwargs(model=model_dir, **kwargs)."""
     import torch
+
     from xlaserve.backends_torch.layers.attention import AttentionMetadata
     from xlaserve.backends_torch.runner import TorchModelRunner
-
     from xlaserve.config import EngineConfig
     from xlaserve.model_loader.registry import build_spec
 

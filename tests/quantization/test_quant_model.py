@@ -96,7 +96,6 @@ def test_runtime_quantization(
 def test_quantized_layers_replace_linears(src: str) -> None:
     from xlaserve.backends_torch.layers.linear import Linear, QuantLinear
     from xlaserve.backends_torch.runner import TorchModelRunner
-
     from xlaserve.config import EngineConfig
     from xlaserve.model_loader.registry import build_spec
 
@@ -114,7 +113,6 @@ def test_fp8_runtime_cpu_error_and_emulation(
     src: str, ref_logits: np.ndarray, tmp_path, monkeypatch
 ) -> None:  # noqa: ANN001
     from xlaserve.backends_torch.runner import TorchModelRunner
-
     from xlaserve.config import EngineConfig
     from xlaserve.model_loader.registry import build_spec
 
@@ -132,7 +130,6 @@ def test_fp8_runtime_cpu_error_and_emulation(
 
 def test_kv_cache_dtype_not_implemented(src: str) -> None:
     from xlaserve.backends_torch.runner import TorchModelRunner
-
     from xlaserve.config import EngineConfig
     from xlaserve.model_loader.registry import build_spec
 
@@ -242,7 +239,6 @@ def test_gpu_quant_layers_match_reference() -> None:
         fp8_linear_ref,
         fp8_supported,
     )
-
     from xlaserve.quantization import QuantScheme
 
     torch.manual_seed(0)

@@ -33,7 +33,6 @@ def interpret() -> Iterator[None]:
 
 def test_int4_pallas_by_hand(interpret: None) -> None:
     from xlaserve.kernels_pallas.quant_matmul import int4_matmul_pallas
-
     from xlaserve.quantization import pack_int4
 
     q = (np.arange(32) % 16).astype(np.uint8)[None, :]

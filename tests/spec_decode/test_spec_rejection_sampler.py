@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from xlaserve.backends_torch.sampler import Sampler, SamplingRow
 
+from xlaserve.backends_torch.sampler import Sampler, SamplingRow
 from xlaserve.sampling_params import SamplingParams
 from xlaserve.spec_decode.rejection import residual_distribution, verify_reference
 

@@ -152,6 +152,7 @@ def test_verify_sampled_is_lossless() -> None:
     """With one one-hot draft, the first emitted token (draft if accepted, else the residual
     sample) is distributed as p, and the bonus token after an accepted draft as p_1."""
     from test_spec_rejection_sampler import chi_square_pvalue
+
     from xlaserve.backends_xla.sampler import verify
 
     v, b = 6, 4000
