@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[torch,xla,structured,hf,plot,test]" "$(TRANSFORMERS_PIN)"
+	$(BIN)/python -m pip install -q -e ".[torch,xla,structured,hf,plot,ray,test]" "$(TRANSFORMERS_PIN)"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from ep_helpers import engine_config, http, serve
+from ep_helpers import engine_config, http, serve, slow_steps
 
 from xlaserve.engine.async_llm import EngineQueueFullError
 from xlaserve.engine.dp import DataParallelAsyncLLM, PrefixAwareBalancer, prefix_key
@@ -59,6 +59,8 @@ def test_full_replica_is_skipped_and_nothing_is_lost(tiny_model_dir) -> None:  #
     front = DataParallelAsyncLLM.from_config(cfg)
     r0, r1 = front.replicas
     assert r0.engine is not r1.engine
+    for r in (r0, r1):  # 48 tokens take >= 1.4 s: the queues stay full while the test looks
+        slow_steps(r, 0.03)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(10, 30))}  # one shared prefix for all
 
