@@ -160,5 +160,14 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+        """KV cache bytes of one token over all layers. `dtype_bytes`: the model dtype's size,
+        used when kv_cache_dtype is "auto"; a quantized cache ("int8"/"fp8") stores one byte per
+        element plus one float32 scale per (token, KV head) for K and for V (see
+        xlaserve.quantization.kv_quant)."""
+        from xlaserve.quantization.kv_quant import kv_elem_bytes
+
+        per_head = self.head_dim * dtype_bytes
+        if kv_cache_dtype != "auto":
+            per_head = self.head_dim * kv_elem_bytes(kv_cache_dtype) + 4
+        return 2 * self.num_layers * self.num_kv_heads * per_head

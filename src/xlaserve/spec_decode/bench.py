@@ -2,6 +2,7 @@
 acceptance length (tokens emitted per verification step with drafts).
 
     python -m xlaserve.spec_decode.bench [--model DIR] [--draft DIR] [--k 3] [--max-tokens 64]
+        [--backend torch|xla] [--output-json F]
 
 Defaults to the shipped demo model and its draft. Greedy decoding; the outputs of every
 speculative run are checked against the plain run (they must be equal).
@@ -87,13 +88,20 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
+    ap.add_argument("--backend", default="torch", choices=["torch", "xla"])
+    ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     if args.threads:
         import torch  # only to pin threads: on a loaded CPU one thread avoids spin-wait stalls
 
         torch.set_num_threads(args.threads)
-    res = measure(args.model, args.draft, args.k, args.max_tokens)
+    # draft_model is torch-only so far: the XLA run measures n-gram only.
+    draft = args.draft if args.backend == "torch" else None
+    res = measure(args.model, draft, args.k, args.max_tokens, backend=args.backend)
     print(json.dumps(res, indent=2))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2)
 
 
 if __name__ == "__main__":
