@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "gelu_tanh_and_mul_ref": "activation",
     "gelu_and_mul": "activation",
     "gelu_and_mul_ref": "activation",
+    "fused_experts": "fused_moe",
+    "moe_align": "fused_moe",
 }
 
 __all__ = ["triton_available", *_EXPORTS]

@@ -5,9 +5,11 @@ router.weight [E, H] (+ router.bias [E], a selection-only bias), experts.w_gate 
 experts.w_down [E, H, I], shared_expert.{gate,up,down}_proj, shared_expert_gate.weight [1, H].
 
 The expert computation is chosen by name (`moe_impl`), like attention backends: "torch_ref" (plain
-torch ops, loops over the experts that received tokens; any device) now; the Triton fused-MoE
-kernel registers "triton" from kernels_cuda later via `register_moe_impl`. Every impl has the
-signature of `fused_experts_ref`. The default comes from $XLASERVE_MOE_IMPL (else "torch_ref").
+torch ops, loops over the experts that received tokens; any device) and "triton"
+(kernels_cuda/fused_moe.py: expert-sorted row blocks x expert weight tiles, no host sync;
+registered below via `register_moe_impl`; CPU tensors only under TRITON_INTERPRET=1). Every impl
+has the signature of `fused_experts_ref`. The default: the `moe_impl` argument, else
+$XLASERVE_MOE_IMPL, else "triton" on CUDA and "torch_ref" elsewhere (`default_moe_impl`).
 """
 
 from __future__ import annotations
@@ -111,6 +113,19 @@ def available_moe_impls() -> list[str]:
     return sorted(_MOE_IMPLS)
 
 
+# The Triton fused MoE (imported on first use, so CPU-only installs never import triton).
+register_moe_impl("triton", "xlaserve.kernels_cuda.fused_moe:fused_experts")
+
+
+def default_moe_impl(device: torch.device | str) -> str:
+    """$XLASERVE_MOE_IMPL if set, else "triton" on CUDA (as the runner picks attention), else
+    "torch_ref"."""
+    env = os.environ.get("XLASERVE_MOE_IMPL")
+    if env:
+        return env
+    return "triton" if torch.device(device).type == "cuda" else "torch_ref"
+
+
 def get_moe_impl(name: str) -> ExpertsFn:
     if name not in _MOE_IMPLS:
         raise ValueError(f"unknown moe_impl {name!r}; known: {', '.join(available_moe_impls())}")
@@ -165,7 +180,7 @@ class FusedMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.spec = spec
-        self.moe_impl = moe_impl or os.environ.get("XLASERVE_MOE_IMPL", "torch_ref")
+        self.moe_impl = moe_impl or default_moe_impl(device)
         self._experts_fn = get_moe_impl(self.moe_impl)
         self.router = Router(spec, dtype, device)
         self.experts = Experts(spec, dtype, device)
