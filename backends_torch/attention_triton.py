@@ -41,11 +41,14 @@ class TritonAttention(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        """k, v: [T, Hkv, D] -> caches [N, S, Hkv, D] at slot_mapping [T] (negative slots skipped)."""
+        """k, v: [T, Hkv, D] -> caches [N, S, Hkv, D] at slot_mapping [T] (negative slots skipped);
+        with k_scale / v_scale [N, S, Hkv] the kernel quantizes each (token, head) vector."""
         if slot_mapping.dtype != torch.int32:  # the runner builds int32 already; others may not
             slot_mapping = slot_mapping.to(torch.int32)
-        self._write_kv(k, v, k_cache, v_cache, slot_mapping)
+        self._write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def forward(
         self,
@@ -56,6 +59,8 @@ class TritonAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D] -> out [T, Hq, D]; rows past query_start_loc[B] (padding) are zeros."""
         splits = getattr(md, "num_kv_splits", None)
@@ -73,4 +78,6 @@ class TritonAttention(AttentionBackend):
             sliding_window=sliding_window,
             soft_cap=logit_softcap,
             num_kv_splits=splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

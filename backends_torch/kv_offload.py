@@ -6,7 +6,9 @@ disk_out, copy_out, disk_in, copy_in (then the runner's forward).
 
 Layout: one host buffer per cache group (the target model's caches, and the draft model's when
 there is one; both are indexed by the same block ids) of shape [slots, L, 2, S, Hkv, D], pinned
-on CUDA. On CUDA the copies run on a side stream: the forward waits (stream wait, not a host
+on CUDA. A quantized cache group (layer tuples (K codes, V codes, K scales, V scales)) has two
+host buffers: the codes [slots, L, 2, S, Hkv, D] and the scales [slots, L, 2, S, Hkv] float32;
+`host` lists every buffer, group by group. On CUDA the copies run on a side stream: the forward waits (stream wait, not a host
 sync) only for what it depends on; disk I/O synchronizes the side stream first. On CPU they are
 plain copies. The disk tier stores one raw-bytes .npy per block hash (every group concatenated)
 in a private subdirectory of `kv_offload_dir`, removed when the runner goes away: hashes carry
@@ -27,7 +29,8 @@ import torch
 
 from xlaserve.core.offload import num_host_slots, offload_enabled
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [N, S, Hkv, D]
+# Per layer (K, V) [N, S, Hkv, D], or quantized (K codes, V codes, K scales, V scales [N, S, Hkv]).
+KVCaches = list[tuple[torch.Tensor, ...]]
 
 
 class TorchKVOffload:
@@ -48,12 +51,16 @@ class TorchKVOffload:
         self.device = groups[0][0][0].device
         self.on_cuda = self.device.type == "cuda"
         pin = self.on_cuda and torch.cuda.is_available()
-        # host[g]: [slots, L, 2, S, Hkv, D]
+        # host[i]: [slots, L, 2, S, Hkv, D] (or scales [slots, L, 2, S, Hkv]) holding the layer
+        # tuples' entries 2p, 2p + 1 of group g, where (g, p) = self._parts[i].
         self.host: list[torch.Tensor] = []
-        for caches in groups:
-            k = caches[0][0]
-            shape = (self.num_slots, len(caches), 2, *k.shape[1:])
-            self.host.append(torch.zeros(shape, dtype=k.dtype, pin_memory=pin))
+        self._parts: list[tuple[int, int]] = []
+        for g, caches in enumerate(groups):
+            for p in range(len(caches[0]) // 2):
+                k = caches[0][2 * p]
+                shape = (self.num_slots, len(caches), 2, *k.shape[1:])
+                self.host.append(torch.zeros(shape, dtype=k.dtype, pin_memory=pin))
+                self._parts.append((g, p))
         self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.disk_dir: str | None = None
         if disk_dir:
@@ -89,7 +96,8 @@ class TorchKVOffload:
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device blocks -> host slots. pairs: (device_block_id, host_slot).
 
-        Gathers the blocks on the device into [n, L, 2, S, Hkv, D], then one copy per slot
+        Gathers the blocks on the device into [n, L, 2, S, Hkv, D] (scales: [n, L, 2, S, Hkv]),
+        then one copy per slot
         (advanced-index writes into the large host buffer are ~20x slower on CPU)."""
         blocks = [b for b, _ in pairs]
         main = torch.cuda.current_stream(self.device) if self.on_cuda else None
@@ -97,10 +105,11 @@ class TorchKVOffload:
             self.stream.wait_stream(main)  # the blocks' last writes (earlier forwards) are done
         with self._on_side_stream():
             idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-            for host, caches in zip(self.host, self.get_groups(), strict=True):
+            groups = self.get_groups()
+            for host, (g, p) in zip(self.host, self._parts, strict=True):
                 gathered = torch.stack(
-                    [torch.stack([k.index_select(0, idx), v.index_select(0, idx)], 1)
-                     for k, v in caches],
+                    [torch.stack([t[2 * p].index_select(0, idx), t[2 * p + 1].index_select(0, idx)], 1)
+                     for t in groups[g]],
                     1,
                 )  # fmt: skip
                 for i, (_, slot) in enumerate(pairs):
@@ -119,16 +128,18 @@ class TorchKVOffload:
             self.stream.wait_stream(main)  # target blocks are no longer read by earlier work
         with self._on_side_stream():
             idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-            for host, caches in zip(self.host, self.get_groups(), strict=True):
+            groups = self.get_groups()
+            for host, (g, p) in zip(self.host, self._parts, strict=True):
                 staged = torch.empty(
                     (len(pairs), *host.shape[1:]), dtype=host.dtype, device=self.device
                 )
                 # Same stream as copy_out: a slot written this step is read after its D2H.
                 for i, (slot, _) in enumerate(pairs):
                     staged[i].copy_(host[slot], non_blocking=self.on_cuda)
-                for layer, (k, v) in enumerate(caches):
-                    k.index_copy_(0, idx, staged[:, layer, 0])
-                    v.index_copy_(0, idx, staged[:, layer, 1])
+                raw = _bytes_view(staged)
+                for layer, t in enumerate(groups[g]):
+                    _bytes_view(t[2 * p]).index_copy_(0, idx, raw[:, layer, 0])
+                    _bytes_view(t[2 * p + 1]).index_copy_(0, idx, raw[:, layer, 1])
                 if self.on_cuda:
                     staged.record_stream(self.stream)
         if self.on_cuda:
@@ -159,6 +170,11 @@ class TorchKVOffload:
             src = torch.from_numpy(np.array(data[off : off + n]))
             host[slot].view(torch.uint8).reshape(-1).copy_(src)
             off += n
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """float8 tensors as uint8 (index_copy_ has no float8 kernel on CPU); others unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def make_torch_kv_offload(runner: object) -> TorchKVOffload | None:

@@ -22,6 +22,12 @@ Each program finds its sequence by binary search over ``query_start_loc``. K/V t
 keys are gathered through the block table (any page size S), softmax is online in fp32.
 
 Rows of ``out`` beyond ``query_start_loc[B]`` (padding tokens) are not written.
+
+Quantized cache (``k_scale`` / ``v_scale`` given; contract in xlaserve.quantization.kv_quant):
+``k_cache`` / ``v_cache`` hold int8 or float8_e4m3fn codes and the scales are float32 [N, S, Hkv]
+(one per token and KV head). Each K/V tile loads its BLOCK_N scales with it: K codes are cast
+(exactly) to the compute dtype and the scores scaled per key column in fp32; V is dequantized in
+registers (codes * scale) before the P @ V dot.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from ._common import (
     next_pow2,
     upcast_dot,
 )
+from .kv_quant import dequantize_kv
+from .kv_write import check_kv_scales
 
 # Tuned launch parameters, kept as data. "decode": every sequence has one query token (BLOCK_M
 # is raised to next_pow2(G) when G is larger). "prefill": any sequence has more; keyed by the
@@ -84,6 +92,8 @@ def _unified_attention_kernel(
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
+    ks_ptr,
+    vs_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -95,6 +105,8 @@ def _unified_attention_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    stride_sn,
+    stride_ss,
     num_seqs,
     sm_scale,
     soft_cap,
@@ -111,6 +123,7 @@ def _unified_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -188,11 +201,20 @@ def _unified_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        if UPCAST:
+        if QUANT:
+            # Scales [N, S, Hkv] of this tile's keys; codes -> compute dtype is exact.
+            s_offs = blk * stride_sn + slot * stride_ss + kvh
+            k_sc = tl.load(ks_ptr + s_offs, mask=n_ok, other=0.0)
+            v_sc = tl.load(vs_ptr + s_offs, mask=n_ok, other=0.0)
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_M, BLOCK_N]
+        if QUANT:
+            s = s * k_sc[None, :]
         if USE_SOFTCAP:
             s = soft_cap * _tanh(s / soft_cap)
         s = s * 1.4426950408889634  # work in log2 space: exp2 is the fast path
@@ -273,6 +295,8 @@ def _check_attention_args(
     max_query_len: int,
     sliding_window: int | None,
     soft_cap: float | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int]:
     """Validate shapes/dtypes; return (T, Hq, Hkv, D, B)."""
     name = "unified_attention"
@@ -295,7 +319,14 @@ def _check_attention_args(
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"{name}: Hq ({hq}) must be a multiple of Hkv ({hkv})")
     check_dtype(f"{name} q", q, FLOAT_DTYPES)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    check_kv_scales(name, k_cache, v_cache, k_scale, v_scale)
+    if k_scale is not None:
+        if v_cache.dtype != k_cache.dtype:
+            raise ValueError(
+                f"{name}: k_cache and v_cache dtypes must match, got {k_cache.dtype}, "
+                f"{v_cache.dtype}"
+            )
+    elif k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(
             f"{name}: q, k_cache, v_cache dtypes must match, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
@@ -360,6 +391,8 @@ def unified_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_kv_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal attention over a ragged batch of prefill chunks and decodes, one launch.
 
@@ -380,6 +413,8 @@ def unified_attention(
             GPU for decode-only batches too small to fill the SMs (1 under the interpreter).
             Each split covers a chunk of every tile's key range; a merge kernel combines them.
             Pass a fixed value when capturing CUDA graphs whose seq_lens change on replay.
+        k_scale, v_scale: None, or float32 [N, S, Hkv] when k_cache / v_cache hold int8 /
+            float8_e4m3fn codes (quantized KV cache; dequantized on read).
 
     Returns:
         out: [T, Hq, D].
@@ -388,11 +423,12 @@ def unified_attention(
     """
     t, hq, hkv, d, b = _check_attention_args(
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, max_query_len,
-        sliding_window, soft_cap,
+        sliding_window, soft_cap, k_scale, v_scale,
     )  # fmt: skip
+    quant = k_scale is not None
     check_device(
         "unified_attention", q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        *(() if out is None else (out,)),
+        *(() if out is None else (out,)), *((k_scale, v_scale) if quant else ()),
     )  # fmt: skip
     for label, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(f"unified_attention {label}", tensor)
@@ -424,12 +460,15 @@ def unified_attention(
     else:
         part_acc = part_ml = out  # unused
     grid = (num_tiles, hkv, num_kv_splits)
+    ks, vs = (k_scale, v_scale) if quant else (seq_lens, seq_lens)  # unused when float
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
+        ks, vs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         b, float(sm_scale), float(soft_cap or 0.0), int(sliding_window or 0),
         G=g,
         HEAD_DIM=d,
@@ -443,6 +482,7 @@ def unified_attention(
         UPCAST=upcast_dot(q.dtype),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_kv_splits,
+        QUANT=quant,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -487,18 +527,22 @@ def unified_attention_ref(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_kv_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch reference of :func:`unified_attention` (same arguments, fp32 math;
-    ``num_kv_splits`` is accepted and ignored).
+    ``num_kv_splits`` is accepted and ignored; a quantized cache is dequantized first).
 
     Loops over sequences in Python and syncs (``tolist``): for tests, not for serving.
     """
     _check_attention_args(
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, max_query_len,
-        sliding_window, soft_cap,
+        sliding_window, soft_cap, k_scale, v_scale,
     )  # fmt: skip
     if out is None:
         out = torch.zeros_like(q)
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
     _, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     g = hq // hkv

@@ -51,6 +51,15 @@ with a sliding window w, k > p - w (HF Mistral semantics). Soft cap: cap * tanh(
 masking. Masked logits get a large finite negative value (never -inf - -inf = NaN); rows of
 other sequences keep their state; padding rows end with l = 0 and are written as zeros.
 
+Quantized cache (kv_cache_dtype "int8" / "fp8", contract in xlaserve.quantization.kv_quant):
+the K/V pages hold int8 / float8_e4m3fn codes and two more HBM arrays k_scale, v_scale
+[N, S, Hkv] float32 hold one scale per (token, KV head). `write_kv_quant` quantizes and
+scatters; the reference dequantizes the gathered pages; the kernel DMAs each scale page next to
+its code page (same slot, same double buffering; 4 semaphores per slot) and dequantizes in VMEM
+(codes -> f32 * scale -> q's dtype) right before the dots. Page traffic per token and head is
+D + 4 bytes instead of 2 * D (bf16). Not yet run on a real TPU: int8 pages tile as (32, 128)
+in VMEM, so pages of 32+ slots are the safe choice there.
+
 Tuning table: `TUNED_BLOCK_SIZES[(head_dim, page_size, dtype name)] -> BlockSizes` (pages per
 KV block, query tokens per block, KV heads per block), default `BlockSizes.default_for`. The
 entries are starting points picked for the MXU/VMEM shape (a KV block of >= 128 keys, queries
@@ -70,6 +79,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from xlaserve.kernels_pallas import compat
+from xlaserve.kernels_pallas.kv_cache_quant import dequantize_kv, kv_cache_dtype_of, quantize_kv
 
 # A large finite negative logit for masked keys: exp(MASK - m) underflows to 0, and a row whose
 # keys are all masked in one block never computes -inf - (-inf).
@@ -139,8 +149,13 @@ def get_block_sizes(head_dim: int, page_size: int, dtype: jnp.dtype) -> BlockSiz
     return TUNED_BLOCK_SIZES.get(key) or BlockSizes.default_for(head_dim, page_size, dtype)
 
 
-def _vmem_bytes(p: int, s: int, hb: int, g: int, tq: int, d: int, itemsize: int) -> int:
-    kv_bufs = 2 * 2 * p * s * hb * d * itemsize  # K and V, two slots
+def _vmem_bytes(
+    p: int, s: int, hb: int, g: int, tq: int, d: int, itemsize: int, kv_itemsize: int = 0,
+    quantized: bool = False,
+) -> int:  # fmt: skip
+    kv_bufs = 2 * 2 * p * s * hb * d * (kv_itemsize or itemsize)  # K and V, two slots
+    if quantized:  # f32 scale pages [P, S, hb], lane-padded to 128
+        kv_bufs += 2 * 2 * p * s * (-(-hb // _LANES) * _LANES) * 4
     q_out = 2 * 2 * hb * g * tq * d * itemsize  # q and out blocks, pipelined (two buffers)
     scratch = hb * g * tq * (d + 2 * _LANES) * 4  # acc, m, l in f32
     return kv_bufs + q_out + scratch
@@ -162,6 +177,8 @@ def _check_inputs(
     sliding_window: int | None,
     soft_cap: float | None,
     impl: str,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> None:
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
@@ -173,8 +190,24 @@ def _check_inputs(
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in shape")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != kv cache dtype {k_cache.dtype}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together (a quantized cache)")
+    if k_scale is None:
+        if kv_cache_dtype_of(k_cache.dtype) is not None:
+            raise ValueError(f"a {k_cache.dtype} kv cache needs k_scale and v_scale")
+        if q.dtype != k_cache.dtype:
+            raise ValueError(f"q dtype {q.dtype} != kv cache dtype {k_cache.dtype}")
+    else:
+        if kv_cache_dtype_of(k_cache.dtype) is None:
+            raise ValueError(
+                f"scales given but the kv cache dtype {k_cache.dtype} is not int8 / float8_e4m3fn"
+            )
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc.shape != k_cache.shape[:3] or sc.dtype != jnp.float32:
+                raise ValueError(
+                    f"{name} must be float32 [N, S, Hkv] = {k_cache.shape[:3]}, "
+                    f"got {sc.dtype} {sc.shape}"
+                )
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q/k/v must be floating point, got {q.dtype}")
     _, hq, d = q.shape
@@ -260,6 +293,41 @@ def write_kv(
     return k_cache, v_cache
 
 
+@jax.jit
+def write_kv_quant(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_scale: jax.Array,
+    v_scale: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Quantize new K/V rows (per token, per KV head; xlaserve.quantization.kv_quant) and
+    scatter codes and scales into a quantized paged cache.
+
+    k_cache, v_cache: [N, S, Hkv, D] int8 or float8_e4m3fn (the dtype picks the format);
+    k_scale, v_scale: float32 [N, S, Hkv]; k_new, v_new: [T, Hkv, D] float; slot_mapping as in
+    `write_kv` (< 0: padding, writes nothing). Returns the updated (k, v, k_scale, v_scale).
+    """
+    name = kv_cache_dtype_of(k_cache.dtype)
+    if name is None or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"quantized caches must be int8 or float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if k_scale.shape != k_cache.shape[:3] or v_scale.shape != k_cache.shape[:3]:
+        raise ValueError(
+            f"scales must be [N, S, Hkv] = {k_cache.shape[:3]}, got {k_scale.shape}, {v_scale.shape}"
+        )
+    kq, ks = quantize_kv(k_new, name)
+    vq, vs = quantize_kv(v_new, name)
+    k_cache, v_cache = write_kv(k_cache, v_cache, kq, vq, slot_mapping)
+    # Scales [N, S, Hkv] scattered as [N, S, Hkv, 1] pages by the same routine.
+    k_scale, v_scale = write_kv(k_scale[..., None], v_scale[..., None], ks[..., None], vs[..., None],
+                                slot_mapping)  # fmt: skip
+    return k_cache, v_cache, k_scale[..., 0], v_scale[..., 0]
+
+
 # ------------------------------------------------------------------------------------------
 # Reference
 # ------------------------------------------------------------------------------------------
@@ -295,12 +363,15 @@ def ref_ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     impl: str = "reference",
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Plain jnp ragged paged attention (same contract as `ragged_paged_attention`).
 
-    Gathers, for every token, its sequence's M pages: k [T, M*S, Hkv, D], then masks
-    (causal, kv_len, window) and softmaxes in float32. Returns [T, Hq, D] in q's dtype, zeros
-    for padding tokens. `impl` is accepted (and ignored) so both functions share a signature.
+    Gathers, for every token, its sequence's M pages: k [T, M*S, Hkv, D] (dequantized to
+    float32 with k_scale/v_scale [N, S, Hkv] for an int8/fp8 cache), then masks (causal,
+    kv_len, window) and softmaxes in float32. Returns [T, Hq, D] in q's dtype, zeros for
+    padding tokens. `impl` is accepted (and ignored) so both functions share a signature.
     """
     del impl
     t, hq, d = q.shape
@@ -310,8 +381,12 @@ def ref_ragged_paged_attention(
     seq, pos, valid = _token_metadata(t, kv_lens, cu_q_lens, num_seqs)
 
     pages = jnp.clip(block_tables[seq], 0, n - 1)  # [T, M]
-    k = k_cache[pages].reshape(t, m * s, hkv, d).astype(jnp.float32)  # [T, L, Hkv, D]
-    v = v_cache[pages].reshape(t, m * s, hkv, d).astype(jnp.float32)
+    if k_scale is None:
+        k = k_cache[pages].reshape(t, m * s, hkv, d).astype(jnp.float32)  # [T, L, Hkv, D]
+        v = v_cache[pages].reshape(t, m * s, hkv, d).astype(jnp.float32)
+    else:
+        k = dequantize_kv(k_cache[pages], k_scale[pages]).reshape(t, m * s, hkv, d)
+        v = dequantize_kv(v_cache[pages], v_scale[pages]).reshape(t, m * s, hkv, d)
     kpos = jnp.arange(m * s, dtype=jnp.int32)[None, :]  # [1, L]
     # Slots past kv_len may hold anything (even NaN): zero V there so 0 * NaN stays out.
     v = jnp.where((kpos < kv_lens[seq][:, None])[:, :, None, None], v, 0.0)
@@ -344,20 +419,8 @@ def _rpa_kernel(
     block_tables_ref,  # [B * M]
     cu_q_lens_ref,  # [B + 1]
     num_seqs_ref,  # [1]
-    # inputs
-    q_ref,  # VMEM block [hb, G, tq, D]
-    k_hbm_ref,  # ANY [N, S, Hkv, D]
-    v_hbm_ref,  # ANY [N, S, Hkv, D]
-    # output
-    o_ref,  # VMEM block [hb, G, tq, D]
-    # scratch
-    k_buf,  # VMEM [2, P, S, hb, D]
-    v_buf,  # VMEM [2, P, S, hb, D]
-    sems,  # DMA semaphores [2 (k, v), 2 (slot)]
-    m_ref,  # VMEM f32 [hb, G * tq, 128] running max (lane-replicated)
-    l_ref,  # VMEM f32 [hb, G * tq, 128] running denominator (lane-replicated)
-    acc_ref,  # VMEM f32 [hb, G * tq, D] running numerator
-    *,
+    *refs,
+    quantized: bool,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -366,6 +429,20 @@ def _rpa_kernel(
     num_pages: int,
     batch: int,
 ) -> None:
+    """refs, float cache: q_ref (VMEM block [hb, G, tq, D]), k_hbm_ref, v_hbm_ref (ANY
+    [N, S, Hkv, D]), o_ref (VMEM block [hb, G, tq, D]), then scratch k_buf, v_buf (VMEM
+    [2, P, S, hb, D]), sems (DMA [2 (k, v), 2 (slot)]), m_ref, l_ref (f32 [hb, G * tq, 128],
+    running max / denominator, lane-replicated), acc_ref (f32 [hb, G * tq, D]).
+    Quantized cache (int8 / fp8 codes): ks_hbm_ref, vs_hbm_ref (ANY f32 [N, S, Hkv]) follow
+    v_hbm_ref, ks_buf, vs_buf (VMEM f32 [2, P, S, hb]) follow v_buf, and sems is [4 (k, v,
+    k scale, v scale), 2]: scale pages ride the same double-buffered DMA as their code pages and
+    are applied in VMEM (codes -> float32 * scale -> q's dtype) before the dots."""
+    if quantized:
+        (q_ref, k_hbm_ref, v_hbm_ref, ks_hbm_ref, vs_hbm_ref, o_ref,
+         k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref) = refs  # fmt: skip
+    else:
+        q_ref, k_hbm_ref, v_hbm_ref, o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+        ks_hbm_ref = vs_hbm_ref = ks_buf = vs_buf = None
     hb, g, tq, d = q_ref.shape
     s_page = k_buf.shape[2]
     n_kv_heads = k_hbm_ref.shape[2]
@@ -429,32 +506,37 @@ def _rpa_kernel(
         return lax.while_loop(lambda s: (s < seq_hi) & ~seq_info(s)["nonempty"], lambda s: s + 1, s)
 
     def page_copy(blk, slot, p, info):
-        """(needed, k copy, v copy) of page p of KV block `blk` of the sequence of `info`."""
+        """(needed, [DMA copies]) of page p of KV block `blk` of the sequence of `info`."""
         page_in_seq = blk * p_blk + p
         start = page_in_seq * s_page
         # Pages holding no key this block's rows can see (past kv_len, before the window).
         needed = (start < info["k_hi"]) & (start + s_page > info["k_lo"])
         idx = info["s"] * max_pages_per_seq + jnp.minimum(page_in_seq, max_pages_per_seq - 1)
         page = jnp.clip(block_tables_ref[idx], 0, num_pages - 1)
-        if hb == n_kv_heads:  # all heads: one contiguous [S, Hkv, D] page
-            k_src, v_src = k_hbm_ref.at[page], v_hbm_ref.at[page]
-        else:
-            k_src = k_hbm_ref.at[page, :, pl.ds(h0, hb), :]
-            v_src = v_hbm_ref.at[page, :, pl.ds(h0, hb), :]
-        k_copy = compat.make_async_copy(k_src, k_buf.at[slot, p], sems.at[0, slot])
-        v_copy = compat.make_async_copy(v_src, v_buf.at[slot, p], sems.at[1, slot])
-        return needed, k_copy, v_copy
+        pairs = [(k_hbm_ref, k_buf), (v_hbm_ref, v_buf)]
+        if quantized:
+            pairs += [(ks_hbm_ref, ks_buf), (vs_hbm_ref, vs_buf)]
+        copies = []
+        for i, (src, dst) in enumerate(pairs):
+            if hb == n_kv_heads:  # all heads: one contiguous [S, Hkv, D] (scales [S, Hkv]) page
+                src = src.at[page]
+            elif i < 2:
+                src = src.at[page, :, pl.ds(h0, hb), :]
+            else:
+                src = src.at[page, :, pl.ds(h0, hb)]
+            copies.append(compat.make_async_copy(src, dst.at[slot, p], sems.at[i, slot]))
+        return needed, copies
 
     def for_each_page(blk, slot, info, action: str) -> None:
         """Start (or wait for) the DMAs of every needed page of one KV block."""
 
         def body(p, carry):
-            needed, k_copy, v_copy = page_copy(blk, slot, p, info)
+            needed, copies = page_copy(blk, slot, p, info)
 
             @pl.when(needed)
             def _() -> None:
-                getattr(k_copy, action)()
-                getattr(v_copy, action)()
+                for c in copies:
+                    getattr(c, action)()
 
             return carry
 
@@ -487,8 +569,13 @@ def _rpa_kernel(
         m_out, l_out, acc_out = [], [], []
         for hh in range(hb):
             q = q_all[hh].reshape(rows, d)  # value reshape: [G, tq, D] -> [G * tq, D]
-            k = k_buf[slot, :, :, hh, :].reshape(bk, d)  # [P, S, D] -> [P * S, D]
-            v = v_buf[slot, :, :, hh, :].reshape(bk, d)
+            k = k_buf[slot, :, :, hh, :]  # [P, S, D]
+            v = v_buf[slot, :, :, hh, :]
+            if quantized:  # scales [P, S, 1]: a size-1 lane slice of the ref, no reshape
+                k = (k.astype(jnp.float32) * ks_buf[slot, :, :, pl.ds(hh, 1)]).astype(q.dtype)
+                v = (v.astype(jnp.float32) * vs_buf[slot, :, :, pl.ds(hh, 1)]).astype(q.dtype)
+            k = k.reshape(bk, d)  # [P, S, D] -> [P * S, D]
+            v = v.reshape(bk, d)
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
             logits = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -580,12 +667,15 @@ def _pallas_tpu_attention(
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     block_sizes: BlockSizes | None,
 ) -> jax.Array:
+    quantized = k_scale is not None
     t, hq, d = q.shape
     n, s, hkv, _ = k_cache.shape
     b, m = block_tables.shape
@@ -595,11 +685,14 @@ def _pallas_tpu_attention(
     p_blk = min(bs.pages_per_block, m)
     tq = min(bs.queries_per_block, max(8, -(-t // 8) * 8))
     itemsize = jnp.dtype(q.dtype).itemsize
+    vm = functools.partial(
+        _vmem_bytes, kv_itemsize=jnp.dtype(k_cache.dtype).itemsize, quantized=quantized
+    )
     if bs.kv_heads_per_block is not None:
         hb = bs.kv_heads_per_block
     else:  # as many heads as fit (all of them keeps page DMAs contiguous)
         hb = hkv
-        while hb > 1 and _vmem_bytes(p_blk, s, hb, g, tq, d, itemsize) > _VMEM_BUDGET_BYTES:
+        while hb > 1 and vm(p_blk, s, hb, g, tq, d, itemsize) > _VMEM_BUDGET_BYTES:
             hb = max(h for h in range(1, hb) if hkv % h == 0)
     t_pad = -(-t // tq) * tq
 
@@ -610,6 +703,7 @@ def _pallas_tpu_attention(
     qo_spec = pl.BlockSpec((hb, g, tq, d), lambda h, i, *_: (h, 0, i, 0))
     kernel = functools.partial(
         _rpa_kernel,
+        quantized=quantized,
         sm_scale=float(sm_scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap),
@@ -618,21 +712,24 @@ def _pallas_tpu_attention(
         num_pages=n,
         batch=b,
     )
+    n_kv_in = 4 if quantized else 2
+    scale_bufs = [compat.VMEM((2, p_blk, s, hb), jnp.float32)] * 2 if quantized else []
     grid_spec = compat.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(hkv // hb, t_pad // tq),
-        in_specs=[qo_spec, compat.any_blockspec(), compat.any_blockspec()],
+        in_specs=[qo_spec] + [compat.any_blockspec() for _ in range(n_kv_in)],
         out_specs=qo_spec,
         scratch_shapes=[
             compat.VMEM((2, p_blk, s, hb, d), k_cache.dtype),
             compat.VMEM((2, p_blk, s, hb, d), v_cache.dtype),
-            compat.dma_semaphores((2, 2)),
+            *scale_bufs,
+            compat.dma_semaphores((n_kv_in, 2)),
             compat.VMEM((hb, g * tq, _LANES), jnp.float32),
             compat.VMEM((hb, g * tq, _LANES), jnp.float32),
             compat.VMEM((hb, g * tq, d), jnp.float32),
         ],
     )
-    vmem = _vmem_bytes(p_blk, s, hb, g, tq, d, itemsize)
+    vmem = vm(p_blk, s, hb, g, tq, d, itemsize)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -650,6 +747,7 @@ def _pallas_tpu_attention(
         qt,
         k_cache,
         v_cache,
+        *((k_scale, v_scale) if quantized else ()),
     )
     return out[:, :, :t, :].transpose(2, 0, 1, 3).reshape(t, hq, d)
 
@@ -681,6 +779,8 @@ def ragged_paged_attention(
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -698,19 +798,23 @@ def ragged_paged_attention(
     soft_cap c: logits = c * tanh(logits / c). Softmax and accumulation in float32.
     impl: "reference" | "pallas_tpu" | "auto" (pallas_tpu on a TPU backend or under forced TPU
     interpret mode, else reference). block_sizes: override the tuning table (kernel only).
+    Quantized cache (xlaserve.quantization.kv_quant): k_cache/v_cache int8 or float8_e4m3fn
+    codes with k_scale, v_scale float32 [N, S, Hkv] (one scale per token and KV head); keys and
+    values are dequantized (codes * scale) where they are read.
     Returns [T, Hq, D] in q's dtype; rows of padding tokens are zeros.
     """
     _check_inputs(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sliding_window, soft_cap, impl,
+        sliding_window, soft_cap, impl, k_scale, v_scale,
     )  # fmt: skip
     if _resolve_impl(impl) == "reference":
         return ref_ragged_paged_attention(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return _pallas_tpu_attention(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         block_sizes=block_sizes,
     )  # fmt: skip

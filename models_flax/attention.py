@@ -4,6 +4,11 @@ The kernel contract is `xlaserve.kernels_pallas.ragged_paged_attention` (write_k
 ragged_paged_attention). Under tensor parallelism with KV heads divisible by the mesh, the kernel
 runs inside `shard_map` over the "model" axis (heads are independent, so each device attends
 with its own heads and cache shard); otherwise GSPMD partitions the surrounding ops.
+
+Quantized KV cache (kv_cache_dtype "int8" / "fp8", xlaserve.quantization.kv_quant): the layer's
+cache tuple is (k codes, v codes, k scales [N, S, Hkv], v scales) instead of (k, v); this step's
+K/V are quantized per token and KV head as they are written (`write_kv_quant`), and the kernel
+dequantizes what it reads. The scales are sharded over KV heads like the codes.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xlaserve.kernels_pallas import ragged_paged_attention, write_kv
+from xlaserve.kernels_pallas.ragged_paged_attention import write_kv_quant
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.layers import Linear, apply_rotary, make_norm
 
-KVCache = tuple[jax.Array, jax.Array]  # (k, v), each [N, S, Hkv, D]
+# (k, v), each [N, S, Hkv, D]; quantized cache: (k codes, v codes, k scales, v scales), codes
+# [N, S, Hkv, D] int8 / float8_e4m3fn, scales float32 [N, S, Hkv].
+KVCache = tuple[jax.Array, ...]
 
 
 @functools.partial(
@@ -53,8 +61,11 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
-    """q [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]."""
+    """q [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]. k_scale, v_scale: float32
+    [N, S, Hkv] for an int8 / fp8 cache (None for a float cache)."""
     call = functools.partial(
         ragged_paged_attention,
         sm_scale=sm_scale,
@@ -64,17 +75,20 @@ def paged_attention(
     )
     mesh = md.mesh
     tp = 1 if mesh is None else mesh.shape["model"]
+    meta = (md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs)
+    scales = () if k_scale is None else (k_scale, v_scale)
     if tp == 1 or k_cache.shape[2] % tp or q.shape[1] % tp:
-        return call(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs)
+        return call(q, k_cache, v_cache, *meta, *scales)
     heads, cache, rep = P(None, "model", None), P(None, None, "model", None), P()
+    scale_specs = (P(None, None, "model"),) * len(scales)  # scales split with their heads
     sharded = jax.shard_map(
         call,
         mesh=mesh,
-        in_specs=(heads, cache, cache, rep, rep, rep, rep),
+        in_specs=(heads, cache, cache, rep, rep, rep, rep, *scale_specs),
         out_specs=heads,
         check_vma=False,
     )
-    return sharded(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs)
+    return sharded(q, k_cache, v_cache, *meta, *scales)
 
 
 class Attention(nnx.Module):
@@ -119,14 +133,19 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
+        if len(kv) == 4:  # quantized cache: (k codes, v codes, k scales, v scales)
+            kv = write_kv_quant(*kv, k, v, md.slot_mapping)
+        else:
+            kv = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
         o = paged_attention(
             q,
-            k_cache,
-            v_cache,
+            kv[0],
+            kv[1],
             md,
             sm_scale=self.scale,
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
+            k_scale=kv[2] if len(kv) == 4 else None,
+            v_scale=kv[3] if len(kv) == 4 else None,
         )
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv

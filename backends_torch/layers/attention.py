@@ -1,7 +1,10 @@
 """Paged attention behind a small backend interface.
 
-The KV cache of one layer is a pair of tensors K, V: [N, S, Hkv, D] (N blocks of S tokens).
-Token slot `s` lives at block `s // S`, offset `s % S`. A batch is ragged: request b owns query
+The KV cache of one layer is a pair of tensors K, V: [N, S, Hkv, D] (N blocks of S tokens), or,
+with a quantized cache (kv_cache_dtype "int8" / "fp8", see xlaserve.quantization.kv_quant), the
+4-tuple (K codes, V codes, K scales, V scales): codes [N, S, Hkv, D] int8 / float8_e4m3fn, scales
+[N, S, Hkv] float32 (one per token and KV head). Backends quantize on write and dequantize on
+read when given the scales (k_scale / v_scale arguments). Token slot `s` lives at block `s // S`, offset `s % S`. A batch is ragged: request b owns query
 rows `query_start_loc[b]:query_start_loc[b+1]`, and those queries are the LAST q_len tokens of its
 `seq_lens[b]`-token context (so mixed prefill chunks and decodes share one call).
 
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from xlaserve.kernels_cuda.kv_quant import dequantize_kv, quantize_kv
 
 
 @dataclass
@@ -56,8 +61,12 @@ class AttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        """k, v: [T, Hkv, D] -> caches [N, S, Hkv, D] at slot_mapping [T] (negative slots skipped)."""
+        """k, v: [T, Hkv, D] -> caches [N, S, Hkv, D] at slot_mapping [T] (negative slots skipped).
+        With k_scale / v_scale [N, S, Hkv] float32 the caches hold int8 / fp8 codes: each
+        (token, head) vector is quantized on write and its scale stored at the same slot."""
         raise NotImplementedError
 
     def forward(
@@ -69,8 +78,11 @@ class AttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D] -> out [T, Hq, D] (causal over each request's cached context)."""
+        """q: [T, Hq, D] -> out [T, Hq, D] (causal over each request's cached context).
+        k_scale / v_scale [N, S, Hkv]: the caches hold codes, dequantized on read."""
         raise NotImplementedError
 
 
@@ -87,13 +99,21 @@ class TorchRefAttention(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         n, s, hkv, d = k_cache.shape
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-        k_cache.view(n * s, hkv, d)[slot_mapping] = k.to(k_cache.dtype)
-        v_cache.view(n * s, hkv, d)[slot_mapping] = v.to(v_cache.dtype)
+        if k_scale is None:
+            k_cache.view(n * s, hkv, d)[slot_mapping] = k.to(k_cache.dtype)
+            v_cache.view(n * s, hkv, d)[slot_mapping] = v.to(v_cache.dtype)
+            return
+        for x, codes, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            xq, xs = quantize_kv(x, codes.dtype)
+            codes.view(n * s, hkv, d)[slot_mapping] = xq
+            scales.view(n * s, hkv)[slot_mapping] = xs
 
     def forward(
         self,
@@ -104,6 +124,8 @@ class TorchRefAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _, block_size, hkv, d = k_cache.shape
         hq = q.shape[1]
@@ -120,6 +142,9 @@ class TorchRefAttention(AttentionBackend):
             # k, v: [kv_len, Hkv, D] -> [Hq, kv_len, D] (GQA: query head h reads kv head h // group)
             k = k_cache[blocks].reshape(-1, hkv, d)[:kv_len].float()
             v = v_cache[blocks].reshape(-1, hkv, d)[:kv_len].float()
+            if k_scale is not None:  # quantized cache: codes * per-(token, head) scale
+                k = dequantize_kv(k, k_scale[blocks].reshape(-1, hkv)[:kv_len])
+                v = dequantize_kv(v, v_scale[blocks].reshape(-1, hkv)[:kv_len])
             k = k.transpose(0, 1).repeat_interleave(group, dim=0)
             v = v.transpose(0, 1).repeat_interleave(group, dim=0)
             qb = q[q0:q1].float().transpose(0, 1)  # [Hq, q_len, D]
@@ -193,6 +218,8 @@ class TorchBatchedAttention(TorchRefAttention):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n, block_size, hkv, d = k_cache.shape
         t, hq, _ = q.shape
@@ -202,8 +229,12 @@ class TorchBatchedAttention(TorchRefAttention):
         # q: [T + 1, Hq, D] (zero pad row) -> [B, Hkv, G * Mq, D]; k/v: [B, Hkv, Mkv, D]
         qp = torch.cat([q.float(), q.new_zeros(1, hq, d, dtype=torch.float32)])[lay["q_index"]]
         qp = qp.view(b, mq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * mq, d)
-        k = k_cache.view(n * block_size, hkv, d)[lay["slots"]].float().transpose(1, 2)
-        v = v_cache.view(n * block_size, hkv, d)[lay["slots"]].float().transpose(1, 2)
+        k = k_cache.view(n * block_size, hkv, d)[lay["slots"]].float()
+        v = v_cache.view(n * block_size, hkv, d)[lay["slots"]].float()
+        if k_scale is not None:  # quantized cache: codes * per-(token, head) scale
+            k = dequantize_kv(k, k_scale.view(n * block_size, hkv)[lay["slots"]])
+            v = dequantize_kv(v, v_scale.view(n * block_size, hkv)[lay["slots"]])
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         allowed = lay["causal"]
         if sliding_window is not None:
             allowed = allowed & (lay["kpos"] > lay["qpos"] - sliding_window)
@@ -242,6 +273,43 @@ def register_attention_backend(name: str, target: str) -> None:
 
 def available_attention_backends() -> list[str]:
     return sorted(_BACKENDS)
+
+
+# Backends that read and write the quantized cache (kv_cache_dtype "int8" / "fp8").
+QUANT_KV_BACKENDS = ("torch_ref", "torch_batched", "triton")
+
+
+def check_kv_cache_dtype(
+    kv_cache_dtype: str, backend_name: str, device: torch.device, families: list[str]
+) -> torch.dtype | None:
+    """The cache code dtype for `kv_cache_dtype` (None for "auto"); a clear ValueError at start-up
+    for combinations that are not implemented (rather than wrong results later)."""
+    from xlaserve.kernels_cuda.kv_quant import kv_code_dtype
+
+    code = kv_code_dtype(kv_cache_dtype)
+    if code is None:
+        return None
+    if backend_name not in QUANT_KV_BACKENDS:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported by attention backend "
+            f"{backend_name!r} (supported: {', '.join(QUANT_KV_BACKENDS)})"
+        )
+    if "mla" in families:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported for MLA models (family 'mla') "
+            "on the torch backend; use kv_cache_dtype='auto'"
+        )
+    if (
+        code == torch.float8_e4m3fn
+        and device.type == "cuda"
+        and backend_name == "triton"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError(
+            "kv_cache_dtype='fp8' needs an NVIDIA GPU with compute capability >= 8.9 for the "
+            "Triton kernels' float8_e4m3fn loads/stores; use kv_cache_dtype='int8'"
+        )
+    return code
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
@@ -283,12 +351,21 @@ class Attention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
-        out = self.backend.forward(
-            q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap
-        )
+        """kv_cache: (k, v) or, quantized, (k codes, v codes, k scales, v scales)."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if len(kv_cache) == 4:
+            ks, vs = kv_cache[2], kv_cache[3]
+            self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping, k_scale=ks, v_scale=vs)
+            out = self.backend.forward(
+                q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap,
+                k_scale=ks, v_scale=vs,
+            )  # fmt: skip
+        else:
+            self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+            out = self.backend.forward(
+                q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap
+            )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -201,8 +201,11 @@ def test_scheme_detection_and_errors(tmp_path) -> None:  # noqa: ANN001
     assert QuantScheme("fp8", ignore=("re:.*down_proj",)).skips("layers.1.mlp.down_proj")
     assert resolve_scheme(None, str(tmp_path)) is None
     assert resolve_scheme("int4", str(tmp_path)).group_size == 128
-    with pytest.raises(NotImplementedError, match="kv_cache_dtype='fp8' is not implemented"):
-        resolve_scheme(None, str(tmp_path), kv_cache_dtype="fp8")
+    # A quantized KV cache leaves the weights' scheme alone; unknown values are rejected.
+    assert resolve_scheme(None, str(tmp_path), kv_cache_dtype="fp8") is None
+    assert resolve_scheme("int8", str(tmp_path), kv_cache_dtype="int8").method == "int8"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        resolve_scheme(None, str(tmp_path), kv_cache_dtype="int4")
     (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "awq"}}')
     with pytest.raises(ValueError, match="conflicts with the checkpoint"):
         resolve_scheme("int8", str(tmp_path))

@@ -141,11 +141,11 @@ def resolve_scheme(
     requested: str | None, model_dir: str | None, kv_cache_dtype: str = "auto"
 ) -> QuantScheme | None:
     """The scheme to serve with: the checkpoint's own format when pre-quantized (the request, if
-    any, must agree with it), else `requested` applied at load time, else None."""
-    if kv_cache_dtype != "auto":
-        raise NotImplementedError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not implemented yet (only 'auto')"
-        )
+    any, must agree with it), else `requested` applied at load time, else None.
+    `kv_cache_dtype` does not change the weights' scheme: the quantized KV cache is the
+    backends' (contract in xlaserve.quantization.kv_quant); only validated here."""
+    if kv_cache_dtype not in ("auto", "int8", "fp8"):
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {kv_cache_dtype!r}")
     qc = read_quantization_config(model_dir)
     if qc is not None:
         scheme = scheme_from_hf_config(qc)
