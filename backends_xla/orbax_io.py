@@ -253,6 +253,16 @@ def convert_to_orbax(
     src_dir = resolve_model_dir(model)
     if is_orbax_dir(src_dir):
         raise ValueError(f"{src_dir} is already an orbax model directory")
+    from xlaserve.quantization.scheme import read_quantization_config
+
+    qc = read_quantization_config(src_dir)
+    if qc is not None:
+        # The orbax tree holds float parameters only (restore casts every array to one dtype).
+        raise ValueError(
+            f"{src_dir} is a pre-quantized checkpoint ({qc.get('quant_method', '?')}): "
+            "`xlaserve convert --to orbax` writes float models only; serve the HF directory "
+            "directly (the XLA backend loads it quantized)"
+        )
     spec = build_spec(src_dir)
     jdtype = resolve_dtype(dtype, spec.checkpoint_dtype, jax.default_backend())
     mesh = make_mesh(tensor_parallel_size)

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlaserve.quantization.scheme import QuantScheme
+
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -166,3 +168,194 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     c, s = cos[:, None, :], sin[:, None, :]
     out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+# ---- quantized linear (int8 / int4 weight-only, fp8) ---------------------------------------------
+#
+# Model files never change for quantization: the loader builds the float model, then
+# `quantize_linears` swaps every eligible `Linear` for a `QuantLinear` (same attribute, so the
+# canonical names become X.qweight / X.scales / X.qzeros / X.perm / X.bias). MoE experts (stacked
+# parameters, not `Linear`s) stay float.
+
+FP8_MAX = 448.0
+
+
+def fp8_supported() -> bool:
+    """fp8 matmuls need an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper and later)."""
+    if jax.default_backend() != "gpu":
+        return False
+    for d in jax.devices():
+        cc = str(getattr(d, "compute_capability", "0.0"))
+        major, _, minor = cc.partition(".")
+        if (int(major or 0), int(minor or 0)) < (8, 9):
+            return False
+    return True
+
+
+def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] . b [N, K]^T -> [M, N] float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def fp8_matmul(x: jax.Array, w8: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [M, K] quantized per token to e4m3 (dynamic scale amax/448), w8 float8_e4m3fn [N, K]
+    with per-channel scales [N] -> [M, N] in x's dtype. The fp8 dot itself runs on GPUs that have
+    it (XLA lowers an f8 x f8 dot to cuBLASLt); elsewhere it is emulated in float32 (the same
+    roundings as the torch backend's `fp8_linear_ref`)."""
+    xf = x.astype(jnp.float32)
+    xs = jnp.maximum(jnp.abs(xf).max(axis=-1, keepdims=True), 1e-12) / FP8_MAX  # [M, 1]
+    xq = jnp.clip(xf / xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    if fp8_supported():
+        y = _dot_t(xq, w8)
+    else:
+        y = _dot_t(xq.astype(jnp.float32), w8.astype(jnp.float32))
+    return (y * xs * w_scale.astype(jnp.float32)[None, :]).astype(x.dtype)
+
+
+class QuantLinear(nnx.Module):
+    """Quantized drop-in for `Linear`: x [T, in] -> [T, out] in x's dtype.
+
+    Parameters, in the canonical layouts of `xlaserve.quantization.numpy_quant` (N = out,
+    K = in, G = K / group):
+        int8: qweight int8 [N, K], scales f32 [N]                      W = q * s[:, None]
+        int4: qweight uint8 [N, K/2] (two nibbles a byte, group half-split order), scales f32
+              [N, G], qzeros uint8 [N, G]; perm int32 [K] for GPTQ act-order checkpoints (the
+              input is permuted first)                                  W = (q - z) * s
+        fp8:  qweight float8_e4m3fn [N, K], scales f32 [N]; activations rounded per token
+        bias [N] (model dtype) when the float layer had one.
+    Tensor parallelism splits the same axis the float layer does ("col": N, "row": K; int4's
+    packed bytes and groups are split along with K).
+
+    Matmul (`impl`, static): "auto" = the Pallas dequant-matmul kernels
+    (`kernels_pallas.quant_matmul`) on TPU, the XLA path elsewhere; "xla" = dequantize inside the
+    jitted forward (XLA fuses the int -> float convert into the dot's operand; int8 scales are
+    applied to the f32 accumulator); "pallas_tpu" = always the kernels (interpret mode on CPU).
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        dtype: jnp.dtype,
+        bias: bool,
+        tp: str | None,
+        method: str,
+        group: int = 0,
+        act_order: bool = False,
+        impl: str = "auto",
+    ) -> None:
+        if tp not in (None, "col", "row"):
+            raise ValueError(f"tp must be None, 'col' or 'row', got {tp!r}")
+        if impl not in ("auto", "xla", "pallas_tpu"):
+            raise ValueError(f"impl must be 'auto', 'xla' or 'pallas_tpu', got {impl!r}")
+        n, k = d_out, d_in
+        ax = {"col": 0, "row": 1}.get(tp)
+        col = 0 if tp == "col" else None
+        self.d_in, self.d_out, self.method, self.impl = d_in, d_out, method, impl
+        self.group = 0
+        perm = qzeros = None  # each attribute assigned once: nnx fixes its kind (data/static)
+        if method == "int8":
+            self.qweight = _param((n, k), jnp.int8, ax)
+            self.scales = _param((n,), jnp.float32, col)
+        elif method == "int4":
+            if group <= 0 or k % group or group % 2:
+                raise ValueError(f"int4: in_features {k} and group {group} do not fit")
+            self.group = group
+            self.qweight = _param((n, k // 2), jnp.uint8, ax)
+            self.scales = _param((n, k // group), jnp.float32, ax)
+            qzeros = _param((n, k // group), jnp.uint8, ax)
+            if act_order:
+                perm = _param((k,), jnp.int32)
+        elif method == "fp8":
+            self.qweight = _param((n, k), jnp.float8_e4m3fn, ax)
+            self.scales = _param((n,), jnp.float32, col)
+        else:
+            raise ValueError(f"unknown quantization method {method!r}")
+        self.qzeros, self.perm = qzeros, perm
+        self.bias = _param((n,), dtype, col) if bias else None
+
+    def dequantized_weight(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """W [N, K] in `dtype` (input channels in the order x is fed in after `perm`)."""
+        s = self.scales[...].astype(jnp.float32)
+        if self.method == "int4":
+            from xlaserve.kernels_pallas.quant_matmul import dequant_int4_ref
+
+            return dequant_int4_ref(self.qweight[...], s, self.qzeros[...]).astype(dtype)
+        return (self.qweight[...].astype(jnp.float32) * s[:, None]).astype(dtype)
+
+    def _use_pallas(self) -> bool:
+        from xlaserve.kernels_pallas import compat
+
+        if self.method == "fp8" or self.impl == "xla":
+            return False
+        if self.impl == "pallas_tpu" or compat.is_interpret_forced():
+            return True
+        if jax.default_backend() != "tpu":
+            return False
+        # Mosaic blocks: a group's packed bytes (g/2 lanes) must fill whole 128-lane tiles
+        # unless one group spans the row.
+        return self.method == "int8" or self.group == self.d_in or (self.group // 2) % 128 == 0
+
+    def _matmul(self, x: jax.Array) -> jax.Array:  # [M, K] -> [M, N] x.dtype
+        q, s = self.qweight[...], self.scales[...]
+        if self.method == "fp8":
+            return fp8_matmul(x, q, s)
+        if self._use_pallas():
+            from xlaserve.kernels_pallas import quant_matmul as qm
+
+            if self.method == "int8":
+                return qm.int8_matmul_pallas(x, q, s)
+            return qm.int4_matmul_pallas(x, q, s, self.qzeros[...])
+        if self.method == "int8":  # int8 values are exact in bf16/f32: scale the accumulator
+            y = _dot_t(x, q.astype(x.dtype)) * s.astype(jnp.float32)[None, :]
+            return y.astype(x.dtype)
+        return _dot_t(x, self.dequantized_weight(x.dtype)).astype(x.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.d_in)
+        if self.perm is not None:
+            x2 = jnp.take(x2, self.perm[...], axis=1)
+        y = self._matmul(x2)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y.reshape(*lead, self.d_out)
+
+
+def quantize_linears(
+    model: nnx.Module, scheme: QuantScheme, impl: str = "auto"
+) -> dict[str, tuple[int, int]]:
+    """Swap every eligible `Linear` of `model` for an empty `QuantLinear` (in place; call it under
+    `nnx.eval_shape`, the loader fills the parameters). Skipped: layers the scheme ignores
+    (lm_head, routers, ...) and, for int4, odd in_features (as the torch backend does).
+    Returns {canonical layer name: (out_features, in_features)} of the swapped layers."""
+    swapped: dict[str, tuple[int, int]] = {}
+    for path, mod in list(nnx.iter_modules(model)):
+        if type(mod) is not Linear or not path:
+            continue
+        name = ".".join(str(p) for p in path)
+        w = mod.weight.get_value()
+        n, k = w.shape
+        if scheme.skips(name) or (scheme.method == "int4" and k % 2):
+            continue
+        tp = {0: "col", 1: "row"}.get(mod.weight.get_metadata().get("tp_axis"))
+        new = QuantLinear(
+            k,
+            n,
+            w.dtype,
+            mod.bias is not None,
+            tp,
+            scheme.method,
+            scheme.layer_group(k) if scheme.method == "int4" else 0,
+            scheme.act_order,
+            impl,
+        )
+        parent = model
+        for p in path[:-1]:
+            parent = parent[p] if isinstance(p, int) else getattr(parent, p)
+        if isinstance(path[-1], int):
+            parent[path[-1]] = new
+        else:
+            setattr(parent, path[-1], new)
+        swapped[name] = (n, k)
+    return swapped

@@ -8,7 +8,9 @@ checkpoint is never held twice in host memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import os
+from collections.abc import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax import get_model_class
+from xlaserve.models_flax.layers import fp8_supported, quantize_linears
+from xlaserve.models_flax.moe import check_expert_parallel, enable_expert_parallel
+from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
+
+logger = logging.getLogger(__name__)
 
 _KV_PROJ = (".self_attn.k_proj.", ".self_attn.v_proj.")
 
@@ -40,26 +47,48 @@ def kv_heads_sharded(spec: ModelSpec, mesh: Mesh) -> bool:
     return spec.num_kv_heads % mesh.shape["model"] == 0
 
 
-def param_sharding(name: str, var: nnx.Variable, spec: ModelSpec, mesh: Mesh) -> NamedSharding:
-    axis = var.get_metadata().get("tp_axis")
+def param_sharding(
+    name: str, var: nnx.Variable, spec: ModelSpec, mesh: Mesh, expert_parallel: bool = False
+) -> NamedSharding:
+    """A parameter's sharding: its `tp_axis` split over "model" (KV projections only when the KV
+    heads divide); stacked experts (`ep_axis`) split on E only under `expert_parallel`."""
+    ep_axis = var.get_metadata().get("ep_axis")
+    axis = ep_axis if expert_parallel and ep_axis is not None else var.get_metadata().get("tp_axis")
     if (
         axis is None
         or mesh.shape["model"] == 1
         or (any(k in name for k in _KV_PROJ) and not kv_heads_sharded(spec, mesh))
     ):
         return NamedSharding(mesh, P())
-    parts = [None] * len(var.get_value().shape)
+    shape = var.get_value().shape
+    if shape[axis] % mesh.shape["model"]:  # e.g. int4 groups fewer than devices: replicate
+        return NamedSharding(mesh, P())
+    parts = [None] * len(shape)
     parts[axis] = "model"
     return NamedSharding(mesh, P(*parts))
 
 
 def _dummy_weights(
-    flat: dict[str, nnx.Variable], spec: ModelSpec, seed: int
+    flat: dict[str, nnx.Variable],
+    spec: ModelSpec,
+    seed: int,
+    quant: QuantScheme | None = None,
+    qlayers: dict[str, tuple[int, int]] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Random weights of the right shapes (norm weights 1 - offset, biases 0, matrices N(0, 0.02))."""
+    """Random weights of the right shapes (norm weights 1 - offset, biases 0, matrices N(0, 0.02));
+    quantized layers get a random float [N, K] weight quantized like a checkpoint's."""
     rng = np.random.default_rng(seed)
+    qlayers = qlayers or {}
     for name, var in flat.items():
         shape = var.get_value().shape
+        prefix, _, part = name.rpartition(".")
+        if prefix in qlayers and part != "bias":
+            if part == "qweight":
+                w = rng.normal(0.0, 0.02, qlayers[prefix]).astype(np.float32)
+                yield from _quantize_pairs(prefix, w, quant)
+                if prefix + ".perm" in flat:
+                    yield prefix + ".perm", np.arange(qlayers[prefix][1], dtype=np.int32)
+            continue
         if "norm" in name:
             yield name, np.full(shape, 1.0 - spec.norm_weight_offset, np.float32)
         elif name.endswith(".bias"):
@@ -68,34 +97,126 @@ def _dummy_weights(
             yield name, rng.normal(0.0, 0.02, shape).astype(np.float32)
 
 
+def xla_quant_scheme(requested: str | None, spec: ModelSpec) -> QuantScheme | None:
+    """The scheme the XLA backend serves `spec` with: the checkpoint's own (GPTQ / AWQ /
+    compressed-tensors, detected from config.json), else `requested` ("int8" | "int4" | "fp8")
+    applied at load time, else None. fp8 needs a GPU with fp8 matmuls (compute capability >= 8.9):
+    elsewhere runtime fp8 raises (unless XLASERVE_FP8_EMULATION=1, tests) and an fp8 checkpoint is
+    emulated with a warning, as on the torch backend."""
+    scheme = resolve_scheme(requested, spec.model_dir)
+    if scheme is None or scheme.method != "fp8" or fp8_supported():
+        return scheme
+    emulate = os.environ.get("XLASERVE_FP8_EMULATION", "0") == "1"
+    if scheme.source == "runtime" and not emulate:
+        raise RuntimeError(
+            "quantization='fp8': fp8 needs an NVIDIA GPU with compute capability >= 8.9 "
+            f"(this platform: {jax.default_backend()}); use 'int8' or 'int4' here"
+        )
+    logger.warning(
+        "fp8 checkpoint on %s: no fp8 matmul here, emulating it (fp8 weights and per-token "
+        "activation rounding, float32 math); fp8 needs an NVIDIA GPU with compute capability "
+        ">= 8.9 to run fast",
+        jax.default_backend(),
+    )
+    return scheme
+
+
+def _quantize_pairs(
+    prefix: str, w: np.ndarray, scheme: QuantScheme
+) -> list[tuple[str, np.ndarray]]:
+    """Float W [N, K] of layer `prefix` -> its canonical quantized tensors (numpy_quant)."""
+    return [
+        (f"{prefix}.{k}", v)
+        for k, v in quantize_weight(scheme.method, w, scheme.group_size).items()
+    ]
+
+
+def quantized_weight_stream(
+    pairs: Iterable[tuple[str, np.ndarray]],
+    scheme: QuantScheme,
+    qlayers: dict[str, tuple[int, int]],
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Canonical checkpoint pairs -> the pairs a model with `qlayers` quantized expects: the float
+    weight of each such layer is quantized here, one tensor at a time (straight from the mmap'd
+    view: no second float copy of the checkpoint). Pre-quantized checkpoints arrive already in
+    the canonical layout (`iter_canonical_weights`), so a float weight there is an error."""
+    for name, arr in pairs:
+        prefix, _, part = name.rpartition(".")
+        if prefix not in qlayers or part != "weight":
+            yield name, arr
+            continue
+        if scheme.prequantized:
+            raise ValueError(
+                f"{prefix}: float weight in a {scheme.source} checkpoint where a quantized "
+                "layer was expected (is it listed in the checkpoint's ignore list?)"
+            )
+        yield from _quantize_pairs(prefix, arr, scheme)
+
+
 def load_model(
-    spec: ModelSpec, dtype: jnp.dtype, mesh: Mesh, load_format: str = "auto", seed: int = 0
+    spec: ModelSpec,
+    dtype: jnp.dtype,
+    mesh: Mesh,
+    load_format: str = "auto",
+    seed: int = 0,
+    quant: QuantScheme | None = None,
+    expert_parallel: bool = False,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of `spec`'s model with every parameter on the mesh.
 
-    Raises ValueError for a checkpoint tensor with no parameter, a shape mismatch or a missing
-    parameter (so a wrong weight-name map fails loudly instead of serving zeros).
+    `expert_parallel`: MoE experts split on E over "model" (models_flax/moe.py); ValueError when
+    the mesh size does not divide num_experts.
+
+    `quant` (see `xla_quant_scheme`): its eligible linears are `QuantLinear`s, filled from a
+    pre-quantized checkpoint or quantized here from the float one. Raises ValueError for a
+    checkpoint tensor with no parameter, a shape mismatch or a missing parameter (so a wrong
+    weight-name map fails loudly instead of serving zeros).
     """
     check_tensor_parallel(spec, mesh.shape["model"])
+    if expert_parallel:
+        check_expert_parallel(spec, mesh.shape["model"])
     from xlaserve.model_loader.resolve import is_orbax_dir
 
     if load_format == "orbax" or (
         load_format == "auto" and spec.model_dir and is_orbax_dir(spec.model_dir)
     ):
+        if quant is not None:
+            raise ValueError(
+                f"quantization {quant.method!r} cannot be applied to an orbax checkpoint (it "
+                "holds float parameters only): serve the HF safetensors directory instead"
+            )
+        if expert_parallel and spec.num_experts and mesh.shape["model"] > 1:
+            raise ValueError(
+                "enable_expert_parallel is not supported with an orbax checkpoint yet: serve "
+                "the HF safetensors directory instead"
+            )
         # `xlaserve convert --to orbax` output: restored straight into the mesh's shardings.
         from xlaserve.backends_xla.orbax_io import restore_state
 
         return restore_state(spec, dtype, mesh)
     cls = get_model_class(spec.family)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(spec, dtype)))
+    qlayers: dict[str, tuple[int, int]] = {}
+    # Pallas calls are not partitioned by GSPMD: under tensor parallelism the XLA path runs.
+    impl = "auto" if mesh.shape["model"] == 1 else "xla"
+
+    def build() -> nnx.Module:
+        model = cls(spec, dtype)
+        if expert_parallel:
+            enable_expert_parallel(model, mesh)
+        if quant is not None:
+            qlayers.update(quantize_linears(model, quant, impl))
+        return model
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
     flat = {_name(path): var for path, var in nnx.to_flat_state(abstract)}
-    np_dtype = np.dtype(dtype)
     if load_format == "dummy":
-        source = _dummy_weights(flat, spec, seed)
+        source = _dummy_weights(flat, spec, seed, quant, qlayers)
     else:
         from xlaserve.model_loader.registry import iter_canonical_weights
 
         source = iter_canonical_weights(spec, "pt" if load_format == "pt" else "auto")
+        if quant is not None:
+            source = quantized_weight_stream(source, quant, qlayers)
     loaded: dict[str, jax.Array] = {}
     for name, arr in source:
         var = flat.get(name)
@@ -108,8 +229,10 @@ def load_model(
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, model expects {want}"
             )
+        # Each parameter's own dtype: the model dtype, or a quantized layer's int / f32 / fp8.
         loaded[name] = jax.device_put(
-            arr.astype(np_dtype, copy=False), param_sharding(name, var, spec, mesh)
+            arr.astype(np.dtype(var.get_value().dtype), copy=False),
+            param_sharding(name, var, spec, mesh, expert_parallel),
         )
     missing = sorted(set(flat) - set(loaded))
     if missing:
