@@ -7,7 +7,16 @@ experts.w_down [E, H, I], shared_expert.{gate,up,down}_proj, shared_expert_gate.
 Experts run as grouped matmuls: the T*K (token, choice) rows are sorted by expert, pushed through
 `kernels_pallas.gmm` (the Pallas kernel on TPU, `ragged_dot` elsewhere) three times, un-sorted and
 summed with the router weights. The gmm implementation comes from $XLASERVE_GMM_IMPL ("auto").
-Expert weights are replicated under tensor parallelism (expert parallelism is a later step).
+
+Under tensor parallelism the expert weights are replicated, unless expert parallelism is on
+(`enable_expert_parallel`, set by the loader through `enable_expert_parallel(model, mesh)`): then
+w_gate/w_up/w_down are sharded on E over the mesh axis "model" (E / N experts per device) and
+`fused_experts_ep` runs under `shard_map`. The tokens are already replicated over "model" (the
+attention's row-parallel output is all-reduced), so no all-to-all dispatch is needed: each device
+routes every (token, choice) row whose expert is local through its own experts (the Pallas gmm
+kernel on TPU, on local shapes), zeroes the others, and one `psum` (an all-reduce of [T, H], the
+same traffic as a row-parallel MLP) adds the partial outputs. All-to-all dispatch only pays once
+tokens are sharded too (data-parallel attention), which xlaserve does not do.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import os
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from xlaserve.kernels_pallas.gmm import gmm
 from xlaserve.model_loader.spec import ModelSpec
@@ -65,6 +76,34 @@ def select_experts(
     return weights, ids.astype(jnp.int32)
 
 
+def _expert_rows(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    ids: jax.Array,
+    activation: str,
+    impl: str,
+) -> jax.Array:
+    """Per-(token, choice) expert outputs: float32 [T, K, H].
+
+    x [T, H]; w_gate/w_up [G, I, H]; w_down [G, H, I]; ids int32 [T, K] in [0, G], where G (one
+    past the last group) marks a row no expert here computes: those rows sort last, lie beyond
+    sum(group sizes) and come out as zeros.
+    """
+    t, k = ids.shape
+    g = w_gate.shape[0]
+    flat = ids.reshape(-1)  # [T*K]
+    order = jnp.argsort(flat, stable=True)  # rows grouped by expert, skipped rows last
+    sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)  # [G]
+    xs = jnp.take(x, order // k, axis=0)  # [T*K, H]
+    act = get_activation(activation)
+    h = act(gmm(xs, w_gate, sizes, True, impl)) * gmm(xs, w_up, sizes, True, impl)  # [T*K, I]
+    y = gmm(h, w_down, sizes, True, impl)  # [T*K, H]
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return jnp.take(y, inv, axis=0).reshape(t, k, -1).astype(jnp.float32)
+
+
 def fused_experts(
     x: jax.Array,
     w_gate: jax.Array,
@@ -79,18 +118,50 @@ def fused_experts(
 
     x [T, H]; w_gate/w_up [E, I, H]; w_down [E, H, I]; weights/ids [T, K] -> [T, H] (x dtype).
     """
-    t, k = ids.shape
-    e = w_gate.shape[0]
-    flat = ids.reshape(-1)  # [T*K]
-    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
-    xs = jnp.take(x, order // k, axis=0)  # [T*K, H]
-    act = get_activation(activation)
-    h = act(gmm(xs, w_gate, sizes, True, impl)) * gmm(xs, w_up, sizes, True, impl)  # [T*K, I]
-    y = gmm(h, w_down, sizes, True, impl)  # [T*K, H]
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    y = jnp.take(y, inv, axis=0).reshape(t, k, -1).astype(jnp.float32)
+    y = _expert_rows(x, w_gate, w_up, w_down, ids, activation, impl)
     return jnp.einsum("tkh,tk->th", y, weights).astype(x.dtype)
+
+
+def fused_experts_ep(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    weights: jax.Array,
+    ids: jax.Array,
+    mesh: Mesh,
+    activation: str = "silu",
+    impl: str = "auto",
+    axis: str = "model",
+) -> jax.Array:
+    """`fused_experts` with the experts sharded on E over mesh axis `axis` (expert parallelism).
+
+    Same shapes and result as `fused_experts`; x, weights and ids are replicated over `axis`,
+    w_* are split on E (device d holds experts [d * E/N, (d + 1) * E/N)). Each device computes the
+    rows routed to its experts; a psum over `axis` adds the partial [T, H] sums (in float32).
+    ValueError when N does not divide E.
+    """
+    n, e = mesh.shape[axis], w_gate.shape[0]
+    if e % n:
+        raise ValueError(f"expert parallelism: {n} devices must divide num_experts ({e})")
+    el = e // n
+
+    def local(x, wg, wu, wd, weights, ids):  # noqa: ANN001, ANN202 - per-device shards
+        lid = ids - jax.lax.axis_index(axis) * el  # local expert id, valid in [0, el)
+        mine = (lid >= 0) & (lid < el)
+        y = _expert_rows(x, wg, wu, wd, jnp.where(mine, lid, el), activation, impl)
+        y = jnp.where(mine[..., None], y, 0.0)  # [T, K, H]: only this device's experts
+        return jax.lax.psum(jnp.einsum("tkh,tk->th", y, weights), axis)
+
+    rep, split = P(), P(axis)
+    out = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rep, split, split, split, rep, rep),
+        out_specs=rep,
+        check_vma=False,
+    )(x, w_gate, w_up, w_down, weights.astype(jnp.float32), ids)
+    return out.astype(x.dtype)
 
 
 class Router(nnx.Module):
@@ -106,14 +177,14 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Stacked expert weights: w_gate, w_up [E, I, H]; w_down [E, H, I]."""
+    """Stacked expert weights: w_gate, w_up [E, I, H]; w_down [E, H, I]. `ep_axis` metadata: the
+    axis expert parallelism splits (the loader shards it only when expert parallelism is on)."""
 
     def __init__(self, spec: ModelSpec, dtype: jnp.dtype) -> None:
         e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
         self.w_gate, self.w_up, self.w_down = (
-            _param((e, i, h), dtype),
-            _param((e, i, h), dtype),
-            _param((e, h, i), dtype),
+            nnx.Param(jnp.zeros(shape, dtype), ep_axis=0)
+            for shape in ((e, i, h), (e, i, h), (e, h, i))
         )
 
 
@@ -132,6 +203,7 @@ class FusedMoE(nnx.Module):
         )
         self.activation = spec.activation
         self.impl = impl or os.environ.get("XLASERVE_GMM_IMPL", "auto")
+        self.ep_mesh: Mesh | None = None  # static: set by enable_expert_parallel
         self.router = Router(spec, dtype)
         self.experts = Experts(spec, dtype)
         si = spec.shared_expert_intermediate_size
@@ -149,19 +221,36 @@ class FusedMoE(nnx.Module):
             self.router(x), k, renorm, scoring, bias, groups, topk_groups, scaling
         )
         ex = self.experts
-        out = fused_experts(
-            x,
-            ex.w_gate[...],
-            ex.w_up[...],
-            ex.w_down[...],
-            weights,
-            ids,
-            self.activation,
-            self.impl,
-        )
+        w = (ex.w_gate[...], ex.w_up[...], ex.w_down[...])
+        if self.ep_mesh is not None:
+            out = fused_experts_ep(x, *w, weights, ids, self.ep_mesh, self.activation, self.impl)
+        else:
+            out = fused_experts(x, *w, weights, ids, self.activation, self.impl)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+
+def check_expert_parallel(spec: ModelSpec, n: int) -> None:
+    """ValueError when `n` devices cannot split the experts of an MoE spec evenly."""
+    if spec.num_experts and spec.num_experts % n:
+        raise ValueError(
+            f"enable_expert_parallel: tensor_parallel_size {n} must divide num_experts "
+            f"({spec.num_experts}); use a tensor_parallel_size that divides it or turn expert "
+            "parallelism off (experts are then replicated)"
+        )
+
+
+def enable_expert_parallel(model: nnx.Module, mesh: Mesh) -> int:
+    """Make every FusedMoE of `model` run expert-parallel over `mesh` (axis "model"); returns how
+    many layers changed. Call before `nnx.split` (the mesh is static graph data); a 1-device mesh
+    leaves the model as it is."""
+    if mesh.shape["model"] == 1:
+        return 0
+    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, FusedMoE)]
+    for m in layers:
+        m.ep_mesh = mesh
+    return len(layers)

@@ -145,6 +145,20 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # Torch backend: "mp" (one host) or "ray" (several hosts).
     distributed_executor_backend: str = "mp"
+    # MoE: shard the experts over the tensor-parallel devices (each holds num_experts / TP
+    # experts) instead of replicating them. XLA backend.
+    enable_expert_parallel: bool = False
+    # XLA multi-host (jax.distributed): number of hosts (processes); > 1 turns it on. Host 0 runs
+    # the engine; the others run its steps (backends_xla/multihost.py).
+    nnodes: int = 1
+    # XLA multi-host: this host's index (0 = the engine host); None = from the environment
+    # (Cloud TPU metadata).
+    node_rank: int | None = None
+    # XLA multi-host: address of host 0 (the jax.distributed coordinator); None = from the
+    # environment (Cloud TPU metadata).
+    master_addr: str | None = None
+    # XLA multi-host: coordinator port on host 0.
+    master_port: int = 8476
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
@@ -152,6 +166,19 @@ class ParallelConfig:
         _check(
             self.distributed_executor_backend in ("mp", "ray"),
             "distributed_executor_backend must be mp|ray",
+        )
+        _check(
+            isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel must be a bool"
+        )
+        _check(self.nnodes >= 1, "nnodes must be >= 1")
+        _check(
+            self.node_rank is None or 0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}",
+        )
+        _check(0 < self.master_port < 65536, "master_port must be in (0, 65536)")
+        _check(
+            self.nnodes == 1 or self.data_parallel_size == 1,
+            "nnodes > 1 (XLA multi-host) cannot be combined with data_parallel_size > 1",
         )
 
 
