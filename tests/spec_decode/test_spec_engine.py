@@ -256,7 +256,8 @@ def test_demo_model_with_its_draft() -> None:
 
 
 def test_eagle_fails_clearly(tiny_model_dir) -> None:
-    with pytest.raises(NotImplementedError, match="eagle"):
+    # A plain model is no EAGLE head (EAGLE itself: test_eagle.py).
+    with pytest.raises(ValueError, match="not an EAGLE head"):
         LLM(
             model=tiny_model_dir("llama"),
             speculative_config={"method": "eagle", "model": tiny_model_dir("llama")},

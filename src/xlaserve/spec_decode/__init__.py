@@ -3,8 +3,9 @@
 - `ngram`: prompt-lookup proposer run by the engine after each step (no device work).
 - `rejection`: the verification contract (greedy and lossless rejection sampling) that every
   backend's sampler implements, with a numpy reference.
-- Draft-model proposals run inside the backend runner (their own paged KV cache indexed by the
-  target's block tables) and come back in `RunnerOutput.spec_token_ids`.
+- Draft-model and EAGLE proposals run inside the backend runner (their own paged KV cache indexed
+  by the target's block tables) and come back in `RunnerOutput.spec_token_ids`.
+- `eagle`: the EAGLE head checkpoint format and its checks against the target.
 
 Nothing here imports torch or jax.
 """
@@ -23,7 +24,8 @@ __all__ = ["NgramProposer", "check_speculative_config", "ngram_propose"]
 # method -> backends that implement it.
 SUPPORTED: dict[str, tuple[str, ...]] = {
     "ngram": ("torch", "xla"),
-    "draft_model": ("torch",),
+    "draft_model": ("torch", "xla"),
+    "eagle": ("torch",),
 }
 
 
@@ -31,10 +33,6 @@ def check_speculative_config(config: SpeculativeConfig | None, backend: str) -> 
     """Fail at engine construction (before any model loads) for what is not implemented."""
     if config is None:
         return
-    if config.method == "eagle":
-        raise NotImplementedError(
-            "speculative method 'eagle' is not implemented yet; use 'ngram' or 'draft_model'"
-        )
     backends = SUPPORTED.get(config.method, ())
     if backend not in backends:
         raise NotImplementedError(

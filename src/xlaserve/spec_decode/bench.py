@@ -1,10 +1,10 @@
 """Batch-1 speculative decoding measurement: tokens/s with and without speculation and the mean
 acceptance length (tokens emitted per verification step with drafts).
 
-    python -m xlaserve.spec_decode.bench [--model DIR] [--draft DIR] [--k 3] [--max-tokens 64]
-        [--backend torch|xla] [--output-json F]
+    python -m xlaserve.spec_decode.bench [--model DIR] [--draft DIR] [--eagle DIR] [--k 3]
+        [--max-tokens 64] [--backend torch|xla] [--output-json F]
 
-Defaults to the shipped demo model and its draft. Greedy decoding; the outputs of every
+Defaults to the shipped demo model, its draft and its EAGLE head (`--eagle ""` skips EAGLE). Greedy decoding; the outputs of every
 speculative run are checked against the plain run (they must be equal).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -57,6 +58,7 @@ def measure(
     k: int = 3,
     max_tokens: int = 64,
     prompts: list | None = None,
+    eagle: str | None = None,
     **engine: Any,
 ) -> dict:
     prompts = prompts or PROMPTS
@@ -69,6 +71,8 @@ def measure(
             "model": draft,
             "num_speculative_tokens": k,
         }
+    if eagle:
+        specs["eagle"] = {"method": "eagle", "model": eagle, "num_speculative_tokens": k}
     for name, spec in specs.items():
         r = _run(model, spec, prompts, max_tokens, **engine)
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
@@ -85,6 +89,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEMO_MODEL_DIR)
     ap.add_argument("--draft", default=DEMO_DRAFT_DIR)
+    ap.add_argument(
+        "--eagle",
+        default=None,
+        help="EAGLE head directory (default: the shipped demo head when --model is the demo)",
+    )
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
@@ -95,9 +104,15 @@ def main() -> None:
         import torch  # only to pin threads: on a loaded CPU one thread avoids spin-wait stalls
 
         torch.set_num_threads(args.threads)
-    # draft_model is torch-only so far: the XLA run measures n-gram only.
-    draft = args.draft if args.backend == "torch" else None
-    res = measure(args.model, draft, args.k, args.max_tokens, backend=args.backend)
+    draft = args.draft  # draft_model runs on both backends
+    eagle = args.eagle
+    if eagle is None and args.model == DEMO_MODEL_DIR:
+        eagle = os.path.join(os.path.dirname(DEMO_MODEL_DIR), "demo-kjv-eagle")
+    if args.backend != "torch":  # eagle is torch-only so far
+        eagle = None
+    res = measure(
+        args.model, draft, args.k, args.max_tokens, eagle=eagle or None, backend=args.backend
+    )
     print(json.dumps(res, indent=2))
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
