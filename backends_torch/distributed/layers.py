@@ -2,7 +2,8 @@
 checkpoint tensor (`shard_array`), so weight loading stays "canonical name -> full array".
 
 - ColumnParallelLinear: W [out/tp, in] (the output split); the output stays split (heads, or
-  the MLP's intermediate features), no communication. q/k/v, gate/up.
+  the MLP's intermediate features), no communication. MergedColumnParallelLinear: the same for
+  fused q/k/v and gate/up (each member's shard, concatenated).
 - RowParallelLinear: W [out, in/tp] (the input split); partial sums are all-reduced, then the
   bias is added once. o_proj, down_proj.
 - VocabParallelEmbedding: rows [r * Vr, (r + 1) * Vr) of the (padded) table; ids outside the
@@ -13,7 +14,7 @@ checkpoint tensor (`shard_array`), so weight loading stays "canonical name -> fu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from xlaserve.backends_torch.distributed.parallel_state import (
     tp_rank,
     tp_world_size,
 )
-from xlaserve.backends_torch.layers.linear import Linear
+from xlaserve.backends_torch.layers.linear import Linear, MergedLinear, fused_members
 
 
 def _split(total: int, parts: int, what: str) -> int:
@@ -64,6 +65,56 @@ class ColumnParallelLinear(Linear):
         """Full `weight` [out, in] / `bias` [out] -> this rank's rows."""
         n = self.out_features
         return arr[self.shard_id * n : (self.shard_id + 1) * n]
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """A fused column layer (q/k/v, gate/up) under TP: this rank's shard of every member,
+    concatenated in member order, so the local output splits like the full one.
+
+    parts: (canonical name, full out_features, replicas) per member; a member's shard is what
+    `ColumnParallelLinear(in, out, replicas=replicas)` would hold on this rank (KV heads fewer
+    than ranks: k/v shards repeat over `replicas` consecutive ranks).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        parts: Sequence[tuple[str, int, int]],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        tp, rank = tp_world_size(), tp_rank()
+        sizes, shard_ids, full = [], [], []
+        for name, out, replicas in parts:
+            if tp % replicas:
+                raise ValueError(
+                    f"{name}: replicas {replicas} must divide tensor_parallel_size {tp}"
+                )
+            shards = tp // replicas
+            sizes.append(_split(out, shards, f"{name} output features"))
+            shard_ids.append(rank // replicas)
+            full.append(out)
+        super().__init__(in_features, [p[0] for p in parts], sizes, bias, dtype, device)
+        self.shard_ids, self.full_sizes = tuple(shard_ids), tuple(full)
+
+    def shard_array(self, part: str, arr: np.ndarray, member: int | None = None) -> np.ndarray:
+        """Member `member`'s full `weight` [out_i, in] / `bias` [out_i] -> this rank's rows of it;
+        member None: the fused full tensor [sum(out_i), ...] -> the concatenated shards."""
+        if member is not None:
+            n, sid = self.part_sizes[member], self.shard_ids[member]
+            return arr[sid * n : (sid + 1) * n]
+        if arr.shape[0] != sum(self.full_sizes):
+            raise ValueError(
+                f"fused tensor has {arr.shape[0]} rows, expected {sum(self.full_sizes)}"
+            )
+        bounds = np.cumsum([0, *self.full_sizes])
+        return np.concatenate(
+            [
+                self.shard_array(part, arr[bounds[i] : bounds[i + 1]], i)
+                for i in range(len(bounds) - 1)
+            ]
+        )
 
 
 class RowParallelLinear(Linear):
@@ -157,9 +208,17 @@ def tp_weight_stream(
     model: nn.Module, weights: Iterable[tuple[str, np.ndarray]]
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Canonical (name, full array) pairs -> pairs with parallel layers' tensors cut to this
-    rank's shard (what `model.load_weights` expects of a TP model)."""
+    rank's shard (what `model.load_weights` expects of a TP model). A member of a fused layer
+    (e.g. k_proj of qkv_proj) keeps its name and is cut to its own shard."""
     sharded = {n: m for n, m in model.named_modules() if hasattr(m, "shard_array")}
+    members = {k: s for k, s in fused_members(model).items() if hasattr(s.module, "shard_array")}
     for name, arr in weights:
         prefix, _, part = name.rpartition(".")
         mod = sharded.get(prefix)
-        yield name, (arr if mod is None else mod.shard_array(part, arr))
+        if mod is not None:
+            yield name, mod.shard_array(part, arr)
+        elif prefix in members:
+            slot = members[prefix]
+            yield name, slot.module.shard_array(part, arr, slot.index)
+        else:
+            yield name, arr

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xlaserve.backends_torch.layers.linear import make_linear
+from xlaserve.backends_torch.layers.linear import make_linear, make_merged_linear
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -29,10 +29,17 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torc
     return get_activation(act)(gate) * up
 
 
+# Fused Triton gate kernels (kernels_cuda/activation.py) by activation: x [T, 2I] (gate | up).
+_TRITON_GATED = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul", "gelu": "gelu_and_mul"}
+
+
 class MLP(nn.Module):
     """Gated: down(act(gate(x)) * up(x)); plain: down(act(up(x))). x: [T, H] -> [T, H].
 
-    Parameter names follow the canonical names: gate_proj, up_proj, down_proj.
+    Canonical member names: gate_proj, up_proj, down_proj. `fused` (gated only): one
+    `gate_up_proj` layer [2I, H] (gate rows first) instead of gate_proj and up_proj, one GEMM;
+    its output [T, 2I] feeds the Triton act-and-mul kernel directly once `use_triton_ops` is set
+    (CUDA + Triton attention, see CausalLMBase.set_triton_ops), else it is split (views).
     """
 
     def __init__(
@@ -44,17 +51,35 @@ class MLP(nn.Module):
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fused: bool = True,
     ) -> None:
         super().__init__()
         self.activation = activation
         self.act = get_activation(activation)
         self.gated = gated
-        if gated:
+        self.fused = gated and fused
+        self.use_triton_ops = False
+        if self.fused:
+            self.gate_up_proj = make_merged_linear(
+                hidden, [("gate_proj", intermediate, 1), ("up_proj", intermediate, 1)],
+                bias, dtype, device,
+            )  # fmt: skip
+        elif gated:
             self.gate_proj = make_linear(hidden, intermediate, bias, dtype, device, "column")
-        self.up_proj = make_linear(hidden, intermediate, bias, dtype, device, "column")
+        if not self.fused:
+            self.up_proj = make_linear(hidden, intermediate, bias, dtype, device, "column")
         self.down_proj = make_linear(intermediate, hidden, bias, dtype, device, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gu = self.gate_up_proj(x)  # [T, 2I] (this rank's gate | up shards under TP)
+            kernel = _TRITON_GATED.get(self.activation) if self.use_triton_ops else None
+            if kernel is not None and gu.dim() == 2:
+                from xlaserve import kernels_cuda
+
+                return self.down_proj(getattr(kernels_cuda, kernel)(gu))
+            gate, up = gu.chunk(2, dim=-1)
+            return self.down_proj(act_and_mul(gate, up, self.activation))
         if self.gated:
             return self.down_proj(act_and_mul(self.gate_proj(x), self.up_proj(x), self.activation))
         return self.down_proj(self.act(self.up_proj(x)))

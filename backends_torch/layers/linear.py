@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +45,96 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Linears over the same input fused along the output dim: W = [W_a; W_b; ...] of shape
+    [sum(part_sizes), in]. One GEMM (a GEMV at decode) instead of one per member; the caller
+    splits the output with `y.split(part_sizes, -1)` (views, no copies).
+
+    `part_names` are the members' canonical names (what the checkpoint calls them, e.g.
+    ("q_proj", "k_proj", "v_proj")), `part_sizes` the rows each holds here. Loaders write each
+    member's tensors into its row range (`fused_members`); a tensor named after this module
+    itself (a fused checkpoint) loads whole. Every per-row tensor (weight, bias, quantized
+    qweight/scales/qzeros) concatenates the same way, so `QuantLinear` keeps the fusion.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        part_names: Sequence[str],
+        part_sizes: Sequence[int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if len(part_names) != len(part_sizes) or not part_names:
+            raise ValueError(f"part_names {part_names} and part_sizes {part_sizes} disagree")
+        super().__init__(in_features, sum(part_sizes), bias, dtype, device)
+        self.part_names = tuple(part_names)
+        self.part_sizes = tuple(int(n) for n in part_sizes)
+
+
+class FusedSlot(NamedTuple):
+    """Where a member of a fused layer lives: rows [start, start + rows) of `module`'s per-row
+    tensors; `prefix` is the fused module's name, `index` the member's position in it."""
+
+    prefix: str
+    module: nn.Module
+    index: int
+    start: int
+    rows: int
+
+
+def fused_members(model: nn.Module) -> dict[str, FusedSlot]:
+    """Canonical member prefix (e.g. "layers.0.self_attn.k_proj") -> its `FusedSlot`, for every
+    fused layer of `model` (modules with `part_names`: MergedLinear, its TP variant, and the
+    QuantLinear that replaced one)."""
+    out: dict[str, FusedSlot] = {}
+    for name, mod in model.named_modules():
+        names = getattr(mod, "part_names", None)
+        if not names:
+            continue
+        parent = name.rpartition(".")[0]
+        start = 0
+        for i, (part, rows) in enumerate(zip(names, mod.part_sizes, strict=True)):
+            out[f"{parent}.{part}" if parent else part] = FusedSlot(name, mod, i, start, rows)
+            start += rows
+    return out
+
+
+def fuse_projections_enabled() -> bool:
+    """$XLASERVE_FUSE_PROJECTIONS (default "1"): "0" builds separate q/k/v and gate/up layers
+    (the unfused layout, for A/B measurements)."""
+    return os.environ.get("XLASERVE_FUSE_PROJECTIONS", "1") != "0"
+
+
+def _checkpoint_scheme(model_dir: str | None) -> QuantScheme | None:
+    from xlaserve.quantization.scheme import read_quantization_config, scheme_from_hf_config
+
+    qc = read_quantization_config(model_dir)
+    if qc is None:
+        return None
+    try:
+        return scheme_from_hf_config(qc)
+    except NotImplementedError:
+        return None  # the runner reports the unsupported format itself
+
+
+def can_fuse(model_dir: str | None, member_prefixes: Sequence[str]) -> bool:
+    """Whether the linears `member_prefixes` (canonical, one input) may be built fused: always
+    for float checkpoints and runtime quantization (every format is per output row); for a
+    pre-quantized checkpoint not with GPTQ act-order (each member has its own input permutation)
+    nor when its ignore list keeps some members float and quantizes others. Also off with
+    $XLASERVE_FUSE_PROJECTIONS=0."""
+    if not fuse_projections_enabled():
+        return False
+    scheme = _checkpoint_scheme(model_dir)
+    if scheme is None:
+        return True
+    if scheme.act_order:
+        return False
+    return len({scheme.skips(p) for p in member_prefixes}) == 1
 
 
 class VocabEmbedding(nn.Module):
@@ -99,6 +190,25 @@ def make_linear(
     if parallel == "row":
         return tpl.RowParallelLinear(in_features, out_features, bias, dtype, device)
     raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
+
+
+def make_merged_linear(
+    in_features: int,
+    parts: Sequence[tuple[str, int, int]],
+    bias: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> MergedLinear:
+    """A fused column layer: parts = (canonical name, full out_features, replicas) per member
+    (replicas as in `make_linear`). With a TP group each rank holds its own shard of every member,
+    concatenated (`MergedColumnParallelLinear`), so the local output splits the same way."""
+    if not _tp_active():
+        return MergedLinear(
+            in_features, [p[0] for p in parts], [p[1] for p in parts], bias, dtype, device
+        )
+    from xlaserve.backends_torch.distributed.layers import MergedColumnParallelLinear
+
+    return MergedColumnParallelLinear(in_features, parts, bias, dtype, device)
 
 
 def make_vocab_embedding(
@@ -179,7 +289,11 @@ class QuantLinear(nn.Module):
     qzeros uint8 [N, G] (+ perm int32 [K] for GPTQ act-order); fp8: qweight uint8 [N, K] holding
     float8_e4m3fn bits, scales f32 [N]. CPU: dequantize-on-the-fly matmul (fp8: emulated).
     CUDA: Triton dequant-matmul (int8/int4), torch._scaled_mm (fp8, cc >= 8.9).
+    A fused layer (`MergedLinear`) keeps its `part_names` / `part_sizes` when quantized.
     """
+
+    part_names: tuple[str, ...] | None = None
+    part_sizes: tuple[int, ...] | None = None
 
     def __init__(
         self,
@@ -321,7 +435,18 @@ def quantize_linears(
     the new parameters are left empty for `load_weights`."""
     swapped: list[str] = []
     for name, mod in list(model.named_modules()):
-        if type(mod) is not Linear or scheme.skips(name):
+        if type(mod) not in (Linear, MergedLinear):
+            continue
+        # A fused layer is quantized when its members would be (decided on their names).
+        parent = name.rpartition(".")[0]
+        members = [f"{parent}.{p}" if parent else p for p in getattr(mod, "part_names", ())]
+        skips = {scheme.skips(n) for n in members or [name]}
+        if len(skips) > 1:
+            raise ValueError(
+                f"{name}: the quantization scheme keeps some of {members} float and quantizes "
+                "others; build the model unfused (see layers.linear.can_fuse)"
+            )
+        if skips.pop():
             continue
         if scheme.method == "int4" and mod.in_features % 2:
             continue
@@ -331,6 +456,8 @@ def quantize_linears(
             w = mod.weight
             new = QuantLinear(mod.in_features, mod.out_features, mod.bias is not None, scheme,
                               w.dtype, w.device)  # fmt: skip
+        if isinstance(mod, MergedLinear):
+            new.part_names, new.part_sizes = mod.part_names, mod.part_sizes
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         swapped.append(name)
@@ -342,8 +469,12 @@ def quantized_weight_stream(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Canonical (name, array) pairs -> pairs `model.load_weights` accepts once its linears are
     `QuantLinear`s: float weights of those layers are quantized here (runtime schemes); fp8
-    arrays become their uint8 bits."""
+    arrays become their uint8 bits. A member of a fused layer (e.g. q_proj of qkv_proj) is
+    quantized on its own rows under its own name (every format is per output row)."""
     qlayers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    for member, slot in fused_members(model).items():
+        if isinstance(slot.module, QuantLinear):
+            qlayers[member] = slot.module
     for name, arr in weights:
         prefix, _, part = name.rpartition(".")
         layer = qlayers.get(prefix)

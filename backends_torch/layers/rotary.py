@@ -28,8 +28,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([out, x[..., 2 * half :]], dim=-1)
 
 
+def rope_table_len(spec: ModelSpec) -> int:
+    """Positions the Triton path's cos/sin table covers: max_position_embeddings, or more when
+    rope scaling extends the context (the engine allows max_model_len past
+    max_position_embeddings only then): original length (or max_position_embeddings) * factor."""
+    n = spec.max_position_embeddings
+    rs = spec.rope_scaling or {}
+    factor = float(rs.get("factor", 1.0) or 1.0)
+    if factor > 1.0:
+        base = int(rs.get("original_max_position_embeddings") or spec.max_position_embeddings)
+        n = max(n, int(base * factor))
+    return n
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin computed from positions on the fly (no max-length table): cheap and graph-safe."""
+    """cos/sin computed from positions on the fly (no max-length table): cheap and graph-safe.
+
+    `enable_triton(table)`: rotate with the in-place Triton kernel (kernels_cuda/rotary.py) and a
+    [P, R] = [cos | sin] table instead (one launch for q and k; CUDA, or CPU under
+    TRITON_INTERPRET=1); `cos_sin_table` builds it, shared by every layer with the same rope.
+    """
 
     def __init__(
         self, spec: ModelSpec, device: torch.device | str = "cpu", theta: float | None = None
@@ -41,6 +59,23 @@ class RotaryEmbedding(nn.Module):
             spec = replace(spec, rope_theta=theta)
         inv_freq, self.attention_factor = rope_inv_freq(spec)
         self.register_buffer("inv_freq", torch.from_numpy(inv_freq).to(device), persistent=False)
+        self.table_len = rope_table_len(spec)
+        self.cos_sin_cache: torch.Tensor | None = None
+
+    def table_key(self) -> tuple:
+        """Rotaries with equal keys share one cos/sin table."""
+        return (tuple(self.inv_freq.tolist()), self.attention_factor, self.table_len)
+
+    def cos_sin_table(self) -> torch.Tensor:
+        """[P, R] float32 = [cos | sin] of every position < table_len (attention factor in)."""
+        from xlaserve.kernels_cuda import compute_cos_sin_cache
+
+        table = compute_cos_sin_cache(self.inv_freq, self.table_len)
+        return table * self.attention_factor if self.attention_factor != 1.0 else table
+
+    def enable_triton(self, table: torch.Tensor | None) -> None:
+        """Use the Triton kernel with `table` (from `cos_sin_table`); None: back to torch ops."""
+        self.cos_sin_cache = table
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int -> cos, sin [T, R/2] float32 (scaled by the attention factor)."""
@@ -53,6 +88,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated q, k."""
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated q, k. The Triton path rotates q and k in place
+        (they may be strided views of a fused qkv output) and returns them; positions must be
+        < table_len there (no bounds check: no host sync inside CUDA graphs)."""
+        if self.cos_sin_cache is not None:
+            from xlaserve.kernels_cuda import rotary_embedding
+
+            rotary_embedding(q, k, positions, self.cos_sin_cache, is_neox=True)
+            return q, k
         cos, sin = self.cos_sin(positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -30,32 +30,85 @@ def numpy_to_torch(a: np.ndarray) -> torch.Tensor:
 
 
 class CausalLMBase(nn.Module):
-    """Parameters are named by the canonical names of `model_loader/spec.py`."""
+    """Parameters are named by the canonical names of `model_loader/spec.py` (fused layers hold
+    their canonical members' rows, see `load_weights`)."""
+
+    triton_ops: bool = False  # set_triton_ops
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         """Copy (canonical name, array) pairs onto the parameters one tensor at a time, casting to
-        the parameter's dtype. Unknown names, shape mismatches and missing weights raise."""
+        the parameter's dtype. Unknown names, shape mismatches and missing weights raise.
+
+        Fused layers (`MergedLinear`: qkv_proj, gate_up_proj): a member's tensor (e.g.
+        "layers.0.self_attn.k_proj.weight") is copied straight into its row range of the fused
+        parameter (no extra copy), and a fused tensor ("...qkv_proj.weight") loads whole, so
+        separate and fused checkpoints both load."""
+        from xlaserve.backends_torch.layers.linear import fused_members
+
         params = dict(self.named_parameters())
+        members = fused_members(self)
         loaded: set[str] = set()
+        filled: dict[str, set[int]] = {}  # fused parameter -> indices of the members loaded
         for name, arr in weights:
+            key, slot = name, None
             if name not in params:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
-                )
-            p = params[name]
+                prefix, _, part = name.rpartition(".")
+                slot = members.get(prefix)
+                key = f"{slot.prefix}.{part}" if slot is not None else name
+                if key not in params:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
+                    )
+            p = params[key]
+            if slot is not None:
+                got = filled.setdefault(key, set())
+                if part != "perm":  # per-row tensors: the member's row range
+                    p = p[slot.start : slot.start + slot.rows]
+                elif got and not torch.equal(p.cpu(), numpy_to_torch(arr).to(p.dtype)):
+                    # GPTQ act-order: one input permutation [K] serves all members or none.
+                    raise ValueError(
+                        f"{name}: act-order permutation differs from the other members of "
+                        f"{slot.prefix}; such layers cannot be fused"
+                    )
+                got.add(slot.index)
+                if len(got) == len(slot.module.part_names):
+                    loaded.add(key)
             if tuple(arr.shape) != tuple(p.shape):
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(arr.shape)} != model shape {tuple(p.shape)}"
                 )
             with torch.no_grad():
                 p.copy_(numpy_to_torch(arr).to(device=p.device, dtype=p.dtype))
-            loaded.add(name)
+            if slot is None:
+                loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(
                 f"weights missing from the checkpoint: {', '.join(missing[:8])}"
                 + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
             )
+
+    def set_triton_ops(self, enabled: bool) -> None:
+        """Route rotary (in place on q/k) and the fused gate_up activation through the Triton
+        kernels of kernels_cuda (CUDA, or CPU tensors under TRITON_INTERPRET=1), or back to torch
+        ops. Layers with the same rope share one cos/sin table [P, R] float32. DecoderForCausalLM
+        turns it on by itself on CUDA with the Triton attention backend (`triton_ops_default`)."""
+        from xlaserve.backends_torch.layers.activation import MLP
+        from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
+
+        tables: dict[tuple, torch.Tensor] = {}
+        for m in self.modules():
+            if isinstance(m, RotaryEmbedding):
+                table = None
+                if enabled:
+                    key = m.table_key()
+                    if key not in tables:
+                        tables[key] = m.cos_sin_table()
+                    table = tables[key]
+                m.enable_triton(table)
+            elif isinstance(m, MLP):
+                m.use_triton_ops = enabled
+        self.triton_ops = enabled
 
     def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Random normal(0, std) for matrices and biases; norm weights stay at their init (ones)."""

@@ -11,11 +11,15 @@ module with different spec fields (the adapters in model_loader/registry.py set 
 - moe (Mixtral, Qwen2-MoE, Qwen3-MoE): FusedMoE in place of the MLP.
 - mla (DeepSeek-V3): MLA attention (models/mla.py) + FusedMoE.
 
-Parameter names are the canonical names of `model_loader/spec.py`.
+Parameter names are the canonical names of `model_loader/spec.py`, except that q/k/v and a gated
+MLP's gate/up are fused layers (`qkv_proj`, `gate_up_proj`: one GEMM each, output split into views);
+`CausalLMBase.load_weights` writes the canonical members into their rows. On CUDA with the Triton
+attention backend, rotary and act-and-mul run as Triton kernels (`set_triton_ops`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -26,8 +30,10 @@ from xlaserve.backends_torch.layers.activation import MLP
 from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from xlaserve.backends_torch.layers.linear import (
     VocabEmbedding,
+    can_fuse,
     make_linear,
     make_lm_head,
+    make_merged_linear,
     make_vocab_embedding,
 )
 from xlaserve.backends_torch.layers.moe import FusedMoE
@@ -67,8 +73,23 @@ def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | 
     return RotaryEmbedding(spec, device)
 
 
+def triton_ops_default(device: str | torch.device, backend: AttentionBackend) -> bool:
+    """Whether the model routes rotary and the gated activation through the Triton kernels:
+    $XLASERVE_TRITON_OPS "1" / "0" forces it on / off (on needs CUDA or TRITON_INTERPRET=1),
+    else on exactly when the device is CUDA and the attention backend is "triton"."""
+    env = os.environ.get("XLASERVE_TRITON_OPS", "auto")
+    if env in ("0", "1"):
+        return env == "1"
+    return torch.device(device).type == "cuda" and backend.name == "triton"
+
+
 class DecoderAttention(nn.Module):
-    """x [T, H] -> [T, H]: q/k/v projections, optional qk-norm, rope, paged attention, o_proj."""
+    """x [T, H] -> [T, H]: q/k/v projections, optional qk-norm, rope, paged attention, o_proj.
+
+    q/k/v are one fused `qkv_proj` (weights [q; k; v] along the output dim; this rank's heads of
+    each under TP) whose output is split into views; separate q_proj/k_proj/v_proj only where
+    `can_fuse` says no (GPTQ act-order, partial ignore lists, $XLASERVE_FUSE_PROJECTIONS=0).
+    """
 
     def __init__(
         self,
@@ -88,9 +109,18 @@ class DecoderAttention(nn.Module):
         )
         kv_rep = max(1, tp // spec.num_kv_heads)  # ranks sharing one KV head
         h, qkvb = spec.hidden_size, spec.qkv_bias
-        self.q_proj = make_linear(h, spec.q_size, qkvb, dtype, device, "column")
-        self.k_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
-        self.v_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
+        members = [f"layers.{layer}.self_attn.{p}_proj" for p in "qkv"]
+        self.fused = can_fuse(spec.model_dir, members)
+        if self.fused:
+            self.qkv_proj = make_merged_linear(
+                h, [("q_proj", spec.q_size, 1), ("k_proj", spec.kv_size, kv_rep),
+                    ("v_proj", spec.kv_size, kv_rep)], qkvb, dtype, device,
+            )  # fmt: skip
+            self.qkv_sizes = self.qkv_proj.part_sizes  # this rank's q, k, v widths
+        else:
+            self.q_proj = make_linear(h, spec.q_size, qkvb, dtype, device, "column")
+            self.k_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
+            self.v_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
         self.o_proj = make_linear(spec.q_size, h, spec.o_bias, dtype, device, "row")
         self.qk_norm = spec.qk_norm
         self.full_qk_norm = spec.qk_norm and spec.qk_norm_scope == "full"
@@ -114,7 +144,10 @@ class DecoderAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.fused:  # views of one [T, q + 2 kv] output
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.full_qk_norm:  # OLMo2: normalise the whole projection before the head split
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.hq, self.d)  # [T, Hq, D]
@@ -160,6 +193,7 @@ class DecoderLayer(nn.Module):
         if spec.is_moe_layer(layer):
             self.mlp = FusedMoE(spec, dtype, device)
         else:
+            members = [f"layers.{layer}.mlp.{p}" for p in ("gate_proj", "up_proj")]
             self.mlp = MLP(
                 h,
                 spec.intermediate_size,
@@ -168,6 +202,7 @@ class DecoderLayer(nn.Module):
                 spec.mlp_bias,
                 dtype,
                 device,
+                fused=can_fuse(spec.model_dir, members),
             )
 
     def forward(
@@ -236,6 +271,8 @@ class DecoderForCausalLM(CausalLMBase):
         self.norm = spec_norm(spec, spec.hidden_size, dtype, device)
         if not spec.tie_word_embeddings:
             self.lm_head = make_lm_head(spec.hidden_size, spec.vocab_size, dtype, device)
+        if triton_ops_default(device, attn_backend):
+            self.set_triton_ops(True)
 
     @torch.inference_mode()
     def forward(

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from xlaserve.backends_torch.layers.linear import Linear
+from xlaserve.backends_torch.layers.linear import Linear, MergedLinear, can_fuse
 from xlaserve.backends_torch.layers.norm import RMSNorm
-from xlaserve.backends_torch.layers.rotary import RotaryEmbedding, apply_rotary
+from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
 from xlaserve.backends_torch.models.decoder import DecoderForCausalLM, layer_window
 from xlaserve.model_loader.spec import ModelSpec
 
@@ -31,7 +31,11 @@ _LATENT_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    """x [T, H] -> [T, H]."""
+    """x [T, H] -> [T, H].
+
+    The two projections of x (q_a_proj or q_proj, and kv_a_proj) are one `fused_qkv_a_proj`
+    [Rq (or Hq*(Dn+Dr)) + Rkv + Dr, H] split into views, unless `can_fuse` says no.
+    """
 
     def __init__(
         self,
@@ -50,13 +54,22 @@ class MLAttention(nn.Module):
         dq = self.dn + self.dr
         rq = ex.get("q_lora_rank")
         self.q_lora = rq is not None
+        q_name, q_out = ("q_a_proj", rq) if self.q_lora else ("q_proj", hq * dq)
+        kv_out = self.rkv + self.dr
+        self.fused = can_fuse(
+            spec.model_dir, [f"layers.{layer}.self_attn.{n}" for n in (q_name, "kv_a_proj")]
+        )
+        if self.fused:
+            self.fused_qkv_a_proj = MergedLinear(
+                h, [q_name, "kv_a_proj"], [q_out, kv_out], False, dtype, device
+            )
+            self.fused_sizes = (q_out, kv_out)
+        else:
+            setattr(self, q_name, Linear(h, q_out, False, dtype, device))
+            self.kv_a_proj = Linear(h, kv_out, False, dtype, device)
         if self.q_lora:
-            self.q_a_proj = Linear(h, rq, False, dtype, device)
             self.q_a_norm = RMSNorm(rq, _LATENT_EPS, dtype=dtype, device=device)
             self.q_b_proj = Linear(rq, hq * dq, False, dtype, device)
-        else:
-            self.q_proj = Linear(h, hq * dq, False, dtype, device)
-        self.kv_a_proj = Linear(h, self.rkv + self.dr, False, dtype, device)
         self.kv_a_norm = RMSNorm(self.rkv, _LATENT_EPS, dtype=dtype, device=device)
         self.kv_b_proj = Linear(self.rkv, hq * (self.dn + self.dv), False, dtype, device)
         self.o_proj = Linear(hq * self.dv, h, False, dtype, device)
@@ -69,14 +82,20 @@ class MLAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
     ) -> torch.Tensor:
         t, hq, dn, dr, dv = x.shape[0], self.hq, self.dn, self.dr, self.dv
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        if self.fused:  # views of one [T, q + Rkv + Dr] output
+            q, kv_a = self.fused_qkv_a_proj(x).split(self.fused_sizes, dim=-1)
+        else:
+            q = self.q_a_proj(x) if self.q_lora else self.q_proj(x)
+            kv_a = self.kv_a_proj(x)
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_norm(q))
         q = q.view(t, hq, dn + dr)
-        latent, k_rot = self.kv_a_proj(x).split([self.rkv, dr], dim=-1)
+        latent, k_rot = kv_a.split([self.rkv, dr], dim=-1)
         kv_nope = self.kv_b_proj(self.kv_a_norm(latent)).view(t, hq, dn + dv)
         k_nope, v = kv_nope.split([dn, dv], dim=-1)
-        cos, sin = self.rotary.cos_sin(positions)
-        q_rot = apply_rotary(q[..., dn:], cos, sin)
-        k_rot = apply_rotary(k_rot.view(t, 1, dr), cos, sin).expand(t, hq, dr)
+        # Triton path: rotated in place (views of q / kv_a); torch path: new tensors.
+        q_rot, k_rot = self.rotary(positions, q[..., dn:], k_rot.view(t, 1, dr))
+        k_rot = k_rot.expand(t, hq, dr)
         q = torch.cat([q[..., :dn], q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot], dim=-1)
         v = F.pad(v, (0, dn + dr - dv))  # the cache holds D = Dn + Dr for K and V

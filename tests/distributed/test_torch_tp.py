@@ -62,9 +62,9 @@ def test_tp2_matches_tp1_greedy(tiny_model_dir, kind: str) -> None:  # noqa: ANN
         spec = engine.spec
         k0, _ = ex.runner.kv_caches[0]
         assert k0.shape[2] == spec.num_kv_heads // 2  # this rank's KV heads only
-        q = ex.runner.model.layers[0].self_attn.q_proj
-        assert type(q).__name__ == "ColumnParallelLinear"
-        assert q.weight.shape[0] == spec.q_size // 2
+        qkv = ex.runner.model.layers[0].self_attn.qkv_proj  # this rank's q, k, v, fused
+        assert type(qkv).__name__ == "MergedColumnParallelLinear"
+        assert qkv.part_sizes == (spec.q_size // 2, spec.kv_size // 2, spec.kv_size // 2)
         out = _greedy(engine, prompts, 6)
         # Finished / aborted requests are forgotten by both ranks; the engine keeps serving.
         out2 = _greedy(engine, prompts[:1], 6)
