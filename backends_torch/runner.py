@@ -11,21 +11,34 @@ with its own paged KV cache indexed by the SAME block tables (same num_blocks, p
 blocks per batch slot for proposal positions past the request's allocated blocks). Each step it
 catches up on the step's verified tokens (writing its KV where the target wrote its own) and then
 proposes K tokens greedily (deterministic drafts: q is one-hot in the rejection sampler).
+With `method="eagle"` an EAGLE head (backends_torch/eagle.py) drafts from the target's features
+the same way (its one-layer KV cache in `draft_kv_caches`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
-from xlaserve.backends_torch.layers.attention import AttentionMetadata, get_attention_backend
+from xlaserve.backends_torch.layers.attention import (
+    AttentionMetadata,
+    check_kv_cache_dtype,
+    get_attention_backend,
+)
 from xlaserve.backends_torch.models import get_model_class
-from xlaserve.backends_torch.sampler import Sampler, SamplingRow, token_logprobs
+from xlaserve.backends_torch.sampler import (
+    Sampler,
+    SamplingRow,
+    is_plain_greedy,
+    token_logprobs,
+)
 from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.platforms import current_platform
@@ -52,6 +65,18 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> torch.d
     return dtype
 
 
+def nonfinite_rows(logits: torch.Tensor, suspect: list[int] | list[bool]) -> set[int]:
+    """Rows of logits [R, V] holding NaN or +-inf. `suspect[r]`: row r's sum is not finite
+    (a row with NaN/inf always has a non-finite sum; only suspects are checked element-wise,
+    since finite values can overflow a float32 sum)."""
+    cand = [r for r, x in enumerate(suspect) if x]
+    if not cand:
+        return set()
+    idx = torch.tensor(cand, device=logits.device)
+    ok = torch.isfinite(logits[idx]).all(dim=-1).tolist()
+    return {r for r, f in zip(cand, ok, strict=True) if not f}
+
+
 @dataclass
 class _ReqState:
     token_ids: list[int]
@@ -63,6 +88,9 @@ class _ReqState:
     # Prompt logprobs are emitted only on a request's first life (not again after preemption).
     emit_prompt_logprobs: bool = False
     extra: dict = field(default_factory=dict)
+    # Per-request constants of the sampling fast path (set from params at creation).
+    plain_greedy: bool = False  # sampler.is_plain_greedy(params)
+    min_tokens_stops: bool = False  # min_tokens > 0 and some stop/EOS id to mask meanwhile
 
     @property
     def output_ids(self) -> list[int]:
@@ -77,7 +105,7 @@ class TorchModelRunner:
         self.spec = spec
         self.device = torch.device(current_platform.torch_device())
         self.dtype = resolve_dtype(config.model.dtype, spec.checkpoint_dtype, self.device.type)
-        # Weight quantization (None = float); raises early for unsupported fp8 / kv_cache_dtype.
+        # Weight quantization (None = float); raises early for unsupported fp8.
         from xlaserve.backends_torch.layers.linear import torch_quant_scheme
 
         self.quant_scheme = torch_quant_scheme(config, spec, self.device)
@@ -102,10 +130,12 @@ class TorchModelRunner:
         self.draft_spec: ModelSpec | None = None
         self.draft_model: torch.nn.Module | None = None
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # EAGLE head (speculative method "eagle"): backends_torch/eagle.py; checks the head here.
+        self.eagle = None
         if sc is not None and sc.method == "eagle":
-            raise NotImplementedError(
-                "speculative method 'eagle' is not implemented in the torch runner"
-            )
+            from xlaserve.backends_torch.eagle import EagleProposer
+
+            self.eagle = EagleProposer(self, sc.model)
         if sc is not None and sc.method == "draft_model":
             from xlaserve.model_loader.registry import build_spec
             from xlaserve.model_loader.resolve import resolve_model_dir
@@ -122,6 +152,15 @@ class TorchModelRunner:
         # request's allocated blocks): K positions at most.
         self._draft_scratch = -(-self.num_spec_tokens // self.block_size) + 1
         self._draft_slots = config.scheduler.max_num_seqs
+        # Quantized KV cache ("int8"/"fp8": per layer (k codes, v codes, k scales, v scales));
+        # kv_code_dtype None = (k, v) in the model dtype. The draft's cache follows the same dtype.
+        self.kv_cache_dtype = config.cache.kv_cache_dtype
+        self.kv_code_dtype = check_kv_cache_dtype(
+            self.kv_cache_dtype,
+            self.attn_backend_name,
+            self.device,
+            [s.family for s in (spec, self.draft_spec) if s is not None],
+        )
 
     # ---- setup ----------------------------------------------------------------------------
 
@@ -171,6 +210,8 @@ class TorchModelRunner:
                     dw = tp_weight_stream(draft, dw)
                 draft.load_weights(dw)
             self.draft_model = draft.eval()
+        if self.eagle is not None:
+            self.eagle.load()
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block id: the target's KV plus, with a draft model, the draft's KV."""
@@ -178,12 +219,13 @@ class TorchModelRunner:
 
         def rank_bytes(spec: ModelSpec) -> int:  # this rank's KV heads only (tensor parallel)
             h = spec.num_kv_heads
-            return spec.kv_bytes_per_token(elem) * kv_heads_per_rank(h) // h
+            return spec.kv_bytes_per_token(elem, self.kv_cache_dtype) * kv_heads_per_rank(h) // h
 
         per_token = rank_bytes(self.spec)
         if self.draft_spec is not None:
             per_token += rank_bytes(self.draft_spec)
-        return self.block_size * per_token
+        extra = 0 if self.eagle is None else self.eagle.bytes_per_block(rank_bytes(self.eagle.spec))
+        return self.block_size * per_token + extra
 
     def determine_num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -214,7 +256,7 @@ class TorchModelRunner:
         self._dummy_forward(tokens, caches)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - sum(
-            k.numel() * k.element_size() * 2 for k, _ in caches
+            t.numel() * t.element_size() for layer in caches for t in layer
         )
         del caches
         torch.cuda.empty_cache()
@@ -257,6 +299,16 @@ class TorchModelRunner:
         spec = spec or self.spec
         # Hkv of this rank: tensor parallelism splits the KV heads.
         shape = (num_blocks, self.block_size, kv_heads_per_rank(spec.num_kv_heads), spec.head_dim)
+        if self.kv_code_dtype is not None:  # codes + float32 scales [N, S, Hkv]
+            return [
+                (
+                    torch.zeros(shape, dtype=self.kv_code_dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.kv_code_dtype, device=self.device),
+                    torch.ones(shape[:3], dtype=torch.float32, device=self.device),
+                    torch.ones(shape[:3], dtype=torch.float32, device=self.device),
+                )
+                for _ in range(spec.num_layers)
+            ]
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -266,12 +318,15 @@ class TorchModelRunner:
         ]
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Per layer K and V tensors [N, S, Hkv, D] (the draft's: N + scratch blocks)."""
+        """Per layer K and V tensors [N, S, Hkv, D] (the draft's: N + scratch blocks); quantized
+        (kv_cache_dtype int8/fp8): (K codes, V codes, K scales, V scales [N, S, Hkv] float32)."""
         self.num_blocks = num_blocks
         self.kv_caches = self._alloc_caches(num_blocks)
         if self.draft_spec is not None:
             scratch = self._draft_scratch * self._draft_slots
             self.draft_kv_caches = self._alloc_caches(num_blocks + scratch, self.draft_spec)
+        if self.eagle is not None:  # the head's KV goes into draft_kv_caches (offload carries it)
+            self.eagle.init_cache(num_blocks)
         from xlaserve.backends_torch.kv_offload import make_torch_kv_offload
 
         self.kv_offload = make_torch_kv_offload(self)
@@ -285,6 +340,7 @@ class TorchModelRunner:
         self.kv_caches = []
         self.draft_kv_caches = []
         self.draft_model = None
+        self.eagle = None
         self.model = None
         self.requests.clear()
         if self.device.type == "cuda":
@@ -306,6 +362,8 @@ class TorchModelRunner:
                 generator=self.sampler.make_generator(p.seed) if p.seed is not None else None,
                 emit_prompt_logprobs=p.prompt_logprobs is not None
                 and len(nr.token_ids) == nr.num_prompt_tokens,
+                plain_greedy=is_plain_greedy(p),
+                min_tokens_stops=bool(p.min_tokens and p.all_stop_token_ids()),
             )
         for cr in so.cached_requests:
             st = self.requests.get(cr.req_id)
@@ -329,35 +387,43 @@ class TorchModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """chunks: per request (token ids to compute, position of the first, block table).
         Returns input ids [T], positions [T] and the attention metadata of the ragged batch."""
+        # Vectorised with numpy (no per-token Python work): one flat copy of the token ids and
+        # of the block tables, positions and slots by index arithmetic.
         S, dev = self.block_size, self.device
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        for toks, start, table in chunks:
-            end = start + len(toks)
-            ids.extend(toks)
-            positions.extend(range(start, end))
-            slots.extend(table[p // S] * S + p % S for p in range(start, end))
-            qsl.append(qsl[-1] + len(toks))
-            seq_lens.append(end)
-        max_blocks = max(len(t) for _, _, t in chunks)
-        table_t = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
-        for i, (_, _, t) in enumerate(chunks):
-            table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        b = len(chunks)
+        lens = np.fromiter((len(c[0]) for c in chunks), np.int64, b)
+        starts = np.fromiter((c[1] for c in chunks), np.int64, b)
+        nblk = np.fromiter((len(c[2]) for c in chunks), np.int64, b)
+        t = int(lens.sum())
+        ids = np.fromiter(itertools.chain.from_iterable(c[0] for c in chunks), np.int64, t)
+        flat_tables = itertools.chain.from_iterable(c[2] for c in chunks)
+        table = np.zeros((b, int(nblk.max())), np.int32)
+        table[np.arange(table.shape[1]) < nblk[:, None]] = np.fromiter(
+            flat_tables, np.int32, int(nblk.sum())
+        )  # row-major boolean fill: row i gets its own table, zero-padded
+        qsl = np.zeros(b + 1, np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        seq_lens = starts + lens
+        if t == b:  # one token per request (decode)
+            row, positions = np.arange(b), starts
+        else:
+            row = np.repeat(np.arange(b), lens)
+            positions = np.arange(t) - np.repeat(qsl[:-1] - starts, lens)
+        slots = table[row, positions // S].astype(np.int64) * S + positions % S
+        qsl_host, seq_lens_host = qsl.tolist(), seq_lens.tolist()
         md = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table_t.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            max_query_len=max(len(c[0]) for c in chunks),
-            max_seq_len=max(seq_lens),
-            query_start_loc_host=qsl,
-            seq_lens_host=seq_lens,
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(table).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(lens.max()),
+            max_seq_len=max(seq_lens_host),
+            query_start_loc_host=qsl_host,
+            seq_lens_host=seq_lens_host,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.tensor(positions, dtype=torch.long, device=dev), md
+        input_ids = torch.from_numpy(ids).to(dev)
+        pos_t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
+        return input_ids, pos_t, md
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         so = scheduler_output
@@ -379,9 +445,14 @@ class TorchModelRunner:
         chunks: list[tuple[list[int], int, list[int]]] = []
         drafts: list[list[int]] = []
         starts: list[int] = []
+        states: list[_ReqState] = []  # per batch entry (one dict lookup per request and step)
+        spec = so.spec_token_ids
+        prompt_lp = False
         for rid, n in order:
             st = self.requests[rid]
-            ds = list(so.spec_token_ids.get(rid, ()))
+            states.append(st)
+            prompt_lp = prompt_lp or st.emit_prompt_logprobs
+            ds = list(spec[rid]) if rid in spec else []
             known = st.token_ids + ds if ds else st.token_ids
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
             if end > len(known):
@@ -392,7 +463,7 @@ class TorchModelRunner:
                 raise ValueError(
                     f"req {rid}: {len(ds)} drafts scheduled but the chunk ends at {end}"
                 )
-            if math.ceil(end / S) > len(st.block_ids):
+            if -(-end // S) > len(st.block_ids):
                 raise ValueError(
                     f"req {rid}: {end} tokens need {math.ceil(end / S)} blocks, has {len(st.block_ids)}"
                 )
@@ -407,29 +478,30 @@ class TorchModelRunner:
             hidden = self.model(input_ids, pos_t, self.kv_caches, md)  # [T, H]
 
         # Prompt logprobs for the chunk's prompt positions (before num_computed is advanced).
-        for b, (rid, _) in enumerate(order):
-            st = self.requests[rid]
+        for b, st in enumerate(states) if prompt_lp else ():
             if st.emit_prompt_logprobs:
                 entries = self._prompt_logprobs(
                     st, hidden[qsl[b] : qsl[b + 1]], st.num_computed_tokens
                 )
                 if entries:
-                    out.prompt_logprobs[rid] = entries
+                    out.prompt_logprobs[order[b][0]] = entries
 
         # Requests whose chunk reaches the end of their known tokens (+ drafts) sample.
         sample_b = [
-            b
-            for b, (rid, _) in enumerate(order)
-            if seq_lens[b] == len(self.requests[rid].token_ids) + len(drafts[b])
+            b for b, st in enumerate(states) if seq_lens[b] == len(st.token_ids) + len(drafts[b])
         ]
         for b, (rid, n) in enumerate(order):
-            self.requests[rid].num_computed_tokens = starts[b] + n
+            states[b].num_computed_tokens = starts[b] + n
             out.sampled_token_ids[rid] = []
         sampled_ok: set[str] = set()
         if sample_b:
             self._sample(so, order, sample_b, drafts, hidden, qsl, out, sampled_ok)
         if self.draft_model is not None:
             out.spec_token_ids = self._propose(order, starts, seq_lens, sampled_ok)
+        elif self.eagle is not None:
+            out.spec_token_ids = self.eagle.propose(
+                order, starts, seq_lens, hidden, qsl, sampled_ok, out.errors
+            )
         return out
 
     def _sample(
@@ -451,21 +523,81 @@ class TorchModelRunner:
             d = len(drafts[b])
             spans.append((len(row_idx), 1 + d))
             row_idx.extend(range(qsl[b + 1] - 1 - d, qsl[b + 1]))
-        logits = self.model.compute_logits(hidden[torch.tensor(row_idx, device=dev)])  # [R, V]
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        r_total = len(row_idx)
+        # A pure decode step samples every row of `hidden`: no gather copy.
+        h = hidden if r_total == hidden.shape[0] else hidden[torch.tensor(row_idx, device=dev)]
+        logits = self.model.compute_logits(h)  # [R, V]
+        # Fast path: only plain greedy requests (sampler.is_plain_greedy; no drafts, bitmask or
+        # active min_tokens masking): tokens are the argmax of the raw logits, no SamplingRows.
+        fast = True
+        for b in sample_b:
+            rid = order[b][0]
+            st = self.requests[rid]
+            if (
+                not st.plain_greedy
+                or drafts[b]
+                or rid in so.grammar_bitmask
+                or (
+                    st.min_tokens_stops
+                    and len(st.token_ids) - st.num_prompt_tokens < st.params.min_tokens
+                )
+            ):
+                fast = False
+                break
+        # Non-finite check: NaN/inf in a row make its sum non-finite; rows whose sum is not
+        # finite are re-checked exactly (finite values can overflow a sum). One reduction
+        # instead of isfinite + all over [R, V].
+        suspect_t = ~torch.isfinite(logits.sum(dim=-1))
+        argmax_l: list[int] = []
+        if fast:  # tokens and flags come back in one device -> host copy
+            argmax_t = logits.argmax(dim=-1)
+            host = torch.cat([argmax_t, suspect_t.to(argmax_t.dtype)]).tolist()
+            argmax_l, suspect = host[:r_total], host[r_total:]
+        else:
+            suspect = suspect_t.tolist()
+        bad = nonfinite_rows(logits, suspect)
         good: list[int] = []  # indices into sample_b
         for j, b in enumerate(sample_b):
             r0, n = spans[j]
-            if all(finite[r0 : r0 + n]):
-                good.append(j)
-            else:
+            if bad and any(r in bad for r in range(r0, r0 + n)):
                 out.errors[order[b][0]] = (
                     "non-finite logits (NaN or inf) produced by the model for this request"
                 )
+            else:
+                good.append(j)
         if not good:
             return
+        if fast:
+            tokens = [[argmax_l[spans[j][0]]] for j in good]
+            lps: list[list[TokenLogprobs] | None] = [None] * len(good)
+        else:
+            tokens, lps = self._sample_rows(so, order, sample_b, drafts, logits, spans, good)
+        for k, j in enumerate(good):
+            rid = order[sample_b[j]][0]
+            st = self.requests[rid]
+            st.token_ids.extend(tokens[k])
+            # KV is valid up to the last accepted draft; the new last token is computed next.
+            st.num_computed_tokens = len(st.token_ids) - 1
+            out.sampled_token_ids[rid] = tokens[k]
+            sampled_ok.add(rid)
+            if lps[k] is not None:
+                out.logprobs[rid] = lps[k]
+
+    def _sample_rows(
+        self,
+        so: SchedulerOutput,
+        order: list[tuple[str, int]],
+        sample_b: list[int],
+        drafts: list[list[int]],
+        logits: torch.Tensor,
+        spans: list[tuple[int, int]],
+        good: list[int],
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """The general path: SamplingRows of the good requests -> Sampler / Sampler.verify.
+        Returns tokens and logprobs per good request."""
+        dev = self.device
         keep = [r for j in good for r in range(spans[j][0], spans[j][0] + spans[j][1])]
-        if len(keep) != len(row_idx):
+        if len(keep) != logits.shape[0]:
             logits = logits[torch.tensor(keep, device=dev)]
         rows: list[SamplingRow] = []
         for j in good:
@@ -480,7 +612,11 @@ class TorchModelRunner:
                         f"req {rid}: grammar bitmask has {mask.shape[0]} rows for {1 + len(ds)} "
                         "scored positions (need one row per position)"
                     )
-            prompt, output = st.token_ids[: st.num_prompt_tokens], st.output_ids
+            # The sampler reads prompt/output tokens only for penalties (output: also its length
+            # for min_tokens): skip the copies otherwise.
+            p = st.params
+            prompt = st.token_ids[: st.num_prompt_tokens] if p.needs_penalties else []
+            output = st.output_ids if p.needs_penalties or p.min_tokens else []
             for i in range(1 + len(ds)):
                 rows.append(
                     SamplingRow(
@@ -496,18 +632,13 @@ class TorchModelRunner:
             tokens = [[t] for t in res.token_ids]
             lps = [None if e is None else [e] for e in res.logprobs]
         else:
-            vres = self.sampler.verify(logits, rows, [drafts[sample_b[j]] for j in good])
+            dl = [drafts[sample_b[j]] for j in good]
+            q = None  # draft distributions: EAGLE's sampled drafts (others are one-hot)
+            if self.eagle is not None:
+                q = self.eagle.draft_probs([order[sample_b[j]][0] for j in good], dl)
+            vres = self.sampler.verify(logits, rows, dl, q)
             tokens, lps = vres.token_ids, vres.logprobs
-        for k, j in enumerate(good):
-            rid = order[sample_b[j]][0]
-            st = self.requests[rid]
-            st.token_ids.extend(tokens[k])
-            # KV is valid up to the last accepted draft; the new last token is computed next.
-            st.num_computed_tokens = len(st.token_ids) - 1
-            out.sampled_token_ids[rid] = tokens[k]
-            sampled_ok.add(rid)
-            if lps[k] is not None:
-                out.logprobs[rid] = lps[k]
+        return tokens, lps
 
     # ---- draft model ----------------------------------------------------------------------
 

@@ -43,6 +43,27 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # [B]; None where the request did not ask
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """True when a request's token is always the argmax of its raw logits (greedy, no
+    logit_bias, no penalties, no logprobs). min_tokens and bitmasks are per step: see
+    `argmax_only`."""
+    return (
+        params.greedy
+        and not params.logit_bias
+        and not params.needs_penalties
+        and params.logprobs is None
+    )
+
+
+def argmax_only(row: SamplingRow) -> bool:
+    """True when this step's token of `row` is the argmax of its raw logits: a plain greedy
+    request with no bitmask and no min_tokens stop masking active."""
+    p = row.params
+    if row.bitmask is not None or not is_plain_greedy(p):
+        return False
+    return not (p.min_tokens and len(row.output_ids) < p.min_tokens and p.all_stop_token_ids())
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Packed int32 [B, W] (bit i of word w allows token 32 w + i) -> bool allowed [B, V]."""
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
@@ -81,13 +102,24 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
                 logits[i, stop] = float("-inf")
     masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
     if masked:
-        packed = torch.from_numpy(
-            np.stack([np.asarray(rows[i].bitmask, dtype=np.int32).reshape(-1) for i in masked])
-        )
-        allowed = unpack_bitmask(packed.to(logits.device), vocab)
-        idx = torch.tensor(masked, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        # One packed [B, W] array (all bits set = any token for unmasked rows), one unpack and
+        # ONE in-place masked_fill over the whole batch (no gather / scatter of masked rows).
+        words = (vocab + 31) // 32
+        packed = np.full((len(rows), words), -1, dtype="<i4")
+        for i in masked:
+            packed[i] = np.asarray(rows[i].bitmask, dtype=np.int32).reshape(-1)[:words]
+        logits.masked_fill_(forbidden_tokens(packed, vocab, logits.device), float("-inf"))
     return logits
+
+
+def forbidden_tokens(packed: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """Packed little-endian int32 [B, W] -> bool [B, V], True where the token is NOT allowed.
+    On the CPU numpy unpacks the bytes directly (the bit order of an int32 read as 4
+    little-endian bytes is the token order); elsewhere the unpack runs on the device."""
+    if device.type == "cpu":
+        bits = np.unpackbits((~packed).view(np.uint8), axis=1, count=vocab, bitorder="little")
+        return torch.from_numpy(bits.view(bool))
+    return ~unpack_bitmask(torch.from_numpy(packed).to(device), vocab)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -119,8 +151,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Step 3 (non-greedy rows): / temperature, then top_k, top_p, min_p masks (-inf). [B, V]."""
     dev, vocab = logits.device, logits.shape[1]
-    temp = torch.tensor([max(p.temperature, 1e-5) for p in params], dtype=logits.dtype, device=dev)
-    logits = logits / temp[:, None]
+    temps = [max(p.temperature, 1e-5) for p in params]
+    if any(t != 1.0 for t in temps):  # x / 1.0 == x: skip a [B, V] op at temperature 1
+        logits = logits / torch.tensor(temps, dtype=logits.dtype, device=dev)[:, None]
     need_k = any(p.top_k > 0 for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
     need_min_p = any(p.min_p > 0.0 for p in params)
@@ -192,26 +225,50 @@ class Sampler:
         b, vocab = logits.shape
         if b != len(rows):
             raise ValueError(f"logits have {b} rows but {len(rows)} sampling rows were given")
+        # Fast path: argmax-only rows need no copy, constraints or per-row tensors; when some
+        # rows are, the full path runs on the others only (same tokens: the shared generator
+        # draws for non-greedy rows only, and every step is row-wise).
+        plain = [argmax_only(r) for r in rows]
+        if all(plain):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * b)
+        if any(plain):
+            rest = [i for i in range(b) if not plain[i]]
+            sub = self(logits[torch.tensor(rest, device=logits.device)], [rows[i] for i in rest])
+            token_ids = logits.argmax(dim=-1).tolist()
+            lps_all: list[TokenLogprobs | None] = [None] * b
+            for j, i in enumerate(rest):
+                token_ids[i], lps_all[i] = sub.token_ids[j], sub.logprobs[j]
+            return SamplerOutput(token_ids=token_ids, logprobs=lps_all)
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
         x = apply_constraints(logits.float().clone(), rows)
         x = apply_penalties(x, rows)
-        tokens = x.argmax(dim=-1)  # greedy rows keep this
         rand_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        every = len(rand_rows) == b  # every row samples: no argmax, gather or scatter of rows
+        tokens = None if every else x.argmax(dim=-1)  # greedy rows keep this
         if rand_rows:
-            idx = torch.tensor(rand_rows, device=x.device)
-            filtered = filter_logits(x[idx], [rows[i].params for i in rand_rows])
+            idx = None if every else torch.tensor(rand_rows, device=x.device)
+            filtered = filter_logits(x if every else x[idx], [rows[i].params for i in rand_rows])
             probs = torch.softmax(filtered, dim=-1)
-            q = torch.empty(len(rand_rows), vocab, dtype=torch.float32, device=x.device)
             shared = [j for j, i in enumerate(rand_rows) if rows[i].generator is None]
-            if shared:
-                q[shared] = torch.empty(len(shared), vocab, device=x.device).exponential_(
+            if len(shared) == len(rand_rows):  # the same draws as filling q[shared] below
+                q = torch.empty(len(shared), vocab, device=x.device).exponential_(
                     generator=self.generator
                 )
+            else:
+                q = torch.empty(len(rand_rows), vocab, dtype=torch.float32, device=x.device)
+                if shared:
+                    q[shared] = torch.empty(len(shared), vocab, device=x.device).exponential_(
+                        generator=self.generator
+                    )
             for j, i in enumerate(rand_rows):
                 if rows[i].generator is not None:
                     q[j].exponential_(generator=rows[i].generator)
-            tokens[idx] = (probs / q.clamp_min(1e-20)).argmax(dim=-1)
+            drawn = (probs / q.clamp_min(1e-20)).argmax(dim=-1)
+            if every:
+                tokens = drawn
+            else:
+                tokens[idx] = drawn
         token_list = tokens.tolist()
         lps: list[TokenLogprobs | None] = [None] * b
         sel = [i for i in range(b) if want_lp[i]]

@@ -13,7 +13,9 @@ instead of multiplying:
 With a speculative_config (n-gram drafts, K = num_speculative_tokens) the forward gathers
 R * (1 + K) rows instead of R and one "logits + verify" program per request bucket B (compiled at
 start-up) scores 1 + K rows per request and accepts / rejects on the device (sampler.verify);
-steps without drafts keep using the sample program.
+steps without drafts keep using the sample program. With method "draft_model" (draft.py) a
+second model proposes the drafts after each step: one catch-up program per token bucket and one
+K-step proposal program per request bucket, also compiled at start-up.
 
 Prompt logprobs (rare) use a third program per token bucket, compiled the first time a step asks
 for them (`lazy_compiles` records it). Everything else is compiled ahead of time at
@@ -38,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from xlaserve.backends_xla.multihost import init_multihost
 from xlaserve.backends_xla.sampler import (
     SamplingTensors,
     host_tensors,
@@ -56,7 +59,7 @@ from xlaserve.backends_xla.utils import (
 from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.attention import AttentionMetadata
-from xlaserve.models_flax.loader import kv_heads_sharded, load_model
+from xlaserve.models_flax.loader import kv_heads_sharded, load_model, xla_quant_scheme
 from xlaserve.runner import RunnerOutput, SchedulerOutput, TokenLogprobs
 from xlaserve.sampling_params import SamplingParams
 
@@ -108,19 +111,23 @@ class XlaModelRunner:
     """See the module docstring. Constructed as `XlaModelRunner(config, spec)`."""
 
     def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
-        if config.cache.kv_cache_dtype != "auto":
+        # Multi-host (nnodes > 1): join jax.distributed before any JAX backend starts (multihost.py).
+        self.multihost = init_multihost(config)
+        # Quantized KV cache (int8 / fp8 codes + a float32 scale per token and KV head).
+        self.kv_cache_dtype = config.cache.kv_cache_dtype
+        if self.kv_cache_dtype != "auto" and spec.family == "mla":
             raise ValueError(
-                f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not supported by backend 'xla'"
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported for MLA models "
+                "(family 'mla') on backend 'xla'; use kv_cache_dtype='auto'"
             )
-        if config.model.quantization is not None:
-            raise ValueError(
-                f"quantization {config.model.quantization!r} is not supported by backend 'xla'"
-            )
+        # Weight quantization (None = float): the checkpoint's own format or `quantization`
+        # applied at load time; raises early for fp8 without fp8 matmuls (models_flax/loader.py).
+        self.quant_scheme = xla_quant_scheme(config.model.quantization, spec)
         sc = config.speculative
-        if sc is not None and sc.method != "ngram":
+        if sc is not None and sc.method not in ("ngram", "draft_model"):
             raise NotImplementedError(
                 f"speculative method {sc.method!r} is not supported by backend 'xla' "
-                "(only 'ngram'); use backend='torch' for draft_model"
+                "(only 'ngram' and 'draft_model')"
             )
         # K: the verify programs score 1 + K rows per request (fixed shapes, compiled at start).
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
@@ -143,9 +150,15 @@ class XlaModelRunner:
         self._replicated = NamedSharding(self.mesh, P())
         kv_axis = "model" if kv_heads_sharded(spec, self.mesh) else None
         self._kv_sharding = NamedSharding(self.mesh, P(None, None, kv_axis, None))
+        # One layer's cache tuple: (k, v), or (k codes, v codes, k scales, v scales) with the
+        # [N, S, Hkv] scales split over KV heads like their codes.
+        self._kv_layer_shardings = (self._kv_sharding,) * 2
+        if self.kv_cache_dtype != "auto":
+            scale_sharding = NamedSharding(self.mesh, P(None, None, kv_axis))
+            self._kv_layer_shardings += (scale_sharding,) * 2
         self.graphdef: nnx.GraphDef | None = None
         self.state: nnx.State | None = None
-        self.kv_caches: list[tuple[jax.Array, jax.Array]] | None = None
+        self.kv_caches: list[tuple[jax.Array, ...]] | None = None
         self.num_kv_blocks = 0
         self.kv_offload = None  # host/disk tier copy engine (kv_offload.py), set by init_kv_cache
         # (kind, bucket) -> compiled executable; kinds FORWARD (T), SAMPLE (B), PROMPT_LOGPROBS (T).
@@ -153,12 +166,19 @@ class XlaModelRunner:
         self.lazy_compiles: list[tuple[str, int]] = []  # programs compiled after start-up
         self._neutral: dict[int, dict[str, jax.Array]] = {}  # B -> device-resident neutral extras
         self._hidden_dtype: jnp.dtype = self.dtype
+        # method "draft_model": the draft's weights, KV cache and programs (draft.py).
+        self.draft = None
+        if sc is not None and sc.method == "draft_model":
+            from xlaserve.backends_xla.draft import XlaDraftModel
+
+            self.draft = XlaDraftModel(self, sc.model)
 
     # ---------------------------------------------------------------- set-up
     def load_model(self) -> None:
         self.graphdef, self.state = load_model(
-            self.spec, self.dtype, self.mesh, self.config.load.load_format, self.config.model.seed
-        )
+            self.spec, self.dtype, self.mesh, self.config.load.load_format, self.config.model.seed,
+            quant=self.quant_scheme, expert_parallel=self.config.parallel.enable_expert_parallel,
+        )  # fmt: skip
         graphdef, rep = self.graphdef, self._replicated
 
         def forward(state, kv_caches, input_ids, positions, md, logits_indices):  # noqa: ANN001, ANN202
@@ -166,7 +186,10 @@ class XlaModelRunner:
             hidden, kv_caches = model(input_ids, positions, kv_caches, md)
             # Pin shardings so the donated cache and the next programs' inputs always match.
             kv_caches = [
-                tuple(jax.lax.with_sharding_constraint(c, self._kv_sharding) for c in kv)
+                tuple(
+                    jax.lax.with_sharding_constraint(c, sh)
+                    for c, sh in zip(kv, self._kv_layer_shardings, strict=True)
+                )
                 for kv in kv_caches
             ]
             hidden = jax.lax.with_sharding_constraint(hidden, rep)
@@ -203,17 +226,38 @@ class XlaModelRunner:
             PROMPT_LOGPROBS: jax.jit(prompt_logprobs),
             VERIFY: jax.jit(logits_and_verify),
         }
+        if self.draft is not None:
+            self.draft.load()
 
     def _kv_block_bytes(self) -> int:
         """Bytes one KV block takes on one device."""
         shards = self.mesh.shape["model"] if kv_heads_sharded(self.spec, self.mesh) else 1
-        return self.block_size * self.spec.kv_bytes_per_token(self.dtype.itemsize) // shards
+        per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize, self.kv_cache_dtype)
+        return self.block_size * per_token // shards
+
+    def _kv_layer_structs(self, num_blocks: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shapes, dtypes and shardings of one layer's cache tuple: (k, v) [N, S, Hkv, D] in the
+        model dtype, or (k codes, v codes) int8 / float8_e4m3fn + (k scales, v scales) float32
+        [N, S, Hkv] for a quantized cache (xlaserve.quantization.kv_quant)."""
+        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        if self.kv_cache_dtype == "auto":
+            dtypes, shapes = (self.dtype,) * 2, (shape,) * 2
+        else:
+            from xlaserve.kernels_pallas.kv_cache_quant import code_dtype
+
+            dtypes = (code_dtype(self.kv_cache_dtype),) * 2 + (jnp.dtype(jnp.float32),) * 2
+            shapes = (shape,) * 2 + (shape[:3],) * 2
+        return tuple(
+            jax.ShapeDtypeStruct(sh, dt, sharding=sd)
+            for sh, dt, sd in zip(shapes, dtypes, self._kv_layer_shardings, strict=True)
+        )
 
     def determine_num_kv_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        block_bytes = self._kv_block_bytes() * (
+        draft_bytes = self.draft.kv_bytes_per_block() if self.draft is not None else 0
+        block_bytes = (self._kv_block_bytes() + draft_bytes) * (
             self.mesh.shape["model"] if self.platform == "cpu" else 1
         )
         if self.platform == "cpu":
@@ -222,21 +266,20 @@ class XlaModelRunner:
             free = min(
                 d.memory_stats()["bytes_limit"] * cache.gpu_memory_utilization
                 - d.memory_stats()["bytes_in_use"]
-                for d in self.mesh.devices.flat
+                for d in self.mesh.local_devices  # this host's (multi-host: the others' are remote)
             )
             n = int((free - self._peak_activation_bytes()) // block_bytes)
         if n < 1:
             raise ValueError(
                 "no memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization"
             )
-        return int(n)
+        return int(n) if self.multihost is None else self.multihost.min_over_hosts(int(n))
 
     def _peak_activation_bytes(self) -> int:
         """Temporary memory of the largest forward + sampler, from XLA's memory analysis."""
         t, b = self.token_buckets[-1], self.seq_buckets[-1]
         sampler_bytes = 6 * b * self.vocab * 4
-        kv = [(jax.ShapeDtypeStruct((1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim), self.dtype,
-                                    sharding=self._kv_sharding),) * 2] * self.spec.num_layers  # fmt: skip
+        kv = [self._kv_layer_structs(1)] * self.spec.num_layers
         args = self._device_inputs(self._dummy_batch(t))
         try:
             stats = self._jitted[FORWARD].lower(self.state, kv, *args).compile().memory_analysis()
@@ -248,21 +291,23 @@ class XlaModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         if self.state is None:
             raise RuntimeError("call load_model() before init_kv_cache()")
-        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        structs = self._kv_layer_structs(num_blocks)
         layers = self.spec.num_layers
         alloc = jax.jit(
-            lambda: [
-                (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(layers)
-            ],
-            out_shardings=self._kv_sharding,
+            lambda: [tuple(jnp.zeros(x.shape, x.dtype) for x in structs) for _ in range(layers)],
+            out_shardings=[self._kv_layer_shardings] * layers,
         )
         self.kv_caches = alloc()
         self.num_kv_blocks = num_blocks
+        if self.draft is not None:  # its own cache, same block ids (+ scratch blocks)
+            self.draft.init_kv_cache(num_blocks)
         from xlaserve.backends_xla.kv_offload import make_xla_kv_offload
 
         self.kv_offload = make_xla_kv_offload(self)
         if not self.config.enforce_eager:
             self.compile_all()
+        if self.multihost is not None:  # follower hosts serve host 0's steps here, then exit
+            self.multihost.serve_if_follower(self)
 
     def startup_programs(self) -> list[tuple[str, int]]:
         """Programs compiled at start-up: (token buckets) + (request buckets), no product; with
@@ -270,11 +315,15 @@ class XlaModelRunner:
         progs = [(FORWARD, t) for t in self.token_buckets] + [(SAMPLE, b) for b in self.seq_buckets]
         if self.num_spec_tokens:
             progs += [(VERIFY, b) for b in self.seq_buckets]
+        if self.draft is not None:  # + draft catch-up per token bucket, proposal per request bucket
+            progs += self.draft.startup_programs()
         return progs
 
     def _lower(self, kind: str, n: int) -> jax.stages.Lowered:
         """Trace and lower one program for bucket n (T for FORWARD/PROMPT_LOGPROBS, B for
         SAMPLE/VERIFY)."""
+        if self.draft is not None and kind.startswith("draft_"):
+            return self.draft.lower(kind, n)
         fn = self._jitted[kind]
         if kind == FORWARD:
             lowered = fn.lower(
@@ -329,15 +378,21 @@ class XlaModelRunner:
         return prog
 
     def shutdown(self) -> None:
+        if self.multihost is not None:
+            self.multihost.stop()
         self.requests.clear()
         self.kv_caches = None
         self.state = None
         self.programs.clear()
         self._neutral.clear()
+        if self.draft is not None:
+            self.draft.shutdown()
 
     # ---------------------------------------------------------------- one step
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         so = scheduler_output
+        if self.multihost is not None:  # host 0: the followers run this step too
+            self.multihost.before_execute(so)
         stray = [r for r, d in so.spec_token_ids.items() if d and r not in so.num_scheduled_tokens]
         if stray:
             raise ValueError(f"speculative drafts for requests not scheduled this step: {stray}")
@@ -357,7 +412,7 @@ class XlaModelRunner:
         rows_h, hidden = self._forward(batch)
         if any(batch.drafts):
             self._verify_step(so, batch, rows_h, hidden, out)
-            return out
+            return self._propose_drafts(batch, out)
         b = pick_bucket(self.seq_buckets, len(batch.req_ids))
         rows = [
             self.requests[r] if s else None
@@ -392,6 +447,12 @@ class XlaModelRunner:
                         int(res.ranks[i]),
                     )
                 ]
+        return self._propose_drafts(batch, out)
+
+    def _propose_drafts(self, batch: _Batch, out: RunnerOutput) -> RunnerOutput:
+        """With a draft model: its catch-up and proposals for the next step (draft.py)."""
+        if self.draft is not None:
+            out.spec_token_ids = self.draft.propose(batch, out)
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -572,6 +633,17 @@ class XlaModelRunner:
                 for tok in prefixes[i] if prefixes is not None else ():
                     if 0 <= tok < v:
                         h["output_counts"][i, tok] += 1
+        if extras:  # copy only the dense fields some row uses; the others stay device-resident
+            live = [(i, r) for i, r in enumerate(rows) if r is not None]
+            if not any(req_ids[i] in bitmasks for i, _ in live):
+                del h["bitmask"]
+            if not any(r.output_counts is not None for _, r in live):
+                del h["output_counts"], h["prompt_mask"]
+            pos = positions if positions is not None else [0] * len(rows)
+            if not any(
+                r.params.logit_bias or r.num_output + pos[i] < r.params.min_tokens for i, r in live
+            ):
+                del h["bias"]
         return self._put_sampling(h, b)
 
     def _verify_step(

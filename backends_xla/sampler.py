@@ -120,7 +120,16 @@ def _apply_extras(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 def filter_logits(
     logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
 ) -> jax.Array:
-    """top_k, then top_p over the top-k renormalized, then min_p; filtered entries -> -inf."""
+    """top_k, then top_p over the top-k renormalized, then min_p; filtered entries -> -inf.
+    A batch where no row filters skips the [B, V] sort (a `lax.cond`: one program either way)."""
+    v = logits.shape[-1]
+    needed = jnp.any((top_k > 0) & (top_k < v)) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0.0)
+    return jax.lax.cond(needed, _filter_sorted, lambda x, *_: x, logits, top_k, top_p, min_p)
+
+
+def _filter_sorted(
+    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+) -> jax.Array:
     v = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)  # [B, V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # [B]

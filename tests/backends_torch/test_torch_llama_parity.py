@@ -154,8 +154,8 @@ def test_dummy_weights_shapes_and_scale(hf_model_dir) -> None:
     spec = build_spec(hf_model_dir("qwen2"))
     model = get_model_class("llama")(spec)
     model.init_dummy_weights(seed=3, std=0.02)
-    w = model.layers[0].self_attn.q_proj.weight
-    assert w.shape == (spec.q_size, spec.hidden_size)
+    w = model.layers[0].self_attn.qkv_proj.weight  # q, k, v fused along the output dim
+    assert w.shape == (spec.q_size + 2 * spec.kv_size, spec.hidden_size)
     assert 0.015 < float(w.std()) < 0.025
     assert torch.all(model.norm.weight == 1.0)
-    assert model.layers[0].self_attn.q_proj.bias is not None
+    assert model.layers[0].self_attn.qkv_proj.bias is not None

@@ -27,6 +27,7 @@ SCHEMA = {
         "properties": {"verse": {"type": "string"}, "n": {"type": "integer"}},
         "required": ["verse", "n"],
     },
+    "minItems": 1,  # else the model may close "[]" at once
 }
 
 

@@ -180,13 +180,15 @@ def test_compile_failure_fails_only_that_request(llm: LLM, monkeypatch: pytest.M
 
 
 def test_speculative_ngram_is_lossless_under_grammar(llm: LLM, tiny_model_dir) -> None:
-    """n-gram drafts (torch): the bitmask has a row per draft position; greedy outputs equal
-    the non-speculative ones and stay valid."""
-    if llm.llm_engine.backend != "torch":
-        pytest.skip("speculative decoding is implemented on the torch backend only")
+    """n-gram drafts: the bitmask has a row per draft position; greedy outputs equal the
+    non-speculative ones and stay valid."""
+    extra = {}
+    if llm.llm_engine.backend == "xla":  # few shape buckets, as the `llm` fixture
+        extra = {"max_num_seqs": 8, "max_num_batched_tokens": 64}
     spec_llm = LLM(
         tiny_model_dir("llama"),
-        backend="torch",
+        backend=llm.llm_engine.backend,
+        **extra,
         dtype="float32",
         block_size=4,
         num_kv_blocks=256,
@@ -206,3 +208,57 @@ def test_speculative_ngram_is_lossless_under_grammar(llm: LLM, tiny_model_dir) -
         assert re.fullmatch(REGEX, got[1].outputs[0].text)
     finally:
         spec_llm.llm_engine.shutdown()
+
+
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+def test_mixed_batches_compile_nothing_after_startup(llm: LLM) -> None:
+    """Steps mixing constrained and plain rows, at every request bucket, greedy and sampled,
+    all-constrained and all-plain: on XLA they run the start-up programs only (the bitmask is a
+    fixed [B, W] input of the one sampler program per bucket: no lowering, no compilation).
+    On both backends the constrained outputs stay valid and the plain ones are unchanged."""
+    is_xla = llm.llm_engine.backend == "xla"
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        if event in COMPILE_EVENTS:
+            events.append(event)
+
+    if is_xla:
+        import jax
+
+        runner = llm.llm_engine.runner
+        lazy = len(runner.lazy_compiles)
+        jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        plain = _greedy(10, ignore_eos=True)
+        alone = llm.generate([PROMPTS[0]], plain, use_tqdm=False)[0].outputs[0].token_ids
+        choice = SO(choice=CHOICES)
+        sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=30, structured_outputs=choice)
+        for size in (1, 2, 3, 5, 8):  # request buckets 1, 2, 4, 8 (max_num_seqs 8)
+            for mix in ("alternate", "all", "none"):
+                params = [
+                    plain
+                    if mix == "none" or (mix == "alternate" and i % 2 == 0)
+                    else (sampled if i % 3 else _greedy(30, choice))
+                    for i in range(size)
+                ]
+                prompts = [PROMPTS[i % len(PROMPTS)] for i in range(size)]
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                for p, o in zip(params, outs, strict=True):
+                    c = o.outputs[0]
+                    if p is plain:
+                        if o.prompt == PROMPTS[0]:
+                            assert c.token_ids == alone
+                    else:
+                        assert c.finish_reason == "stop" and c.text in CHOICES, c
+    finally:
+        if is_xla:
+            jax.monitoring.unregister_event_duration_listener(listener)
+    if is_xla:
+        assert runner.lazy_compiles[lazy:] == [], "a program was compiled while serving"
+        assert events == [], f"compiled while serving: {events}"

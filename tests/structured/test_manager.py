@@ -128,6 +128,40 @@ def test_draft_rows(mgr: StructuredOutputManager, tok: Tokenizer) -> None:
     mgr.remove("ref")
 
 
+def test_fill_bitmasks_batch_equals_single(mgr: StructuredOutputManager, tok: Tokenizer) -> None:
+    """One step's masks filled in one pass (xgrammar batch call + draft rows) equal the
+    per-request fills, row for row; unconstrained ids are left out; matchers do not move."""
+    specs = [spec for spec, _ in CASES]
+    texts = [text for _, text in CASES]
+    rids = [f"b{i}" for i in range(len(specs))]
+    for rid, spec in zip(rids, specs, strict=True):
+        mgr.add_request(rid, mgr.prepare(spec))
+        _ready(mgr, rid)
+    # Move the matchers to different places along their texts.
+    for i, (rid, text) in enumerate(zip(rids, texts, strict=True)):
+        assert mgr.accept_tokens(rid, tok.encode(text, add_special_tokens=False)[:i]) == (
+            False,
+            None,
+        )
+    drafts = {rids[1]: tok.encode('{"k', add_special_tokens=False), rids[3]: [EOS]}
+    order = [rids[4], "plain", rids[0], rids[1], rids[2], rids[3]]
+    before = {rid: mgr.fill_bitmask(rid, drafts.get(rid)) for rid in rids}
+    masks = mgr.fill_bitmasks(order, drafts)
+    assert list(masks) == [r for r in order if r != "plain"]
+    base = next(iter(masks.values())).base
+    for rid in rids:
+        assert masks[rid].base is base  # views of one buffer
+        assert masks[rid].shape == before[rid].shape
+        assert (masks[rid] == before[rid]).all(), rid
+    # Nothing advanced: a second pass gives the same rows.
+    again = mgr.fill_bitmasks(order, drafts)
+    for rid in rids:
+        assert (again[rid] == masks[rid]).all(), rid
+    assert mgr.fill_bitmasks(["plain"]) == {}
+    for rid in rids:
+        mgr.remove(rid)
+
+
 def test_async_compile_and_lru(tok: Tokenizer) -> None:
     m = StructuredOutputManager(tok, MODEL_VOCAB, [EOS], StructuredOutputConfig(cache_size=2))
     try:

@@ -224,7 +224,9 @@ class Scheduler:
                 # Positions of rejected drafts hold wrong KV: recompute them (they get
                 # overwritten; the blocks stay with the request, the runner's table too).
                 req.num_computed_tokens -= len(drafts) + 1 - len(sampled)
-            req.spec_token_ids = list(runner_output.spec_token_ids.get(req_id, []))
+            spec = runner_output.spec_token_ids.get(req_id)
+            if spec or req.spec_token_ids:  # no new list per request per step without drafts
+                req.spec_token_ids = list(spec) if spec else []
             new_tokens: list[int] = []
             for token in sampled:
                 req.output_token_ids.append(token)
@@ -241,7 +243,11 @@ class Scheduler:
         """Sets the finished status after the newest output token; stop wins over length."""
         params = req.sampling_params
         last = req.output_token_ids[-1]
-        if req.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids():
+        # == `last in params.all_stop_token_ids()`, without building that set per token.
+        is_stop = last in params.stop_token_ids or (
+            not params.ignore_eos and last in params.eos_token_ids
+        )
+        if is_stop and req.num_output_tokens >= params.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = last
             return True

@@ -80,7 +80,7 @@ class LLM:
         n_in = n_out = 0
         try:
             while pending:
-                for out in engine.step():
+                for out in engine.step(final_only=True):  # only finished ones are yielded
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         n_in += len(out.prompt_token_ids)

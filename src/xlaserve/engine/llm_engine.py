@@ -140,6 +140,14 @@ class LLMEngine:
                 )
             self.backend = "xla"
         check_speculative_config(config.speculative, self.backend)  # before loading anything
+        par = config.parallel
+        if self.backend == "torch" and (par.enable_expert_parallel or par.nnodes > 1):
+            # Expert parallelism and nnodes (jax.distributed multi-host) are XLA features; torch
+            # spans hosts through distributed_executor_backend="ray".
+            raise ValueError(
+                "enable_expert_parallel and nnodes > 1 need backend 'xla'; on the torch backend "
+                "use tensor_parallel_size with distributed_executor_backend='ray' across hosts"
+            )
         if self.backend == "torch" and config.parallel.tensor_parallel_size > 1:
             # One TorchModelRunner shard per device, over torch.distributed (imports torch).
             from xlaserve.backends_torch.distributed.executor import make_executor
@@ -307,7 +315,10 @@ class LLMEngine:
         return len(self._parents)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; the RequestOutputs of the requests that changed. `final_only`: only
+        those of requests that finished (offline `generate` needs no others; building a
+        RequestOutput per running request and step is a large part of the host time)."""
         # Structured output: requests whose grammar failed to compile finish with an error.
         failed = self._fail_bad_grammars() if self._structured is not None else []
         so = self.scheduler.schedule()
@@ -322,8 +333,9 @@ class LLMEngine:
             self._attach_bitmasks(so)
         self._pending_finished = set()
         now = time.monotonic()
-        for rid in so.num_scheduled_tokens:
-            parent, _ = self._seqs.get(rid, (None, None))
+        # A request is first scheduled in new_requests (resumed ones come back there too).
+        for nr in so.new_requests:
+            parent, _ = self._seqs.get(nr.req_id, (None, None))
             if parent is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
         ro = self.runner.execute(so)
@@ -348,7 +360,8 @@ class LLMEngine:
                 if parent.metrics.first_token_time is None:
                     parent.metrics.first_token_time = now
                 parent.metrics.last_token_time = now
-                self._add_logprobs(seq, ro.logprobs.get(req.request_id, []), len(new_tokens))
+                if seq.logprobs is not None:
+                    self._add_logprobs(seq, ro.logprobs.get(req.request_id, []), len(new_tokens))
                 if self._structured is not None:
                     self._advance_grammar(req, new_tokens)
                 stop = seq.detok.add_tokens(new_tokens)
@@ -365,8 +378,11 @@ class LLMEngine:
             self._propose_ngram(updates)
         outputs = failed
         for parent in changed.values():
-            outputs.append(self._make_output(parent))
-            if parent.finished:
+            if final_only and not parent.finished:
+                continue
+            out = self._make_output(parent)
+            outputs.append(out)
+            if out.finished:
                 self._finish_parent(parent, now)
         return outputs
 
@@ -402,12 +418,16 @@ class LLMEngine:
         """Bitmasks for constrained requests that sample this step (the chunk reaches the end of
         the known tokens; schedule() already advanced num_computed_tokens)."""
         mgr = self._structured
-        for rid in so.num_scheduled_tokens:
-            if not mgr.has_matcher(rid):
-                continue
-            req = self.scheduler.requests[rid]
-            if req.num_computed_tokens >= req.num_tokens:
-                so.grammar_bitmask[rid] = mgr.fill_bitmask(rid, so.spec_token_ids.get(rid))
+        if not mgr.num_matchers:  # no constrained request running: nothing to do this step
+            return
+        reqs = self.scheduler.requests
+        rids = [
+            rid
+            for rid in so.num_scheduled_tokens
+            if mgr.has_matcher(rid) and reqs[rid].num_computed_tokens >= reqs[rid].num_tokens
+        ]
+        if rids:  # the whole batch in one pass into one buffer
+            so.grammar_bitmask.update(mgr.fill_bitmasks(rids, so.spec_token_ids))
 
     def _advance_grammar(self, req: Request, new_tokens: list[int]) -> None:
         terminated, error = self._structured.accept_tokens(req.request_id, new_tokens)
@@ -441,8 +461,10 @@ class LLMEngine:
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = []
+        all_finished = True
         for seq in parent.seqs:
             finished = seq.finish_reason is not None
+            all_finished = all_finished and finished
             outs.append(
                 CompletionOutput(
                     index=seq.index,
@@ -460,7 +482,7 @@ class LLMEngine:
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=outs,
-            finished=parent.finished,
+            finished=all_finished,  # == parent.finished
             prompt_logprobs=parent.prompt_logprobs,
             metrics=parent.metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0),

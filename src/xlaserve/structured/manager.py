@@ -8,7 +8,8 @@ Life of a constrained sequence (driven by `LLMEngine`):
    worker thread (the tokenizer-dependent, expensive part). Until then `is_ready(req_id)` is False
    and the scheduler skips the request without blocking the others.
 3. Each step `poll()` turns finished compilations into matchers (or per-request errors), then
-   `fill_bitmasks` gives int32 [P, W] (P = 1 + drafts, W = ceil(V / 32)) for each sampling request.
+   `fill_bitmasks` gives int32 [P, W] (P = 1 + drafts, W = ceil(V / 32)) for each sampling request
+   (views of one buffer, filled by one xgrammar batch call).
 4. `accept_tokens(req_id, tokens)` advances the matcher; a terminated matcher ends the request.
 
 xgrammar (and with it torch) is imported lazily: only when the first constrained request arrives.
@@ -192,6 +193,8 @@ class StructuredOutputManager:
         self._inflight: dict[GrammarKey, cf.Future] = {}
         self._waiting: dict[str, GrammarKey] = {}  # req_id -> key still compiling
         self._matchers: dict[str, Any] = {}  # req_id -> GrammarMatcher
+        # One thread: extra threads measured slower for small batches on a busy CPU host.
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self.num_compiled = 0
 
     # ----- requests ---------------------------------------------------------------------------
@@ -227,6 +230,11 @@ class StructuredOutputManager:
 
     def has_matcher(self, req_id: str) -> bool:
         return req_id in self._matchers
+
+    @property
+    def num_matchers(self) -> int:
+        """Sequences with a live matcher (0: no step needs a bitmask)."""
+        return len(self._matchers)
 
     def is_ready(self, req_id: str) -> bool:
         """False while the request's grammar is compiling (or failed and not yet reported)."""
@@ -281,17 +289,53 @@ class StructuredOutputManager:
         stops at that draft, since its own row masks it out).
         """
         drafts = drafts or []
-        m = self._matchers[req_id]
         out = np.full((1 + len(drafts), self.num_words), -1, dtype=np.int32)
+        self._fill_rows(self._matchers[req_id], out, 0, drafts)
+        return out
+
+    def _fill_rows(self, m: Any, out: np.ndarray, row: int, drafts: list[int]) -> None:
+        """Rows out[row : row + 1 + len(drafts)] for one matcher (rows past a rejected draft
+        are left as they are)."""
         accepted = 0
         for i in range(1 + len(drafts)):
-            m.fill_next_token_bitmask(out, i)
+            m.fill_next_token_bitmask(out, row + i)
             if i == len(drafts) or not m.accept_token(drafts[i]):
                 break
             accepted += 1
         if accepted:
             m.rollback(accepted)
-        return out
+
+    def fill_bitmasks(
+        self, req_ids: list[str], drafts: dict[str, list[int]] | None = None
+    ) -> dict[str, np.ndarray]:
+        """`fill_bitmask` for a whole step: req_id -> int32 [P, W], views of ONE buffer
+        [sum P, W]. The rows of requests without drafts are filled by one xgrammar batch call
+        (measured on 2 CPU cores, 8 rows: 25 us vs 37 us for a loop of single fills); rows with
+        drafts need accept / rollback between fills, one request at a time. Requests without
+        a matcher are left out."""
+        drafts = drafts or {}
+        live = [(rid, drafts.get(rid) or []) for rid in req_ids if rid in self._matchers]
+        if not live:
+            return {}
+        out = np.full((sum(1 + len(d) for _, d in live), self.num_words), -1, dtype=np.int32)
+        masks: dict[str, np.ndarray] = {}
+        plain: list[Any] = []  # matchers whose single row the batch call fills
+        rows: list[int] = []
+        row = 0
+        for rid, ds in live:
+            m = self._matchers[rid]
+            if ds:
+                self._fill_rows(m, out, row, ds)
+            else:
+                plain.append(m)
+                rows.append(row)
+            masks[rid] = out[row : row + 1 + len(ds)]
+            row += 1 + len(ds)
+        if len(plain) == 1:
+            plain[0].fill_next_token_bitmask(out, rows[0])
+        elif plain:
+            self._batch.batch_fill_next_token_bitmask(plain, out, rows)
+        return masks
 
     def accept_tokens(self, req_id: str, tokens: list[int]) -> tuple[bool, str | None]:
         """Advance the matcher with the tokens the request got. Returns (terminated, error);
@@ -299,12 +343,15 @@ class StructuredOutputManager:
         m = self._matchers.get(req_id)
         if m is None:
             return False, None
+        # Two matcher calls per token in the common case (accept, then is it over).
         for t in tokens:
-            if m.is_terminated():
-                break
             if not m.accept_token(t):
+                if m.is_terminated():  # tokens after the grammar's end are ignored
+                    return True, None
                 return False, f"token {t} violates the structured output grammar"
-        return m.is_terminated(), None
+            if m.is_terminated():
+                return True, None
+        return False, None
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,10 @@ from xlaserve.tokenizer.detokenizer import IncrementalDetokenizer
 __all__ = ["Tokenizer", "IncrementalDetokenizer"]
 
 
+# Bound of each single-token decode memo (entries; about the largest vocabularies in use).
+_ONE_TOKEN_CACHE_MAX = 1 << 18
+
+
 def _token_str(v: Any) -> str | None:
     if isinstance(v, dict):  # AddedToken serialised as a dict
         return v.get("content")
@@ -77,6 +81,8 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self._chat_template = _ChatTemplate(template) if template else None
+        # decode([t]) memo per skip_special_tokens value (see decode).
+        self._one_token_text: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
@@ -107,6 +113,17 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) == 1:
+            # Single tokens repeat (the incremental detokenizer's prefix window is one token in
+            # steady state, logprob entries decode one token each): memoised, a pure function.
+            cache = self._one_token_text[bool(skip_special_tokens)]
+            tok = int(ids[0])
+            text = cache.get(tok)
+            if text is None:
+                text = self._tok.decode([tok], skip_special_tokens=skip_special_tokens)
+                if len(cache) < _ONE_TOKEN_CACHE_MAX:
+                    cache[tok] = text
+            return text
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
