@@ -9,7 +9,6 @@ checkpoint is never held twice in host memory.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Iterator
 
 import jax
@@ -24,6 +23,7 @@ from xlaserve.models_flax import get_model_class
 from xlaserve.models_flax.layers import fp8_supported, quantize_linears
 from xlaserve.models_flax.moe import check_expert_parallel, enable_expert_parallel
 from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
+from xlaserve.quantization.scheme import check_fp8_support
 
 logger = logging.getLogger(__name__)
 
@@ -104,21 +104,7 @@ def xla_quant_scheme(requested: str | None, spec: ModelSpec) -> QuantScheme | No
     elsewhere runtime fp8 raises (unless XLASERVE_FP8_EMULATION=1, tests) and an fp8 checkpoint is
     emulated with a warning, as on the torch backend."""
     scheme = resolve_scheme(requested, spec.model_dir)
-    if scheme is None or scheme.method != "fp8" or fp8_supported():
-        return scheme
-    emulate = os.environ.get("XLASERVE_FP8_EMULATION", "0") == "1"
-    if scheme.source == "runtime" and not emulate:
-        raise RuntimeError(
-            "quantization='fp8': fp8 needs an NVIDIA GPU with compute capability >= 8.9 "
-            f"(this platform: {jax.default_backend()}); use 'int8' or 'int4' here"
-        )
-    logger.warning(
-        "fp8 checkpoint on %s: no fp8 matmul here, emulating it (fp8 weights and per-token "
-        "activation rounding, float32 math); fp8 needs an NVIDIA GPU with compute capability "
-        ">= 8.9 to run fast",
-        jax.default_backend(),
-    )
-    return scheme
+    return check_fp8_support(scheme, fp8_supported, f"this platform: {jax.default_backend()}")
 
 
 def _quantize_pairs(

@@ -6,7 +6,6 @@ tensor-parallel ones come through the `make_*` factories (backends_torch/distrib
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
@@ -18,6 +17,7 @@ from torch import nn
 
 from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
 from xlaserve.quantization.numpy_quant import FP8_E4M3
+from xlaserve.quantization.scheme import check_fp8_support
 
 
 class Linear(nn.Module):
@@ -243,8 +243,6 @@ def make_lm_head(
 # built, `quantize_linears` swaps its eligible `Linear`s for `QuantLinear`s, and
 # `quantized_weight_stream` turns float checkpoint weights into the quantized tensors on the fly.
 
-_logger = logging.getLogger(__name__)
-
 
 def fp8_supported(device: torch.device | str) -> bool:
     """torch._scaled_mm fp8 needs CUDA compute capability >= 8.9 (Ada, Hopper and later)."""
@@ -410,21 +408,9 @@ def torch_quant_scheme(
     device: fp8 on a device without fp8 matmuls raises, unless the checkpoint is pre-quantized
     fp8 (then emulated, with a warning) or XLASERVE_FP8_EMULATION=1 (tests)."""
     scheme = resolve_scheme(config.model.quantization, spec.model_dir, config.cache.kv_cache_dtype)
-    if scheme is None or scheme.method != "fp8" or fp8_supported(device):
-        return scheme
-    emulate = os.environ.get("XLASERVE_FP8_EMULATION", "0") == "1"
-    if scheme.source == "runtime" and not emulate:
-        raise RuntimeError(
-            "quantization='fp8': fp8 needs an NVIDIA GPU with compute capability >= 8.9 "
-            f"(this device: {torch.device(device)}); use 'int8' or 'int4' here"
-        )
-    _logger.warning(
-        "fp8 checkpoint on %s: no fp8 matmul here, emulating it (fp8 weights and per-token "
-        "activation rounding, fp32 math); fp8 needs an NVIDIA GPU with compute capability >= 8.9 "
-        "to run fast",
-        device,
+    return check_fp8_support(
+        scheme, lambda: fp8_supported(device), f"this device: {torch.device(device)}"
     )
-    return scheme
 
 
 def quantize_linears(

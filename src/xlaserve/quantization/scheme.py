@@ -5,11 +5,16 @@ detected automatically)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from xlaserve.quantization.kv_quant import KV_CACHE_DTYPES
 from xlaserve.quantization.numpy_quant import INT4_DEFAULT_GROUP, int4_group_size
+
+_logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4", "fp8")
 # Sources: "runtime" = quantize a float checkpoint while loading; the others are HF formats.
@@ -144,7 +149,7 @@ def resolve_scheme(
     any, must agree with it), else `requested` applied at load time, else None.
     `kv_cache_dtype` does not change the weights' scheme: the quantized KV cache is the
     backends' (contract in xlaserve.quantization.kv_quant); only validated here."""
-    if kv_cache_dtype not in ("auto", "int8", "fp8"):
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {kv_cache_dtype!r}")
     qc = read_quantization_config(model_dir)
     if qc is not None:
@@ -158,3 +163,28 @@ def resolve_scheme(
     if requested is None:
         return None
     return QuantScheme(method=requested)
+
+
+def check_fp8_support(
+    scheme: QuantScheme | None, fp8_supported: Callable[[], bool], where: str
+) -> QuantScheme | None:
+    """Both backends' rule for fp8 where the hardware has no fp8 matmul (`fp8_supported()` False,
+    asked only for an fp8 scheme; `where` names the device or platform for the messages):
+    runtime fp8 raises, unless
+    XLASERVE_FP8_EMULATION=1 (tests); a pre-quantized fp8 checkpoint is emulated with a warning.
+    Any other scheme passes through."""
+    if scheme is None or scheme.method != "fp8" or fp8_supported():
+        return scheme
+    emulate = os.environ.get("XLASERVE_FP8_EMULATION", "0") == "1"
+    if scheme.source == "runtime" and not emulate:
+        raise RuntimeError(
+            "quantization='fp8': fp8 needs an NVIDIA GPU with compute capability >= 8.9 "
+            f"({where}); use 'int8' or 'int4' here"
+        )
+    _logger.warning(
+        "fp8 checkpoint on %s: no fp8 matmul here, emulating it (fp8 weights and per-token "
+        "activation rounding, float32 math); fp8 needs an NVIDIA GPU with compute capability "
+        ">= 8.9 to run fast",
+        where,
+    )
+    return scheme
