@@ -11,7 +11,28 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_device, check_dtype, check_last_dim_contiguous
 
-_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+# Activation codes of `apply_activation` (shared with the fused MoE kernel).
+ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
+
+
+@triton.jit
+def apply_activation(x, ACT: tl.constexpr):
+    """act(x) for an fp32 tile, in overflow-free forms: silu from exp(-|x|) (a stable sigmoid),
+    gelu_tanh with tanh from exp(-2|u|), exact gelu through erf, relu."""
+    if ACT == 0:
+        z = tl.exp(-tl.abs(x))
+        y = x * tl.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+    elif ACT == 1:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        e = tl.exp(-2.0 * tl.abs(u))
+        th = (1.0 - e) / (1.0 + e)
+        th = tl.where(u < 0, -th, th)
+        y = 0.5 * x * (1.0 + th)
+    elif ACT == 2:
+        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    else:
+        y = tl.maximum(x, 0.0)
+    return y
 
 
 @triton.jit
@@ -29,19 +50,7 @@ def _act_and_mul_kernel(
     mask = cols < inter
     gate = tl.load(x_ptr + tok * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + tok * stride_xt + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        # stable sigmoid: exp(-|x|) never overflows
-        z = tl.exp(-tl.abs(gate))
-        a = gate * tl.where(gate >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
-    elif ACT == 1:
-        # gelu(x, approximate="tanh"); tanh from exp(-2|u|) so nothing overflows
-        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        e = tl.exp(-2.0 * tl.abs(u))
-        th = (1.0 - e) / (1.0 + e)
-        th = tl.where(u < 0, -th, th)
-        a = 0.5 * gate * (1.0 + th)
-    else:
-        a = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    a = apply_activation(gate, ACT)
     tl.store(out_ptr + tok * stride_ot + cols, (a * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -66,7 +75,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor | None, act: str) -> torch.Tensor
     block = min(1024, triton.next_power_of_2(inter))
     grid = (t, triton.cdiv(inter, block))
     _act_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), inter, ACT=_ACTS[act], BLOCK=block, num_warps=4
+        x, out, x.stride(0), out.stride(0), inter, ACT=ACT_CODES[act], BLOCK=block, num_warps=4
     )
     return out
 

@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_device, check_dtype, interpret_mode, upcast_dot
-
-_ACTS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
+from .activation import ACT_CODES, apply_activation
 
 
 @dataclass(frozen=True)
@@ -110,25 +109,6 @@ def moe_align(
 
 
 @triton.jit
-def _activation(x, ACT: tl.constexpr):
-    """Same math as kernels_cuda/activation.py (fp32, overflow-free forms)."""
-    if ACT == 0:
-        z = tl.exp(-tl.abs(x))
-        y = x * tl.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
-    elif ACT == 1:
-        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        e = tl.exp(-2.0 * tl.abs(u))
-        th = (1.0 - e) / (1.0 + e)
-        th = tl.where(u < 0, -th, th)
-        y = 0.5 * x * (1.0 + th)
-    elif ACT == 2:
-        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-    else:
-        y = tl.maximum(x, 0.0)
-    return y
-
-
-@triton.jit
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -199,7 +179,7 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if GATED:
-        acc = _activation(acc, ACT) * acc2
+        acc = apply_activation(acc, ACT) * acc2
     if MUL_ROUTED:
         rw = tl.load(topk_w_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * rw[:, None]
@@ -252,8 +232,8 @@ def fused_experts(
     ``config`` overrides the tile table. Intermediates h [T*K, I] and y [T*K, H] are in x.dtype.
     """
     name = "fused_experts"
-    if activation not in _ACTS:
-        raise ValueError(f"{name}: unsupported activation {activation!r}; known: {list(_ACTS)}")
+    if activation not in ACT_CODES:
+        raise ValueError(f"{name}: unsupported activation {activation!r}; known: {list(ACT_CODES)}")
     if x.ndim != 2 or w_gate.ndim != 3 or topk_ids.ndim != 2:
         raise ValueError(f"{name}: x must be [T, H], weights [E, ., .], topk_ids [T, K]")
     t, h = x.shape
@@ -287,7 +267,7 @@ def fused_experts(
     rows = t * top_k
     align = moe_align(topk_ids, e, cfg.block_m)
     hidden = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    _launch_gemm(x, w_gate, w_up, hidden, None, align, rows, top_k, _ACTS[activation], cfg)
+    _launch_gemm(x, w_gate, w_up, hidden, None, align, rows, top_k, ACT_CODES[activation], cfg)
     y = torch.empty(rows, h, dtype=x.dtype, device=x.device)
     rw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _launch_gemm(hidden, w_down, None, y, rw, align, rows, 1, 0, cfg)
