@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
@@ -42,7 +43,9 @@ from tqdm.auto import tqdm
 
 from xlaserve.backends_xla.multihost import init_multihost
 from xlaserve.backends_xla.sampler import (
+    SamplerOutput,
     SamplingTensors,
+    VerifyOutput,
     host_tensors,
     neutral_extras,
     sample,
@@ -426,27 +429,7 @@ class XlaModelRunner:
         st = self._sampling_tensors(rows, batch.req_ids, b, extras, with_lp, so.grammar_bitmask)
         res = jax.device_get(self._program(SAMPLE, b)(self.state, rows_h, st))
         self._prompt_logprobs(batch, hidden, out)
-        for i, rid in enumerate(batch.req_ids):
-            r = self.requests[rid]
-            r.num_computed += batch.counts[i]
-            if not batch.sampling[i]:
-                out.sampled_token_ids[rid] = []
-                continue
-            if res.has_nan[i]:
-                out.errors[rid] = "the model produced NaN logits"
-                continue
-            tok = int(res.token_ids[i])
-            self._append(r, tok)
-            out.sampled_token_ids[rid] = [tok]
-            if r.params.logprobs is not None:
-                k = 1 + r.params.logprobs
-                out.logprobs[rid] = [
-                    TokenLogprobs(
-                        res.logprob_ids[i, :k].tolist(),
-                        res.logprobs[i, :k].tolist(),
-                        int(res.ranks[i]),
-                    )
-                ]
+        self._emit(batch, res, out, lambda i: [int(res.token_ids[i])], lambda i: i)
         return self._propose_drafts(batch, out)
 
     def _propose_drafts(self, batch: _Batch, out: RunnerOutput) -> RunnerOutput:
@@ -685,6 +668,25 @@ class XlaModelRunner:
             )
         )
         self._prompt_logprobs(batch, hidden, out)
+        self._emit(
+            batch,
+            res,
+            out,
+            lambda i: [int(t) for t in res.token_ids[i, : int(res.num_tokens[i])]],
+            lambda i: i * (k + 1),
+        )
+
+    def _emit(
+        self,
+        batch: _Batch,
+        res: SamplerOutput | VerifyOutput,
+        out: RunnerOutput,
+        tokens: Callable[[int], list[int]],
+        first_row: Callable[[int], int],
+    ) -> None:
+        """Record a step's results (SAMPLE or VERIFY program output `res`) in `out`: request i of
+        the batch gets `tokens(i)` (one sampled token, or the accepted drafts + one), whose
+        logprobs sit in rows first_row(i), first_row(i) + 1, ... of `res`."""
         for i, rid in enumerate(batch.req_ids):
             r = self.requests[rid]
             r.num_computed += batch.counts[i]
@@ -694,22 +696,22 @@ class XlaModelRunner:
             if res.has_nan[i]:
                 out.errors[rid] = "the model produced NaN logits"
                 continue
-            toks = [int(t) for t in res.token_ids[i, : int(res.num_tokens[i])]]
+            toks = tokens(i)
             for tok in toks:
                 self._append(r, tok)
-            # KV is valid up to the last accepted draft; the new last token is computed next.
+            # KV is valid up to the last accepted token; the new last token is computed next.
             r.num_computed = len(r.token_ids) - 1
             out.sampled_token_ids[rid] = toks
             if r.params.logprobs is not None:
                 m = 1 + r.params.logprobs
-                rows = range(i * (k + 1), i * (k + 1) + len(toks))
+                lo = first_row(i)
                 out.logprobs[rid] = [
                     TokenLogprobs(
                         res.logprob_ids[j, :m].tolist(),
                         res.logprobs[j, :m].tolist(),
                         int(res.ranks[j]),
                     )
-                    for j in rows
+                    for j in range(lo, lo + len(toks))
                 ]
 
     def _prompt_logprobs(self, batch: _Batch, hidden: jax.Array, out: RunnerOutput) -> None:
