@@ -36,6 +36,7 @@ from xlaserve.backends_torch.models import get_model_class
 from xlaserve.backends_torch.sampler import (
     Sampler,
     SamplingRow,
+    argmax_only_step,
     is_plain_greedy,
     token_logprobs,
 )
@@ -90,7 +91,6 @@ class _ReqState:
     extra: dict = field(default_factory=dict)
     # Per-request constants of the sampling fast path (set from params at creation).
     plain_greedy: bool = False  # sampler.is_plain_greedy(params)
-    min_tokens_stops: bool = False  # min_tokens > 0 and some stop/EOS id to mask meanwhile
 
     @property
     def output_ids(self) -> list[int]:
@@ -363,7 +363,6 @@ class TorchModelRunner:
                 emit_prompt_logprobs=p.prompt_logprobs is not None
                 and len(nr.token_ids) == nr.num_prompt_tokens,
                 plain_greedy=is_plain_greedy(p),
-                min_tokens_stops=bool(p.min_tokens and p.all_stop_token_ids()),
             )
         for cr in so.cached_requests:
             st = self.requests.get(cr.req_id)
@@ -533,15 +532,9 @@ class TorchModelRunner:
         for b in sample_b:
             rid = order[b][0]
             st = self.requests[rid]
-            if (
-                not st.plain_greedy
-                or drafts[b]
-                or rid in so.grammar_bitmask
-                or (
-                    st.min_tokens_stops
-                    and len(st.token_ids) - st.num_prompt_tokens < st.params.min_tokens
-                )
-            ):
+            n_out = len(st.token_ids) - st.num_prompt_tokens
+            has_mask = rid in so.grammar_bitmask
+            if drafts[b] or not argmax_only_step(st.params, st.plain_greedy, n_out, has_mask):
                 fast = False
                 break
         # Non-finite check: NaN/inf in a row make its sum non-finite; rows whose sum is not

@@ -46,7 +46,7 @@ class SamplerOutput:
 def is_plain_greedy(params: SamplingParams) -> bool:
     """True when a request's token is always the argmax of its raw logits (greedy, no
     logit_bias, no penalties, no logprobs). min_tokens and bitmasks are per step: see
-    `argmax_only`."""
+    `argmax_only_step`."""
     return (
         params.greedy
         and not params.logit_bias
@@ -55,13 +55,23 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     )
 
 
-def argmax_only(row: SamplingRow) -> bool:
-    """True when this step's token of `row` is the argmax of its raw logits: a plain greedy
-    request with no bitmask and no min_tokens stop masking active."""
-    p = row.params
-    if row.bitmask is not None or not is_plain_greedy(p):
+def argmax_only_step(
+    params: SamplingParams, plain_greedy: bool, num_output: int, has_bitmask: bool
+) -> bool:
+    """True when this step's token is the argmax of the raw logits: a plain greedy request
+    (`plain_greedy` = is_plain_greedy(params), cached by callers) with no bitmask this step and no
+    min_tokens stop masking active (`num_output` tokens generated so far)."""
+    if has_bitmask or not plain_greedy:
         return False
-    return not (p.min_tokens and len(row.output_ids) < p.min_tokens and p.all_stop_token_ids())
+    p = params
+    return not (p.min_tokens and num_output < p.min_tokens and p.all_stop_token_ids())
+
+
+def argmax_only(row: SamplingRow) -> bool:
+    """`argmax_only_step` for a SamplingRow."""
+    return argmax_only_step(
+        row.params, is_plain_greedy(row.params), len(row.output_ids), row.bitmask is not None
+    )
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
