@@ -183,3 +183,9 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.update(self.eos_token_ids)
         return ids
+
+    def is_stop_token(self, token_id: int) -> bool:
+        """`token_id in all_stop_token_ids()`, without building the set (called per token)."""
+        return token_id in self.stop_token_ids or (
+            not self.ignore_eos and token_id in self.eos_token_ids
+        )

@@ -243,11 +243,7 @@ class Scheduler:
         """Sets the finished status after the newest output token; stop wins over length."""
         params = req.sampling_params
         last = req.output_token_ids[-1]
-        # == `last in params.all_stop_token_ids()`, without building that set per token.
-        is_stop = last in params.stop_token_ids or (
-            not params.ignore_eos and last in params.eos_token_ids
-        )
-        if is_stop and req.num_output_tokens >= params.min_tokens:
+        if params.is_stop_token(last) and req.num_output_tokens >= params.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = last
             return True
