@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 from arch_zoo import make_arch_model
+from quant_testlib import prefill_metadata
 
-from xlaserve.backends_torch.layers.attention import AttentionMetadata
 from xlaserve.backends_torch.layers.linear import MergedLinear, can_fuse
 from xlaserve.backends_torch.models import get_model_class
 from xlaserve.model_loader.registry import build_spec, iter_canonical_weights
@@ -53,19 +53,9 @@ def _build(path: str, weights: object = None) -> tuple[object, torch.nn.Module]:
 def _logits(spec: object, model: torch.nn.Module, ids: list[int] = IDS) -> torch.Tensor:
     """One prefill of `ids` over a paged cache (block size 4) -> logits [T, V] float32."""
     n, s = len(ids), 4
-    nblk = -(-n // s)
+    md, nblk = prefill_metadata(n, s)
     shape = (nblk, s, spec.num_kv_heads, spec.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
-    md = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(nblk, dtype=torch.int32)[None, :],
-        slot_mapping=torch.arange(n),
-        max_query_len=n,
-        max_seq_len=n,
-        query_start_loc_host=[0, n],
-        seq_lens_host=[n],
-    )
     hidden = model(torch.tensor(ids), torch.arange(n), caches, md)
     return model.compute_logits(hidden)
 

@@ -13,23 +13,14 @@ import numpy as np
 LINEAR_RE = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
 
 
-def runner_logits(model_dir: str, token_ids: list[int], **kwargs: object) -> np.ndarray:
-    """Logits [T, V] float32 of every position of `token_ids` (one prefill) on the torch runner
-    built with EngineConfig.from_kwargs(model=model_dir, **kwargs)."""
+def prefill_metadata(n: int, block_size: int) -> tuple[object, int]:
+    """Torch AttentionMetadata of one sequence prefilled from position 0 over blocks 0, 1, ...
+    (n tokens), and the number of blocks it spans."""
     import torch
 
     from xlaserve.backends_torch.layers.attention import AttentionMetadata
-    from xlaserve.backends_torch.runner import TorchModelRunner
-    from xlaserve.config import EngineConfig
-    from xlaserve.model_loader.registry import build_spec
 
-    cfg = EngineConfig.from_kwargs(model=model_dir, backend="torch", **kwargs)
-    spec = build_spec(model_dir)
-    runner = TorchModelRunner(cfg, spec)
-    runner.load_model()
-    n, s = len(token_ids), runner.block_size
-    nblk = -(-n // s)
-    caches = runner._alloc_caches(nblk)
+    nblk = -(-n // block_size)
     md = AttentionMetadata(
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32),
@@ -40,6 +31,25 @@ def runner_logits(model_dir: str, token_ids: list[int], **kwargs: object) -> np.
         query_start_loc_host=[0, n],
         seq_lens_host=[n],
     )
+    return md, nblk
+
+
+def runner_logits(model_dir: str, token_ids: list[int], **kwargs: object) -> np.ndarray:
+    """Logits [T, V] float32 of every position of `token_ids` (one prefill) on the torch runner
+    built with EngineConfig.from_kwargs(model=model_dir, **kwargs)."""
+    import torch
+
+    from xlaserve.backends_torch.runner import TorchModelRunner
+    from xlaserve.config import EngineConfig
+    from xlaserve.model_loader.registry import build_spec
+
+    cfg = EngineConfig.from_kwargs(model=model_dir, backend="torch", **kwargs)
+    spec = build_spec(model_dir)
+    runner = TorchModelRunner(cfg, spec)
+    runner.load_model()
+    n = len(token_ids)
+    md, nblk = prefill_metadata(n, runner.block_size)
+    caches = runner._alloc_caches(nblk)
     ids = torch.tensor(token_ids, dtype=torch.long)
     hidden = runner.model(ids, torch.arange(n), caches, md)
     return runner.model.compute_logits(hidden).float().numpy()
