@@ -406,6 +406,7 @@ def test_demo_perplexity_int8_fp8_kv_cache() -> None:
     ids = Tokenizer.from_dir(d).encode(HELD_OUT_TEXT)
     logits = {kv: runner_logits(d, ids, kv_cache_dtype=kv) for kv in ("auto", *KV_DTYPES)}
     ppl = {kv: perplexity(x, ids) for kv, x in logits.items()}
+    print(f"demo perplexity by kv_cache_dtype: {ppl}")  # the figure in bench/RESULTS.md (-s)
     assert 15.0 < ppl["auto"] < 22.0  # the demo model's measured 18.575
     ref = logits["auto"]
     for kv, ppl_tol, rel_bound, top1 in (("int8", 0.01, 0.006, 0.98), ("fp8", 0.03, 0.025, 0.93)):

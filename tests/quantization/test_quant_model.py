@@ -227,6 +227,7 @@ def test_demo_perplexity_int8_int4() -> None:
     ppl = {
         q: perplexity(runner_logits(d, ids, quantization=q), ids) for q in (None, "int8", "int4")
     }
+    print(f"demo perplexity by quantization: {ppl}")  # the figure in bench/RESULTS.md (-s)
     assert 15.0 < ppl[None] < 22.0  # the demo model's measured 18.575 (a trained model)
     assert ppl["int8"] <= ppl[None] * 1.01
     assert ppl["int4"] <= ppl[None] * 1.05
