@@ -204,9 +204,9 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
     inner = engine.step
     counter = {"steps": 0, "time": 0.0}
 
-    def timed_step():  # noqa: ANN202
+    def timed_step(*a, **kw):  # noqa: ANN002, ANN003, ANN202
         t = time.perf_counter()
-        r = inner()
+        r = inner(*a, **kw)
         counter["time"] += time.perf_counter() - t
         counter["steps"] += 1
         return r
@@ -302,7 +302,7 @@ def stage_xlaserve(args: argparse.Namespace) -> dict[str, Any]:
     runner = llm.llm_engine.runner
     step = getattr(runner, "cuda_step", None)
     res["attention_backend"] = getattr(runner, "attn_backend_name", None)
-    res["num_kv_blocks"] = getattr(runner, "num_blocks", None)
+    res["num_kv_blocks"] = llm.llm_engine.kv_manager.num_blocks
     res["graph_buckets"] = sorted(step.graphs) if step is not None else []
     res["graph_capture_s"] = step.capture_seconds if step is not None else None
     _save_partial(args, res)
@@ -311,6 +311,11 @@ def stage_xlaserve(args: argparse.Namespace) -> dict[str, Any]:
     if args.backend == "xla":
         return res
     res["graph_replay_ms"] = _graph_replay_ms(llm)
+    try:
+        res["kernel_profile"] = _kernel_profile(llm, (1, args.max_num_seqs))
+    except Exception as e:  # noqa: BLE001 - the profile is a diagnostic, not a figure
+        res["kernel_profile"] = {"error": repr(e)}
+    _save_partial(args, res)
     res["decode_profile"] = [_profile_decode(llm, b, vocab) for b in (1, args.max_num_seqs)]
     _save_partial(args, res)
     if args.num_prompts <= 0:
@@ -319,6 +324,111 @@ def stage_xlaserve(args: argparse.Namespace) -> dict[str, Any]:
     _save_partial(args, res)
     res["offline_1024_128"] = _offline(llm, args.num_prompts_long, 1024, 128, 1, vocab)
     return res
+
+
+# Variants of the xlaserve stage, each in its own subprocess: extra LLM(...) arguments and what to
+# measure ("batch1": the batch-1 decode figure; "offline": 256/256 throughput; "repetitive":
+# batch-1 on prompts that repeat a 16-token phrase, for n-gram speculation on dummy weights).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
+    "int8": ({"quantization": "int8"}, "batch1"),
+    "int4": ({"quantization": "int4"}, "batch1"),
+    "fp8": ({"quantization": "fp8"}, "batch1"),
+    "kv_fp8": ({"kv_cache_dtype": "fp8"}, "offline"),
+    "kv_int8": ({"kv_cache_dtype": "int8"}, "offline"),
+    "ngram_base": ({}, "repetitive"),
+    "ngram": ({"speculative_config": NGRAM}, "repetitive"),
+    "xla_batch": ({"backend": "xla"}, "offline"),
+}
+
+
+def _repetitive(llm: Any, repeats: int, vocab: int) -> dict[str, Any]:
+    """Batch 1, 4 prompts of a 16-token phrase repeated 8 times, 256 greedy tokens each."""
+    from xlaserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": p * 8} for p in _prompts(4, 16, vocab, 11)]
+    sp = SamplingParams(max_tokens=256, min_tokens=256, temperature=0.0, ignore_eos=True)
+    eng = llm.llm_engine
+    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up
+    d0, a0, n0 = eng.spec_num_draft_tokens, eng.spec_num_accepted_tokens, eng.spec_num_drafts
+    rates, outs = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        outs = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        rates.append(sum(map(len, outs)) / (time.perf_counter() - t))
+    drafts = eng.spec_num_draft_tokens - d0
+    acc = eng.spec_num_accepted_tokens - a0
+    steps = eng.spec_num_drafts - n0
+    return {
+        "tokens_per_s_runs": rates,
+        "tokens_per_s": _median(rates),
+        "draft_tokens": drafts,
+        "acceptance_rate": acc / drafts if drafts else 0.0,
+        "mean_acceptance_length": 1 + acc / steps if steps else 1.0,
+        # the greedy outputs, so the parent can check spec == plain token for token
+        "outputs_head": [o[:64] for o in outs],
+    }
+
+
+def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
+    extra, what = VARIANTS[args.variant]
+    from xlaserve import LLM
+
+    kw = _llm_kwargs(args)
+    kw.update(extra)
+    if kw.get("backend") == "xla":  # batched XLA: a modest bucket set (compile time)
+        kw.update(max_num_seqs=64, max_num_batched_tokens=512, enforce_eager=True)
+    t = time.perf_counter()
+    llm = LLM(**kw)
+    res: dict[str, Any] = {
+        "variant": args.variant,
+        "llm_kwargs": {k: str(v) for k, v in extra.items()},
+    }
+    res["init_s"] = time.perf_counter() - t
+    res["num_kv_blocks"] = llm.llm_engine.kv_manager.num_blocks
+    _save_partial(args, res)
+    vocab = _vocab(args)
+    if what == "batch1":
+        res["batch1"] = _batch1(llm, args.repeats, vocab)
+    elif what == "repetitive":
+        res["repetitive"] = _repetitive(llm, args.repeats, vocab)
+    else:
+        n = args.num_prompts if kw.get("backend") != "xla" else min(args.num_prompts, 256)
+        res["offline_256_256"] = _offline(llm, n, 256, 256, 1, vocab)
+    return res
+
+
+def _kernel_profile(llm: Any, buckets: tuple[int, ...] = (1, 256), top: int = 12) -> dict[str, Any]:
+    """Per-kernel GPU time inside one decode graph replay (torch.profiler, CUPTI), top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step = getattr(llm.llm_engine.runner, "cuda_step", None)
+    out: dict[str, Any] = {}
+    for b in buckets:
+        if step is None or b not in step.graphs:
+            continue
+        g = step.graphs[b][0]
+        g.replay()
+        torch.cuda.synchronize()
+        reps = 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            t_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t_us:
+                rows.append((t_us / reps, e.count // reps, e.key[:90]))
+        rows.sort(reverse=True)
+        out[str(b)] = {
+            "total_us": sum(r[0] for r in rows),
+            "kernels": len(rows),
+            "launches": sum(r[1] for r in rows),
+            "top": [{"us": round(u, 1), "calls": c, "name": k} for u, c, k in rows[:top]],
+        }
+    return out
 
 
 def stage_hf(args: argparse.Namespace) -> dict[str, Any]:
@@ -449,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage-dir", default=None, help="where each stage writes its JSON")
     ap.add_argument("--num-layers", type=int, default=32)
     ap.add_argument("--backend", default="torch")
+    ap.add_argument("--variant", default=None, choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help="tiny shape (CPU smoke test)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -463,11 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stages",
         default="cold,xlaserve,hf,xla",
-        help="comma list of: cold, xlaserve, hf, xla, eager",
+        help="comma list of: cold, xlaserve, hf, xla, eager, " + ", ".join(VARIANTS),
     )
     ap.add_argument(
         "--timeouts",
-        default="cold=150,xlaserve=330,hf=200,xla=200,eager=120",
+        default="cold=150,xlaserve=330,hf=200,xla=200,eager=120,xla_batch=240",
         help="per-stage timeouts in seconds",
     )
     args = ap.parse_args(argv)
@@ -475,7 +586,12 @@ def main(argv: list[str] | None = None) -> int:
         k: float(v) for k, v in (kv.split("=") for kv in args.timeouts.split(","))
     }
     if args.stage:  # child process
-        fn = {"ttft": stage_ttft, "xlaserve": stage_xlaserve, "hf": stage_hf}[args.stage]
+        fn = {
+            "ttft": stage_ttft,
+            "xlaserve": stage_xlaserve,
+            "hf": stage_hf,
+            "variant": stage_variant,
+        }[args.stage]
         res = fn(args)
         _save_partial(args, res)
         return 0
@@ -525,6 +641,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - report why it was not measured
             report["xla"] = {"not_measured": f"backends_xla.runner does not import: {e!r}"}
         save()
+    for name in stages:
+        if name in VARIANTS:
+            report[name] = _run_stage(name, "variant", args, ["--variant", name], env)
+            save()
     _print_table(report)
     return 0
 
@@ -552,6 +672,15 @@ def _print_table(r: dict[str, Any]) -> None:
          g("hf", "offline_1024_128", "output_tokens_per_s")),
         ("xla b1 decode tok/s", g("xla", "batch1", "decode_tokens_per_s"), None),
         ("xla ttft (s)", g("xla", "ttft_warm", "ttft_s"), None),
+        ("xla 256/256 out tok/s", g("xla_batch", "offline_256_256", "output_tokens_per_s"), None),
+        ("int8 b1 decode tok/s", g("int8", "batch1", "decode_tokens_per_s"), None),
+        ("int4 b1 decode tok/s", g("int4", "batch1", "decode_tokens_per_s"), None),
+        ("fp8 b1 decode tok/s", g("fp8", "batch1", "decode_tokens_per_s"), None),
+        ("kv fp8 256/256 tok/s", g("kv_fp8", "offline_256_256", "output_tokens_per_s"), None),
+        ("kv int8 256/256 tok/s", g("kv_int8", "offline_256_256", "output_tokens_per_s"), None),
+        ("rep. plain b1 tok/s", g("ngram_base", "repetitive", "tokens_per_s"), None),
+        ("rep. ngram b1 tok/s", g("ngram", "repetitive", "tokens_per_s"), None),
+        ("ngram acc. length", g("ngram", "repetitive", "mean_acceptance_length"), None),
     ]  # fmt: skip
     print(f"{'metric':<22}{'xlaserve':>12}{'hf':>12}")
     for name, a, b in rows:

@@ -9,6 +9,10 @@ request B = P + b is timed from add_request to its first token. Modes:
   device     a cache big enough to keep P on the device (no copy, no recompute)
 
     python -m xlaserve.bench.offload_bench [--model DIR] [--prefix-len 448] [--reps 7]
+
+On a GPU, with the Llama-3.1-8B shape of gpu_bench (random weights):
+    python -m xlaserve.bench.offload_bench --model DIR --load-format dummy --dtype bfloat16 \
+        --prefix-len 4000 --offload-bytes 4294967296
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def _engine(args: argparse.Namespace, num_blocks: int, offload_bytes: int) -> LL
         max_model_len=args.prefix_len + 32,
         max_num_batched_tokens=max(512, args.prefix_len + 32),
         kv_offload_bytes=offload_bytes,
+        load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs,
     )
     return LLMEngine(cfg)
 
@@ -90,6 +96,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model dir (default: the shipped demo model)")
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--load-format", default="auto", help="'dummy': random weights (GPU shapes)")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefix-len", type=int, default=448)
     ap.add_argument("--offload-bytes", type=int, default=256 << 20)
