@@ -118,10 +118,15 @@ class CudaStepRunner:
     # ---- eager (any step) ------------------------------------------------------------------
 
     def forward(
-        self, chunks: list[tuple[list[int], int, list[int]]]
+        self,
+        chunks: list[tuple[list[int], int, list[int]]],
+        feed: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[int], list[int]]:
         """chunks: per request (token ids to compute, position of the first, block table).
-        Returns (hidden [T, H], query_start_loc host list [B+1], seq_lens host list [B])."""
+        feed (async scheduling): (flat token indices, rows, tokens [R] on the device): input
+        ids[index] = tokens[row], set on the device after the upload (those ids are placeholders
+        on the host). Returns (hidden [T, H], query_start_loc host list [B+1], seq_lens host list
+        [B])."""
         S = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -147,9 +152,11 @@ class CudaStepRunner:
         t, b = len(ids), len(seq_lens)
         m = max(len(x) for x in tables)
         if max_q == 1 and t == b and self.graphs and b <= self.buckets[-1] and m <= self.max_blocks:
-            hidden = self._replay(ids, positions, slots, seq_lens, tables)
+            hidden = self._replay(ids, positions, slots, seq_lens, tables, feed)
         else:
-            hidden = self._eager_forward(ids, positions, slots, qsl, seq_lens, tables, max_q, m)
+            hidden = self._eager_forward(
+                ids, positions, slots, qsl, seq_lens, tables, max_q, m, feed
+            )
         return hidden, qsl, seq_lens
 
     def _eager_forward(
@@ -162,10 +169,12 @@ class CudaStepRunner:
         tables: list[list[int]],
         max_query_len: int,
         m: int,
+        feed: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         t, b = len(ids), len(seq_lens)
+        k = len(feed[0]) if feed is not None else 0
         self.num_eager += 1
-        need = 3 * t + 2 * b + 1 + b * m
+        need = 3 * t + 2 * b + 1 + b * m + 2 * k
         buf = self._eager if need <= self._eager.host.numel() else _Packed(need, self.device)
         h = buf.host_view()
         h[0:t] = ids
@@ -176,7 +185,13 @@ class CudaStepRunner:
         h[o + b + 1 : o + 2 * b + 1] = seq_lens
         o += 2 * b + 1
         _fill_table(h[o : o + b * m].reshape(b, m), tables)
+        f = o + b * m
+        if k:
+            h[f : f + k] = feed[0]
+            h[f + k : f + 2 * k] = feed[1]
         dev = buf.upload(need)
+        if k:
+            _feed(dev[0:t], dev[f : f + k], dev[f + k : f + 2 * k], feed[2])
         md = TritonAttentionMetadata(
             query_start_loc=dev[3 * t : 3 * t + b + 1],
             seq_lens=dev[3 * t + b + 1 : 3 * t + 2 * b + 1],
@@ -193,15 +208,16 @@ class CudaStepRunner:
 
     def _setup_graph_buffers(self) -> None:
         bmax, m = self.buckets[-1], self.max_blocks
-        # Layout: ids [Bmax] | positions [Bmax] | slots [Bmax] | seq_lens [Bmax] | table [Bmax, M];
-        # query_start_loc is arange (one token per request), constant, kept apart.
-        self._g = _Packed(4 * bmax + bmax * m, self.device)
+        # Layout: ids [Bmax] | positions [Bmax] | slots [Bmax] | seq_lens [Bmax] | feed indices
+        # [Bmax] | feed rows [Bmax] | table [Bmax, M]; query_start_loc is arange (one token per
+        # request), constant, kept apart.
+        self._g = _Packed(6 * bmax + bmax * m, self.device)
         d = self._g.dev
         self.g_ids = d[0:bmax]
         self.g_pos = d[bmax : 2 * bmax]
         self.g_slots = d[2 * bmax : 3 * bmax]
         self.g_seq_lens = d[3 * bmax : 4 * bmax]
-        self.g_table = d[4 * bmax :].view(bmax, m)
+        self.g_table = d[6 * bmax :].view(bmax, m)
         self.g_qsl = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
 
     def _graph_md(self, b: int, splits: int) -> TritonAttentionMetadata:
@@ -262,6 +278,7 @@ class CudaStepRunner:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
+        feed: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         n = len(ids)
         b = next(x for x in self.buckets if x >= n)
@@ -275,14 +292,25 @@ class CudaStepRunner:
         h[2 * bmax + n : 2 * bmax + b] = -1
         h[3 * bmax : 3 * bmax + n] = seq_lens
         h[3 * bmax + n : 3 * bmax + b] = 1
-        table = h[4 * bmax : 4 * bmax + b * m].reshape(b, m)
+        k = len(feed[0]) if feed is not None else 0
+        if k:
+            h[4 * bmax : 4 * bmax + k] = feed[0]
+            h[5 * bmax : 5 * bmax + k] = feed[1]
+        table = h[6 * bmax : 6 * bmax + b * m].reshape(b, m)
         _fill_table(table, tables)
-        # Only the first 4 * bmax + b * m ints are read by this bucket's graph.
-        self._g.upload(4 * bmax + b * m)
+        # Only the first 6 * bmax + b * m ints are read by this bucket's graph.
+        d = self._g.upload(6 * bmax + b * m)
+        if k:
+            _feed(self.g_ids, d[4 * bmax : 4 * bmax + k], d[5 * bmax : 5 * bmax + k], feed[2])
         g, out, _ = self.graphs[b]
         g.replay()
         self.num_replays += 1
         return out[:n]
+
+
+def _feed(ids: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    """ids[index] = tokens[rows] on the device, stream-ordered after the upload (no host sync)."""
+    ids[index.long()] = tokens[rows.long()].to(ids.dtype)
 
 
 def _fill_table(dst: np.ndarray, tables: list[list[int]]) -> None:

@@ -13,6 +13,12 @@ catches up on the step's verified tokens (writing its KV where the target wrote 
 proposes K tokens greedily (deterministic drafts: q is one-hot in the rejection sampler).
 With `method="eagle"` an EAGLE head (backends_torch/eagle.py) drafts from the target's features
 the same way (its one-layer KV cache in `draft_kv_caches`).
+
+Async scheduling (xlaserve.runner, `launch` / `finish`): `launch` issues a step's GPU work and
+returns without waiting when every sampling request takes the greedy fast path; its tokens are
+appended as placeholders (PENDING) and copied to pinned host memory in the background. A request
+scheduled again before `finish` has a PENDING last token: its input id is fed on the device from
+the previous launch's argmax tensor, so the GPU never waits for the host.
 """
 
 from __future__ import annotations
@@ -91,10 +97,31 @@ class _ReqState:
     extra: dict = field(default_factory=dict)
     # Per-request constants of the sampling fast path (set from params at creation).
     plain_greedy: bool = False  # sampler.is_plain_greedy(params)
+    # Row of the last launch's argmax tensor holding this request's PENDING token.
+    pending_row: int = -1
 
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+# Placeholder token id: sampled by a launched step whose tokens have not reached the host yet.
+PENDING = -1
+NONFINITE_ERROR = "non-finite logits (NaN or inf) produced by the model for this request"
+
+
+@dataclass
+class _Launched:
+    """A launched step (`TorchModelRunner.launch`): its output so far, and for a greedy fast-path
+    step the device tensors whose values `finish` still has to read."""
+
+    out: RunnerOutput
+    # (request id, its state, index of its PENDING token, logits row): fast-path samples.
+    pending: list[tuple[str, _ReqState, int, int]] = field(default_factory=list)
+    host: torch.Tensor | None = None  # pinned [2R]: argmax tokens, then non-finite flags
+    ready: torch.cuda.Event | None = None
+    logits: torch.Tensor | None = None  # [R, V], kept for the exact non-finite re-check
+    num_rows: int = 0
 
 
 class TorchModelRunner:
@@ -121,6 +148,8 @@ class TorchModelRunner:
         self.sampler = Sampler(self.device, seed=config.model.seed)
         # CUDA step executor (one packed metadata upload, decode CUDA graphs); see init_kv_cache.
         self.cuda_step = None
+        # The last deferred launch's argmax tokens [R] (feeds PENDING inputs of the next launch).
+        self._last_argmax: torch.Tensor | None = None
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
         self.kv_offload = None
         self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
@@ -424,7 +453,41 @@ class TorchModelRunner:
         pos_t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
         return input_ids, pos_t, md
 
+    @property
+    def prefers_async_scheduling(self) -> bool:
+        """On CUDA a launch returns before the GPU is done, so the engine's host work for the
+        next step overlaps it; on the CPU every op runs to completion anyway."""
+        return self.device.type == "cuda"
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self._launch(scheduler_output, defer=False).out
+
+    def launch(self, scheduler_output: SchedulerOutput) -> _Launched:
+        """Issue one step; greedy fast-path tokens are read by `finish` (xlaserve.runner)."""
+        return self._launch(scheduler_output, defer=True)
+
+    def finish(self, launched: _Launched) -> RunnerOutput:
+        """Wait for a launched step's tokens; fill its PENDING placeholders."""
+        h, out = launched, launched.out
+        if not h.pending:
+            return out
+        if h.ready is not None:
+            h.ready.synchronize()
+        host = h.host.tolist()
+        r = h.num_rows
+        bad = nonfinite_rows(h.logits, host[r:])
+        for rid, st, idx, row in h.pending:
+            if row in bad:
+                out.errors[rid] = NONFINITE_ERROR
+                continue
+            tok = host[row]
+            if self.requests.get(rid) is st:  # else finished/preempted since: nothing to fill
+                st.token_ids[idx] = tok
+            out.sampled_token_ids[rid] = [tok]
+        h.pending, h.logits = [], None
+        return out
+
+    def _launch(self, scheduler_output: SchedulerOutput, defer: bool) -> _Launched:
         so = scheduler_output
         if so.has_kv_copies:  # before the forward, in the order runner.py documents
             if self.kv_offload is None:
@@ -435,8 +498,9 @@ class TorchModelRunner:
             raise ValueError(f"speculative drafts for requests not scheduled this step: {stray}")
         self._update_states(so)
         out = RunnerOutput()
+        launched = _Launched(out)
         if not so.num_scheduled_tokens:
-            return out
+            return launched
         assert self.model is not None, "load_model() must run before execute()"
 
         S = self.block_size
@@ -447,6 +511,11 @@ class TorchModelRunner:
         states: list[_ReqState] = []  # per batch entry (one dict lookup per request and step)
         spec = so.spec_token_ids
         prompt_lp = False
+        # Inputs still on the device (async scheduling): (flat index in the batch, row of the
+        # previous launch's argmax tensor) for each request whose last token is PENDING.
+        feed_dst: list[int] = []
+        feed_src: list[int] = []
+        t_off = 0
         for rid, n in order:
             st = self.requests[rid]
             states.append(st)
@@ -454,6 +523,10 @@ class TorchModelRunner:
             ds = list(spec[rid]) if rid in spec else []
             known = st.token_ids + ds if ds else st.token_ids
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            if known[end - 1] == PENDING:
+                feed_dst.append(t_off + n - 1)
+                feed_src.append(st.pending_row)
+            t_off += n
             if end > len(known):
                 raise ValueError(
                     f"req {rid}: scheduled up to token {end} but only {len(known)} tokens are known"
@@ -469,10 +542,15 @@ class TorchModelRunner:
             chunks.append((known[start:end], start, st.block_ids))
             drafts.append(ds)
             starts.append(start)
+        feed = (feed_dst, feed_src, self._last_argmax) if feed_dst else None
         if self.cuda_step is not None:  # one H2D upload; decode steps replay a CUDA graph
-            hidden, qsl, seq_lens = self.cuda_step.forward(chunks)
+            hidden, qsl, seq_lens = self.cuda_step.forward(chunks, feed)
         else:
             input_ids, pos_t, md = self._build_inputs(chunks)
+            if feed is not None:
+                dst = torch.tensor(feed_dst, device=self.device)
+                src = torch.tensor(feed_src, device=self.device)
+                input_ids[dst] = self._last_argmax[src].to(input_ids.dtype)
             qsl, seq_lens = md.query_start_loc_host, md.seq_lens_host
             hidden = self.model(input_ids, pos_t, self.kv_caches, md)  # [T, H]
 
@@ -493,15 +571,19 @@ class TorchModelRunner:
             states[b].num_computed_tokens = starts[b] + n
             out.sampled_token_ids[rid] = []
         sampled_ok: set[str] = set()
+        # Deferred tokens only without in-runner drafting (it reads this step's tokens at once).
+        defer = defer and self.draft_model is None and self.eagle is None
         if sample_b:
-            self._sample(so, order, sample_b, drafts, hidden, qsl, out, sampled_ok)
+            self._sample(so, order, sample_b, drafts, hidden, qsl, out, sampled_ok, launched, defer)
+        if launched.pending:
+            return launched
         if self.draft_model is not None:
             out.spec_token_ids = self._propose(order, starts, seq_lens, sampled_ok)
         elif self.eagle is not None:
             out.spec_token_ids = self.eagle.propose(
                 order, starts, seq_lens, hidden, qsl, sampled_ok, out.errors
             )
-        return out
+        return launched
 
     def _sample(
         self,
@@ -513,8 +595,11 @@ class TorchModelRunner:
         qsl: list[int],
         out: RunnerOutput,
         sampled_ok: set[str],
+        launched: _Launched,
+        defer: bool,
     ) -> None:
-        """Score the last 1 + d rows of each sampling request, sample / verify, append tokens."""
+        """Score the last 1 + d rows of each sampling request, sample / verify, append tokens.
+        defer: a fast-path step appends PENDING tokens and leaves the reading to `finish`."""
         dev = self.device
         row_idx: list[int] = []
         spans: list[tuple[int, int]] = []  # (first logits row, 1 + d) per sampling request
@@ -542,6 +627,9 @@ class TorchModelRunner:
         # instead of isfinite + all over [R, V].
         suspect_t = ~torch.isfinite(logits.sum(dim=-1))
         argmax_l: list[int] = []
+        if fast and defer:
+            self._sample_deferred(order, sample_b, logits, suspect_t, launched)
+            return
         if fast:  # tokens and flags come back in one device -> host copy
             argmax_t = logits.argmax(dim=-1)
             host = torch.cat([argmax_t, suspect_t.to(argmax_t.dtype)]).tolist()
@@ -553,9 +641,7 @@ class TorchModelRunner:
         for j, b in enumerate(sample_b):
             r0, n = spans[j]
             if bad and any(r in bad for r in range(r0, r0 + n)):
-                out.errors[order[b][0]] = (
-                    "non-finite logits (NaN or inf) produced by the model for this request"
-                )
+                out.errors[order[b][0]] = NONFINITE_ERROR
             else:
                 good.append(j)
         if not good:
@@ -575,6 +661,36 @@ class TorchModelRunner:
             sampled_ok.add(rid)
             if lps[k] is not None:
                 out.logprobs[rid] = lps[k]
+
+    def _sample_deferred(
+        self,
+        order: list[tuple[str, int]],
+        sample_b: list[int],
+        logits: torch.Tensor,
+        suspect_t: torch.Tensor,
+        launched: _Launched,
+    ) -> None:
+        """Greedy fast path without waiting: argmax and non-finite flags go to pinned host memory
+        in the background; each sampling request gets a PENDING token (row r of the argmax),
+        which the next launch can feed on the device and `finish` fills in."""
+        argmax_t = logits.argmax(dim=-1)
+        flat = torch.cat([argmax_t, suspect_t.to(argmax_t.dtype)])
+        if flat.is_cuda:
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        else:
+            host = flat
+        launched.host, launched.logits, launched.num_rows = host, logits, len(sample_b)
+        self._last_argmax = argmax_t
+        for row, b in enumerate(sample_b):  # one row per request (no drafts on this path)
+            rid = order[b][0]
+            st = self.requests[rid]
+            launched.pending.append((rid, st, len(st.token_ids), row))
+            st.token_ids.append(PENDING)
+            st.num_computed_tokens = len(st.token_ids) - 1
+            st.pending_row = row
 
     def _sample_rows(
         self,

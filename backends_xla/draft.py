@@ -94,7 +94,7 @@ class XlaDraftModel:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block id costs the draft's cache on one device."""
         r = self.runner
-        per_token = self.spec.kv_bytes_per_token(r.dtype.itemsize, r.kv_cache_dtype)
+        per_token = self.spec.kv_bytes_per_token(r.kv_dtype.itemsize, r.kv_cache_dtype)
         return self.block_size * per_token // self._kv_shards
 
     def load(self) -> None:
@@ -155,7 +155,7 @@ class XlaDraftModel:
         r, n = self.runner, num_blocks + self.slots * self.scratch
         shape = (n, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         if r.kv_cache_dtype == "auto":
-            structs = [(shape, r.dtype)] * 2
+            structs = [(shape, r.kv_dtype)] * 2
         else:
             from xlaserve.kernels_pallas.kv_cache_quant import code_dtype
 

@@ -302,6 +302,7 @@ def stage_xlaserve(args: argparse.Namespace) -> dict[str, Any]:
     runner = llm.llm_engine.runner
     step = getattr(runner, "cuda_step", None)
     res["attention_backend"] = getattr(runner, "attn_backend_name", None)
+    res["async_scheduling"] = getattr(llm.llm_engine, "_async", None)
     res["num_kv_blocks"] = llm.llm_engine.kv_manager.num_blocks
     res["graph_buckets"] = sorted(step.graphs) if step is not None else []
     res["graph_capture_s"] = step.capture_seconds if step is not None else None
@@ -339,6 +340,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "ngram_base": ({}, "repetitive"),
     "ngram": ({"speculative_config": NGRAM}, "repetitive"),
     "xla_batch": ({"backend": "xla"}, "offline"),
+    "sync": ({"async_scheduling": "off"}, "offline"),
 }
 
 
@@ -676,6 +678,7 @@ def _print_table(r: dict[str, Any]) -> None:
         ("int8 b1 decode tok/s", g("int8", "batch1", "decode_tokens_per_s"), None),
         ("int4 b1 decode tok/s", g("int4", "batch1", "decode_tokens_per_s"), None),
         ("fp8 b1 decode tok/s", g("fp8", "batch1", "decode_tokens_per_s"), None),
+        ("sync 256/256 tok/s", g("sync", "offline_256_256", "output_tokens_per_s"), None),
         ("kv fp8 256/256 tok/s", g("kv_fp8", "offline_256_256", "output_tokens_per_s"), None),
         ("kv int8 256/256 tok/s", g("kv_int8", "offline_256_256", "output_tokens_per_s"), None),
         ("rep. plain b1 tok/s", g("ngram_base", "repetitive", "tokens_per_s"), None),

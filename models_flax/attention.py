@@ -73,6 +73,12 @@ def paged_attention(
         soft_cap=soft_cap,
         impl=md.impl,
     )
+    if k_scale is None and q.dtype != k_cache.dtype:  # float32 cache of a 16-bit model (CPU)
+        out = paged_attention(
+            q.astype(k_cache.dtype), k_cache, v_cache, md,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )  # fmt: skip
+        return out.astype(q.dtype)
     mesh = md.mesh
     tp = 1 if mesh is None else mesh.shape["model"]
     meta = (md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs)

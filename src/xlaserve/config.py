@@ -17,6 +17,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "xla")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -118,6 +119,9 @@ class SchedulerConfig:
     max_num_waiting: int | None = None
     # What preemption does with a request's blocks: "recompute" or "swap" (host tier).
     preemption_mode: str = "recompute"
+    # Schedule step N+1 while step N runs on the device ("auto": on for the torch backend on
+    # CUDA; "on" / "off"). Off with speculative decoding, KV offload, structured output.
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
@@ -132,6 +136,10 @@ class SchedulerConfig:
         _check(
             self.preemption_mode in ("recompute", "swap"),
             f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}",
+        )
+        _check(
+            self.async_scheduling in ASYNC_SCHEDULING,
+            f"async_scheduling must be one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}",
         )
         _check(
             self.max_num_waiting is None or self.max_num_waiting > 0,

@@ -62,6 +62,9 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Requests the runner must forget before this step (finished, aborted or preempted).
     finished_req_ids: set[str] = field(default_factory=set)
+    # Requests that sample in this step while an earlier step is still in flight (async
+    # scheduling; the scheduler's bookkeeping, runners may ignore it).
+    pending_req_ids: set[str] = field(default_factory=set)
     # req_id -> allowed-token bitmask, numpy int32 [num_positions, ceil(vocab / 32)] (bit i of
     # word w allows token 32 * w + i); num_positions = 1 + number of drafts. Absent = unconstrained.
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
@@ -130,6 +133,13 @@ class ModelRunner(Protocol):
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step."""
+
+    # Optional (async scheduling; the engine uses it when a runner has both):
+    #   launch(so) -> handle: issue the step without waiting for its tokens. A request may then
+    #     be scheduled again before `finish`: its last token is the one this launch samples,
+    #     and the runner feeds it to the next launch itself (e.g. on the device).
+    #   finish(handle) -> RunnerOutput: wait for and return that step's output.
+    # Handles are finished in launch order, at most one step ahead.
 
     def shutdown(self) -> None:
         """Free device memory and worker processes."""

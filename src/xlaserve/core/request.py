@@ -56,6 +56,9 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Async scheduling: tokens sampled by launched steps whose results are not back yet; the
+    # scheduler treats them as known (the runner feeds them to the next step on the device).
+    num_pending_tokens: int = 0
     # Prompt tokens found in the prefix cache at first scheduling (-1 = not scheduled yet).
     num_cached_tokens: int = -1
     stop_reason: int | str | None = None

@@ -5,6 +5,11 @@ One step fills `max_num_batched_tokens`: running requests first (in order), then
 (prefix-cache hits skipped, long prompts chunked). When blocks run out the last running request
 (the newest under fcfs, the lowest priority under "priority", where `running` is kept sorted) is
 preempted by recompute: its blocks are freed and it goes back to the waiting queue.
+
+Async scheduling (`schedule(lookahead=True)`): the engine schedules step N+1 before step N's
+tokens are back. Each request that samples in a lookahead step gets one pending token
+(`num_pending_tokens`), scheduled like a known one; `update_from_output` resolves it. A request
+that turns out to have finished at step N was computed once more at N+1; that token is dropped.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class Scheduler:
         self.kv_cache_manager.free(request, swap=self.config.preemption_mode == "swap")
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # its in-flight token is dropped; resumed from known ones
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -99,7 +105,9 @@ class Scheduler:
 
     # ----- one step ---------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead: bool = False) -> SchedulerOutput:
+        """One step. lookahead: the previous step's tokens are not back yet (async scheduling):
+        every request that samples in this step gets a pending token."""
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -112,7 +120,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+            pending = req.num_pending_tokens
+            if pending and req.num_output_tokens + pending >= req.max_tokens:
+                i += 1  # its last token is in flight: nothing more to compute
+                continue
+            num_new = req.num_tokens + pending + len(req.spec_token_ids) - req.num_computed_tokens
             # The token sampled after position max_model_len - 1 would not fit.
             num_new = min(num_new, budget, self.max_model_len - 1 - req.num_computed_tokens)
             if num_new <= 0:
@@ -197,22 +209,35 @@ class Scheduler:
         self._finished_req_ids = set()
         # Advance optimistically; update_from_output takes back rejected draft positions.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            if lookahead and req.num_computed_tokens >= req.num_tokens + req.num_pending_tokens:
+                req.num_pending_tokens += 1  # it samples: its token is in flight
+                output.pending_req_ids.add(req_id)
         return output
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: RunnerOutput,
+        scheduled: dict[str, Request] | None = None,
     ) -> list[tuple[Request, list[int]]]:
-        """Append sampled tokens, apply stop conditions, free finished requests.
+        """Append sampled tokens, apply stop conditions, free finished requests. `scheduled`
+        (async scheduling): the step's Request objects, to skip a request id reused since.
 
         Returns (request, tokens appended this step) for each request that got tokens or
         finished. Tokens after a stop are dropped (also from multi-token spec-decode results).
         """
         results: list[tuple[Request, list[int]]] = []
+        pending = scheduler_output.pending_req_ids
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since schedule()
+            if scheduled is not None and scheduled.get(req_id) is not req:
+                continue  # the id was aborted and reused since this step was scheduled
+            if req_id in pending:
+                req.num_pending_tokens -= 1
             if req_id in runner_output.errors:
                 req.error = runner_output.errors[req_id]
                 self._finish(req, RequestStatus.FINISHED_ERROR)

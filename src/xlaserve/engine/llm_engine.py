@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import KVCacheManager
@@ -186,6 +186,11 @@ class LLMEngine:
         )
         # Structured output: created with the first constrained request (imports xgrammar).
         self._structured: StructuredOutputManager | None = None
+        self._async = self._use_async_scheduling()
+        # Async scheduling: the launched step whose output is not read yet (scheduler output,
+        # runner handle, its Request objects).
+        self._inflight: tuple[SchedulerOutput, Any, dict[str, Request]] | None = None
+        self.num_overlapped_steps = 0  # steps launched while the previous one was in flight
         logger.info(
             "engine ready: model=%s backend=%s blocks=%d x %d tokens, max_model_len=%d",
             self.model_dir,
@@ -194,6 +199,24 @@ class LLMEngine:
             cc.block_size,
             self.max_model_len,
         )
+
+    def _use_async_scheduling(self) -> bool:
+        """scheduler.async_scheduling: "on", "off" or "auto" (on where the runner can launch
+        without waiting and says it gains from it: the torch runner on CUDA)."""
+        mode = self.config.scheduler.async_scheduling
+        can = callable(getattr(self.runner, "launch", None))
+        why = None
+        if not can:
+            why = f"backend {self.backend!r} (and this parallel setup) runs steps synchronously"
+        elif self.config.speculative is not None:
+            why = "speculative decoding reads each step's tokens before the next step"
+        elif self.config.cache.kv_offload_bytes:
+            why = "KV offload copies blocks between steps"
+        if mode == "on" and why is not None:
+            raise ValueError(f"async_scheduling='on' is not supported here: {why}")
+        if mode == "off" or why is not None:
+            return False
+        return mode == "on" or bool(getattr(self.runner, "prefers_async_scheduling", False))
 
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -318,17 +341,52 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine step; the RequestOutputs of the requests that changed. `final_only`: only
         those of requests that finished (offline `generate` needs no others; building a
-        RequestOutput per running request and step is a large part of the host time)."""
+        RequestOutput per running request and step is a large part of the host time).
+
+        Async scheduling: step N+1 is scheduled and launched before step N's tokens are read,
+        so the host work of a step (scheduling, inputs, detokenizing, outputs) overlaps the
+        device's previous step; each call then returns the outputs of the previous launch."""
         # Structured output: requests whose grammar failed to compile finish with an error.
         failed = self._fail_bad_grammars() if self._structured is not None else []
-        so = self.scheduler.schedule()
+        overlap = self._async and self._can_overlap()
+        if self._inflight is not None:
+            prev, self._inflight = self._inflight, None
+            if overlap:  # launch the next step first: the device stays busy while we wait
+                so = self._schedule(lookahead=True)
+                if so is not None:
+                    self._inflight = self._launch(so)
+                    self.num_overlapped_steps += 1
+            outputs = failed + self._finish_step(prev, final_only)
+            if self._inflight is not None and not self._parents:
+                # Nothing left to report: the step in flight holds only dropped extra tokens.
+                last, self._inflight = self._inflight, None
+                self._finish_step(last, final_only)
+            return outputs
+        so = self._schedule(lookahead=overlap)
+        if so is None:
+            return failed
+        if overlap:
+            self._inflight = self._launch(so)
+            return failed
+        ro = self.runner.execute(so)
+        return failed + self._process(so, ro, final_only)
+
+    def _can_overlap(self) -> bool:
+        """Async scheduling needs every token's consumer off the step's critical path: no
+        grammar (bitmasks read the previous token) and no n-gram drafts (they read it too)."""
+        st = self._structured
+        return st is None or (st.num_matchers == 0 and not st.has_pending())
+
+    def _schedule(self, lookahead: bool) -> SchedulerOutput | None:
+        """The next step's SchedulerOutput, or None when there is nothing for the runner."""
+        so = self.scheduler.schedule(lookahead=lookahead)
         # Finished ids reach the runner with the next non-empty step (runners never see empty ones).
         so.finished_req_ids |= self._pending_finished
         if so.is_empty:
             self._pending_finished = set(so.finished_req_ids)
             if self._structured is not None and self._structured.has_pending():
                 self._structured.wait_pending(timeout=0.05)  # idle: let the compile thread run
-            return failed
+            return None
         if self._structured is not None:
             self._attach_bitmasks(so)
         self._pending_finished = set()
@@ -338,8 +396,28 @@ class LLMEngine:
             parent, _ = self._seqs.get(nr.req_id, (None, None))
             if parent is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
-        ro = self.runner.execute(so)
-        updates = self.scheduler.update_from_output(so, ro)
+        return so
+
+    def _launch(self, so: SchedulerOutput) -> tuple[SchedulerOutput, Any, dict[str, Request]]:
+        reqs = self.scheduler.requests
+        scheduled = {rid: reqs[rid] for rid in so.num_scheduled_tokens}
+        return so, self.runner.launch(so), scheduled
+
+    def _finish_step(
+        self, launched: tuple[SchedulerOutput, Any, dict[str, Request]], final_only: bool
+    ) -> list[RequestOutput]:
+        so, handle, scheduled = launched
+        return self._process(so, self.runner.finish(handle), final_only, scheduled)
+
+    def _process(
+        self,
+        so: SchedulerOutput,
+        ro: RunnerOutput,
+        final_only: bool,
+        scheduled: dict[str, Request] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply one step's RunnerOutput: tokens, stops, detokenizing, logprobs, outputs."""
+        updates = self.scheduler.update_from_output(so, ro, scheduled)
         if so.spec_token_ids:
             self._count_spec(so, ro)
         now = time.monotonic()
@@ -376,7 +454,7 @@ class LLMEngine:
                 seq.detok.flush()
         if self._ngram is not None:
             self._propose_ngram(updates)
-        outputs = failed
+        outputs: list[RequestOutput] = []
         for parent in changed.values():
             if final_only and not parent.finished:
                 continue
@@ -553,6 +631,9 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        if self._inflight is not None:  # let the device finish before its memory goes
+            self.runner.finish(self._inflight[1])
+            self._inflight = None
         if self._structured is not None:
             self._structured.shutdown()
         self.runner.shutdown()

@@ -71,7 +71,11 @@ _EXTRA_HELP = {
     ("server", "request_timeout"): "Per-request timeout in seconds (504 past it).",
     ("server", "log_requests"): "Log each request and the access log.",
 }
-_CHOICES = {("model", "dtype"): cfg.DTYPES, ("engine", "backend"): cfg.BACKENDS}
+_CHOICES = {
+    ("model", "dtype"): cfg.DTYPES,
+    ("engine", "backend"): cfg.BACKENDS,
+    ("scheduler", "async_scheduling"): cfg.ASYNC_SCHEDULING,
+}
 
 
 def _field_comments(cls: type) -> dict[str, str]:
