@@ -43,6 +43,7 @@ from xlaserve.backends_torch.sampler import (
     Sampler,
     SamplingRow,
     argmax_only_step,
+    deferrable_step,
     is_plain_greedy,
     token_logprobs,
 )
@@ -150,6 +151,7 @@ class TorchModelRunner:
         self.cuda_step = None
         # The last deferred launch's argmax tokens [R] (feeds PENDING inputs of the next launch).
         self._last_argmax: torch.Tensor | None = None
+        self.num_deferred_steps = 0  # steps whose tokens were left on the device by launch
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
         self.kv_offload = None
         self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
@@ -613,22 +615,34 @@ class TorchModelRunner:
         logits = self.model.compute_logits(h)  # [R, V]
         # Fast path: only plain greedy requests (sampler.is_plain_greedy; no drafts, bitmask or
         # active min_tokens masking): tokens are the argmax of the raw logits, no SamplingRows.
-        fast = True
+        # Deferred (async scheduling): every row samples on the device without host data.
+        fast = deferrable = True
         for b in sample_b:
             rid = order[b][0]
             st = self.requests[rid]
             n_out = len(st.token_ids) - st.num_prompt_tokens
             has_mask = rid in so.grammar_bitmask
-            if drafts[b] or not argmax_only_step(st.params, st.plain_greedy, n_out, has_mask):
+            if drafts[b]:
+                fast = deferrable = False
+                break
+            if fast and not argmax_only_step(st.params, st.plain_greedy, n_out, has_mask):
                 fast = False
+            if defer and not deferrable_step(st.params, n_out, has_mask):
+                deferrable = False
+            if not (fast or (defer and deferrable)):
                 break
         # Non-finite check: NaN/inf in a row make its sum non-finite; rows whose sum is not
         # finite are re-checked exactly (finite values can overflow a sum). One reduction
         # instead of isfinite + all over [R, V].
         suspect_t = ~torch.isfinite(logits.sum(dim=-1))
         argmax_l: list[int] = []
-        if fast and defer:
-            self._sample_deferred(order, sample_b, logits, suspect_t, launched)
+        if defer and deferrable:
+            if fast:
+                tokens_t = logits.argmax(dim=-1)
+            else:
+                rows = [self._row(self.requests[order[b][0]]) for b in sample_b]
+                tokens_t = self.sampler.sample_tokens(logits, rows)
+            self._sample_deferred(order, sample_b, tokens_t, logits, suspect_t, launched)
             return
         if fast:  # tokens and flags come back in one device -> host copy
             argmax_t = logits.argmax(dim=-1)
@@ -666,14 +680,16 @@ class TorchModelRunner:
         self,
         order: list[tuple[str, int]],
         sample_b: list[int],
+        tokens_t: torch.Tensor,
         logits: torch.Tensor,
         suspect_t: torch.Tensor,
         launched: _Launched,
     ) -> None:
-        """Greedy fast path without waiting: argmax and non-finite flags go to pinned host memory
-        in the background; each sampling request gets a PENDING token (row r of the argmax),
-        which the next launch can feed on the device and `finish` fills in."""
-        argmax_t = logits.argmax(dim=-1)
+        """Sampling without waiting: tokens [R] (device) and non-finite flags go to pinned host
+        memory in the background; each sampling request gets a PENDING token (row r of the
+        tokens), which the next launch can feed on the device and `finish` fills in."""
+        argmax_t = tokens_t
+        self.num_deferred_steps += 1
         flat = torch.cat([argmax_t, suspect_t.to(argmax_t.dtype)])
         if flat.is_cuda:
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -691,6 +707,11 @@ class TorchModelRunner:
             st.token_ids.append(PENDING)
             st.num_computed_tokens = len(st.token_ids) - 1
             st.pending_row = row
+
+    @staticmethod
+    def _row(st: _ReqState) -> SamplingRow:
+        """A SamplingRow for a `deferrable_step` request (no token history needed)."""
+        return SamplingRow(params=st.params, prompt_ids=[], output_ids=[], generator=st.generator)
 
     def _sample_rows(
         self,

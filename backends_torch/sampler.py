@@ -67,6 +67,29 @@ def argmax_only_step(
     return not (p.min_tokens and num_output < p.min_tokens and p.all_stop_token_ids())
 
 
+def deferrable_step(params: SamplingParams, num_output: int, has_bitmask: bool) -> bool:
+    """True when this step's token needs no host data and no host sync to sample (async
+    scheduling): no bitmask, penalties, logit_bias, logprobs or active min_tokens masking;
+    greedy or temperature / top_k / top_p / min_p sampling."""
+    p = params
+    return not (
+        has_bitmask
+        or p.needs_penalties
+        or p.logit_bias
+        or p.logprobs is not None
+        or (p.min_tokens and num_output < p.min_tokens and p.all_stop_token_ids())
+    )
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the stream: through pinned memory
+    and a non-blocking copy on CUDA (a pageable copy would synchronize with queued kernels)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def argmax_only(row: SamplingRow) -> bool:
     """`argmax_only_step` for a SamplingRow."""
     return argmax_only_step(
@@ -163,7 +186,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     dev, vocab = logits.device, logits.shape[1]
     temps = [max(p.temperature, 1e-5) for p in params]
     if any(t != 1.0 for t in temps):  # x / 1.0 == x: skip a [B, V] op at temperature 1
-        logits = logits / torch.tensor(temps, dtype=logits.dtype, device=dev)[:, None]
+        logits = logits / to_device(temps, logits.dtype, dev)[:, None]
     need_k = any(p.top_k > 0 for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
     need_min_p = any(p.min_p > 0.0 for p in params)
@@ -173,16 +196,16 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     rank = torch.arange(vocab, device=dev)[None, :]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if need_k:
-        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)[:, None]
+        k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, dev)[:, None]
         drop |= rank >= k
     if need_p:
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)[:, None]
+        top_p = to_device([p.top_p for p in params], logits.dtype, dev)[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
         # Keep the smallest prefix reaching top_p (the best token is always kept).
         drop |= (before >= top_p) & (top_p < 1.0) & (rank > 0)
     if need_min_p:
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)[:, None]
+        min_p = to_device([p.min_p for p in params], logits.dtype, dev)[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         drop |= probs < min_p * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -253,32 +276,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
         x = apply_constraints(logits.float().clone(), rows)
         x = apply_penalties(x, rows)
-        rand_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        every = len(rand_rows) == b  # every row samples: no argmax, gather or scatter of rows
-        tokens = None if every else x.argmax(dim=-1)  # greedy rows keep this
-        if rand_rows:
-            idx = None if every else torch.tensor(rand_rows, device=x.device)
-            filtered = filter_logits(x if every else x[idx], [rows[i].params for i in rand_rows])
-            probs = torch.softmax(filtered, dim=-1)
-            shared = [j for j, i in enumerate(rand_rows) if rows[i].generator is None]
-            if len(shared) == len(rand_rows):  # the same draws as filling q[shared] below
-                q = torch.empty(len(shared), vocab, device=x.device).exponential_(
-                    generator=self.generator
-                )
-            else:
-                q = torch.empty(len(rand_rows), vocab, dtype=torch.float32, device=x.device)
-                if shared:
-                    q[shared] = torch.empty(len(shared), vocab, device=x.device).exponential_(
-                        generator=self.generator
-                    )
-            for j, i in enumerate(rand_rows):
-                if rows[i].generator is not None:
-                    q[j].exponential_(generator=rows[i].generator)
-            drawn = (probs / q.clamp_min(1e-20)).argmax(dim=-1)
-            if every:
-                tokens = drawn
-            else:
-                tokens[idx] = drawn
+        tokens = self._draw(x, rows)
         token_list = tokens.tolist()
         lps: list[TokenLogprobs | None] = [None] * b
         sel = [i for i in range(b) if want_lp[i]]
@@ -290,6 +288,46 @@ class Sampler:
             for i, e in zip(sel, entries, strict=True):
                 lps[i] = e
         return SamplerOutput(token_ids=[int(t) for t in token_list], logprobs=lps)
+
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Tokens [B] (int64, on the device) without any host sync, for rows that are all
+        `deferrable_step` (their constraints and penalties are no-ops); same tokens as
+        `__call__` with the same generator state."""
+        if all(r.params.greedy for r in rows):
+            return logits.argmax(dim=-1)
+        return self._draw(logits.float(), rows)
+
+    def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Step 3 on processed logits x [B, V]: argmax for greedy rows, the exponential race
+        over the filtered distribution for the others. Returns tokens [B] on the device."""
+        b, vocab = x.shape
+        rand_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        every = len(rand_rows) == b  # every row samples: no argmax, gather or scatter of rows
+        tokens = None if every else x.argmax(dim=-1)  # greedy rows keep this
+        if not rand_rows:
+            return tokens
+        idx = None if every else to_device(rand_rows, torch.long, x.device)
+        filtered = filter_logits(x if every else x[idx], [rows[i].params for i in rand_rows])
+        probs = torch.softmax(filtered, dim=-1)
+        shared = [j for j, i in enumerate(rand_rows) if rows[i].generator is None]
+        if len(shared) == len(rand_rows):  # the same draws as filling q[shared] below
+            q = torch.empty(len(shared), vocab, device=x.device).exponential_(
+                generator=self.generator
+            )
+        else:
+            q = torch.empty(len(rand_rows), vocab, dtype=torch.float32, device=x.device)
+            if shared:
+                q[to_device(shared, torch.long, x.device)] = torch.empty(
+                    len(shared), vocab, device=x.device
+                ).exponential_(generator=self.generator)
+        for j, i in enumerate(rand_rows):
+            if rows[i].generator is not None:
+                q[j].exponential_(generator=rows[i].generator)
+        drawn = (probs / q.clamp_min(1e-20)).argmax(dim=-1)
+        if every:
+            return drawn
+        tokens[idx] = drawn
+        return tokens
 
     def _race(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
         """One sample from probs [V] by the exponential race with the row's generator."""

@@ -73,10 +73,30 @@ def test_async_mixed_sampling_seeds_n_logprobs() -> None:
             params.append(SamplingParams(temperature=0.0, min_tokens=6, max_tokens=10))
         else:
             params.append(SamplingParams(temperature=0.0, max_tokens=15, repetition_penalty=1.3))
-    sync, _ = _run("off", prompts, params, **TIGHT)
-    asyn, eng = _run("on", prompts, params, **TIGHT)
+    roomy = dict(TIGHT, num_kv_blocks=400)  # seeded draws: see the test below
+    sync, _ = _run("off", prompts, params, **roomy)
+    asyn, eng = _run("on", prompts, params, **roomy)
     assert asyn == sync
     assert eng.num_overlapped_steps > 0
+
+
+def test_async_sampled_requests_stay_on_device() -> None:
+    """Seeded temperature / top-k / top-p sampling is deferred like greedy decoding (tokens stay
+    on the device until `finish`) and gives the synchronous tokens. Without preemption: a
+    request preempted while its token is in flight drops that token, and its generator has
+    advanced (as a preempted request's generator restarts from its seed in either mode, seeded
+    outputs across preemption depend on when it happened)."""
+    prompts = PROMPTS * 3
+    params = [
+        SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i, max_tokens=5 + 3 * i)
+        for i in range(len(prompts))
+    ]
+    roomy = dict(TIGHT, num_kv_blocks=400)
+    sync, _ = _run("off", prompts, params, **roomy)
+    asyn, eng = _run("on", prompts, params, **roomy)
+    assert asyn == sync
+    assert eng.scheduler.num_preemptions_total == 0
+    assert eng.runner.num_deferred_steps > 20
 
 
 def test_async_abort_mid_flight_and_id_reuse() -> None:
