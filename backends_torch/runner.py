@@ -187,10 +187,7 @@ class TorchModelRunner:
         # kv_code_dtype None = (k, v) in the model dtype. The draft's cache follows the same dtype.
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_code_dtype = check_kv_cache_dtype(
-            self.kv_cache_dtype,
-            self.attn_backend_name,
-            self.device,
-            [s.family for s in (spec, self.draft_spec) if s is not None],
+            self.kv_cache_dtype, self.attn_backend_name, self.device
         )
 
     # ---- setup ----------------------------------------------------------------------------

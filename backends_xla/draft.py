@@ -67,10 +67,6 @@ class XlaDraftModel:
                 f"draft model vocab ({self.spec.vocab_size}) is larger than the target's "
                 f"({runner.spec.vocab_size}): the draft must share the target's tokenizer"
             )
-        if runner.kv_cache_dtype != "auto" and self.spec.family == "mla":
-            raise ValueError(
-                f"kv_cache_dtype {runner.kv_cache_dtype!r} is not supported for an MLA draft model"
-            )
         self.k = runner.num_spec_tokens
         self.block_size = runner.block_size
         # Scratch blocks per batch slot: the K positions past the last allocated block at most.

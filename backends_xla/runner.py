@@ -118,11 +118,6 @@ class XlaModelRunner:
         self.multihost = init_multihost(config)
         # Quantized KV cache (int8 / fp8 codes + a float32 scale per token and KV head).
         self.kv_cache_dtype = config.cache.kv_cache_dtype
-        if self.kv_cache_dtype != "auto" and spec.family == "mla":
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported for MLA models "
-                "(family 'mla') on backend 'xla'; use kv_cache_dtype='auto'"
-            )
         # Weight quantization (None = float): the checkpoint's own format or `quantization`
         # applied at load time; raises early for fp8 without fp8 matmuls (models_flax/loader.py).
         self.quant_scheme = xla_quant_scheme(config.model.quantization, spec)

@@ -97,6 +97,37 @@ def paged_attention(
     return sharded(q, k_cache, v_cache, *meta, *scales)
 
 
+def write_and_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv: KVCache,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> tuple[jax.Array, KVCache]:
+    """Write this step's k, v [T, Hkv, D] into the layer's cache (quantizing them for an int8 /
+    fp8 cache), then attend with q [T, Hq, D]. Returns ([T, Hq, D], the updated cache)."""
+    if len(kv) == 4:  # quantized cache: (k codes, v codes, k scales, v scales)
+        kv = write_kv_quant(*kv, k, v, md.slot_mapping)
+    else:
+        kv = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
+    o = paged_attention(
+        q,
+        kv[0],
+        kv[1],
+        md,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=kv[2] if len(kv) == 4 else None,
+        v_scale=kv[3] if len(kv) == 4 else None,
+    )
+    return o, kv
+
+
 class Attention(nnx.Module):
     """Self-attention of one layer: [T, H] -> [T, H], writing this step's K/V into the cache."""
 
@@ -139,19 +170,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if len(kv) == 4:  # quantized cache: (k codes, v codes, k scales, v scales)
-            kv = write_kv_quant(*kv, k, v, md.slot_mapping)
-        else:
-            kv = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
-        o = paged_attention(
-            q,
-            kv[0],
-            kv[1],
-            md,
-            sm_scale=self.scale,
-            sliding_window=self.sliding_window,
-            soft_cap=self.soft_cap,
-            k_scale=kv[2] if len(kv) == 4 else None,
-            v_scale=kv[3] if len(kv) == 4 else None,
-        )
+        o, kv = write_and_attend(
+            q, k, v, kv, md,
+            sm_scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+        )  # fmt: skip
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv

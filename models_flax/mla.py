@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlaserve.kernels_pallas import write_kv
 from xlaserve.model_loader.spec import ModelSpec
-from xlaserve.models_flax.attention import AttentionMetadata, KVCache, paged_attention
+from xlaserve.models_flax.attention import AttentionMetadata, KVCache, write_and_attend
 from xlaserve.models_flax.layers import Linear, RMSNorm, apply_rotary
 
 # HF's DeepSeek latent norms use their default eps, not rms_norm_eps.
@@ -66,14 +65,7 @@ class MLAttention(nnx.Module):
         q = jnp.concatenate([q[..., :dn], q_rot], axis=-1)
         k = jnp.concatenate([k_nope, k_rot], axis=-1)
         v = jnp.pad(v, ((0, 0), (0, 0), (0, dn + dr - dv)))  # the cache holds D = Dn + Dr
-        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
-        o = paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            md,
-            sm_scale=self.scale,
-            sliding_window=self.sliding_window,
-            soft_cap=None,
+        o, kv = write_and_attend(
+            q, k, v, kv, md, sm_scale=self.scale, sliding_window=self.sliding_window, soft_cap=None
         )
-        return self.o_proj(o[..., :dv].reshape(t, hq * dv)), (k_cache, v_cache)
+        return self.o_proj(o[..., :dv].reshape(t, hq * dv)), kv

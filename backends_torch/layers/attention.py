@@ -280,7 +280,7 @@ QUANT_KV_BACKENDS = ("torch_ref", "torch_batched", "triton")
 
 
 def check_kv_cache_dtype(
-    kv_cache_dtype: str, backend_name: str, device: torch.device, families: list[str]
+    kv_cache_dtype: str, backend_name: str, device: torch.device
 ) -> torch.dtype | None:
     """The cache code dtype for `kv_cache_dtype` (None for "auto"); a clear ValueError at start-up
     for combinations that are not implemented (rather than wrong results later)."""
@@ -293,11 +293,6 @@ def check_kv_cache_dtype(
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} is not supported by attention backend "
             f"{backend_name!r} (supported: {', '.join(QUANT_KV_BACKENDS)})"
-        )
-    if "mla" in families:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported for MLA models (family 'mla') "
-            "on the torch backend; use kv_cache_dtype='auto'"
         )
     if (
         code == torch.float8_e4m3fn
