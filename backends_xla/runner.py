@@ -83,6 +83,7 @@ class _ReqState:
     seed: int  # uint32 sampling seed: the request's own or drawn once by the runner
     output_counts: np.ndarray | None = None  # i32 [V], kept only when penalties are on
     prompt_mask: np.ndarray | None = None  # bool [V], kept only when penalties are on
+    pending_row: int = -1  # row of the last launch's tokens holding this request's PENDING one
 
     @property
     def num_output(self) -> int:
@@ -103,11 +104,30 @@ class _Batch:
     # i32 [R * (1 + K)]: rows [0, R) = last token of each request in T; with speculation
     # (K drafts max) rows R + i*K + j = draft position j of request i (padding: its last token).
     logits_indices: np.ndarray
+    # i32 [R] each (async scheduling): input_ids[feed_dst[k]] = previous launch's tokens
+    # [feed_src[k]] on the device; feed_dst = T (out of range) for unused entries.
+    feed_dst: np.ndarray
+    feed_src: np.ndarray
     req_ids: list[str] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # first position computed this step
     counts: list[int] = field(default_factory=list)  # tokens computed this step
     sampling: list[bool] = field(default_factory=list)  # chunk reaches the end of known tokens
     drafts: list[list[int]] = field(default_factory=list)  # speculative drafts per request
+
+
+# Placeholder token id (async scheduling): sampled by a launched step not read back yet.
+PENDING = -1
+NAN_ERROR = "the model produced NaN logits"
+
+
+@dataclass
+class _Launched:
+    """A launched step: its output so far; for a deferred SAMPLE step, the device results and
+    (request id, state, index of its PENDING token, batch row) for `finish` to fill in."""
+
+    out: RunnerOutput
+    res: SamplerOutput | None = None
+    pending: list[tuple[str, _ReqState, int, int]] = field(default_factory=list)
 
 
 class XlaModelRunner:
@@ -154,6 +174,9 @@ class XlaModelRunner:
         self.requests: dict[str, _ReqState] = {}
         self._seed_rng = np.random.default_rng(config.model.seed)
         self._replicated = NamedSharding(self.mesh, P())
+        # The last SAMPLE program's tokens, padded to max_num_seqs (async scheduling feeds them
+        # to the next forward); zeros before the first step.
+        self._last_tokens = jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._replicated)
         kv_axis = "model" if kv_heads_sharded(spec, self.mesh) else None
         self._kv_sharding = NamedSharding(self.mesh, P(None, None, kv_axis, None))
         # One layer's cache tuple: (k, v), or (k codes, v codes, k scales, v scales) with the
@@ -187,7 +210,9 @@ class XlaModelRunner:
         )  # fmt: skip
         graphdef, rep = self.graphdef, self._replicated
 
-        def forward(state, kv_caches, input_ids, positions, md, logits_indices):  # noqa: ANN001, ANN202
+        def forward(state, kv_caches, input_ids, positions, md, logits_indices, feed):  # noqa: ANN001, ANN202
+            prev, dst, src = feed  # async scheduling: inputs still on the device
+            input_ids = input_ids.at[dst].set(prev[src], mode="drop")
             model = nnx.merge(graphdef, state)
             hidden, kv_caches = model(input_ids, positions, kv_caches, md)
             # Pin shardings so the donated cache and the next programs' inputs always match.
@@ -203,7 +228,9 @@ class XlaModelRunner:
 
         def logits_and_sample(state, rows, st):  # noqa: ANN001, ANN202
             b = st.temperature.shape[0]  # the request bucket; rows is [R, H]
-            return sample(nnx.merge(graphdef, state).compute_logits(rows[:b]), st)
+            res = sample(nnx.merge(graphdef, state).compute_logits(rows[:b]), st)
+            # The tokens padded to R rows: the next forward's `feed` (one shape for every b).
+            return res, jnp.pad(res.token_ids.astype(jnp.int32), (0, self.max_num_seqs - b))
 
         r, k = self.max_num_seqs, self.num_spec_tokens
 
@@ -395,7 +422,39 @@ class XlaModelRunner:
             self.draft.shutdown()
 
     # ---------------------------------------------------------------- one step
+    @property
+    def prefers_async_scheduling(self) -> bool:
+        """JAX dispatch returns before the device is done; on TPU/GPU the engine's host work
+        for the next step then overlaps the device (single host only)."""
+        return self.platform != "cpu" and self.multihost is None
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.finish(self._launch(scheduler_output, defer=False))
+
+    def launch(self, scheduler_output: SchedulerOutput) -> _Launched:
+        """Dispatch one step; a plain SAMPLE step's tokens are read by `finish` (runner.py)."""
+        return self._launch(scheduler_output, defer=self.multihost is None)
+
+    def finish(self, launched: _Launched) -> RunnerOutput:
+        """Read a deferred step's tokens back; fill its PENDING placeholders."""
+        h, out = launched, launched.out
+        if not h.pending:
+            return out
+        res = jax.device_get(h.res)
+        for rid, r, idx, i in h.pending:
+            if res.has_nan[i]:
+                out.errors[rid] = NAN_ERROR
+                continue
+            tok = int(res.token_ids[i])
+            if self.requests.get(rid) is r:  # else finished/preempted since: nothing to fill
+                r.token_ids[idx] = tok
+            out.sampled_token_ids[rid] = [tok]
+            if r.params.logprobs is not None:
+                out.logprobs[rid] = self._logprobs(res, r, i, 1)
+        h.pending, h.res = [], None
+        return out
+
+    def _launch(self, scheduler_output: SchedulerOutput, defer: bool) -> _Launched:
         so = scheduler_output
         if self.multihost is not None:  # host 0: the followers run this step too
             self.multihost.before_execute(so)
@@ -412,13 +471,15 @@ class XlaModelRunner:
             )
         self._update_states(so)
         out = RunnerOutput()
+        launched = _Launched(out)
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
-            return out
+            return launched
         batch = self._prepare(so)
         rows_h, hidden = self._forward(batch)
         if any(batch.drafts):
             self._verify_step(so, batch, rows_h, hidden, out)
-            return self._propose_drafts(batch, out)
+            self._propose_drafts(batch, out)
+            return launched
         b = pick_bucket(self.seq_buckets, len(batch.req_ids))
         rows = [
             self.requests[r] if s else None
@@ -430,16 +491,47 @@ class XlaModelRunner:
         )
         with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
         st = self._sampling_tensors(rows, batch.req_ids, b, extras, with_lp, so.grammar_bitmask)
-        res = jax.device_get(self._program(SAMPLE, b)(self.state, rows_h, st))
+        res, self._last_tokens = self._program(SAMPLE, b)(self.state, rows_h, st)
+        if defer and self._deferrable(batch, rows):
+            self._defer(batch, res, launched)
+            return launched
+        res = jax.device_get(res)
         self._prompt_logprobs(batch, hidden, out)
         self._emit(batch, res, out, lambda i: [int(res.token_ids[i])], lambda i: i)
-        return self._propose_drafts(batch, out)
+        self._propose_drafts(batch, out)
+        return launched
 
-    def _propose_drafts(self, batch: _Batch, out: RunnerOutput) -> RunnerOutput:
+    def _deferrable(self, batch: _Batch, rows: list[_ReqState | None]) -> bool:
+        """Tokens may stay on the device: nothing this step reads them on the host (no draft
+        model, no prompt logprobs, no penalties whose counts the host keeps)."""
+        if self.draft is not None:
+            return False
+        for r in rows:
+            if r is not None and (
+                r.output_counts is not None or r.params.prompt_logprobs is not None
+            ):
+                return False
+        return True
+
+    def _defer(self, batch: _Batch, res: SamplerOutput, launched: _Launched) -> None:
+        """Bookkeeping of `_emit` without the tokens: each sampling request gets a PENDING token
+        (row i of this launch's tokens), fed to the next launch on the device."""
+        launched.res = res
+        for i, rid in enumerate(batch.req_ids):
+            r = self.requests[rid]
+            r.num_computed += batch.counts[i]
+            if not batch.sampling[i]:
+                launched.out.sampled_token_ids[rid] = []
+                continue
+            launched.pending.append((rid, r, len(r.token_ids), i))
+            r.token_ids.append(PENDING)
+            r.num_computed = len(r.token_ids) - 1
+            r.pending_row = i
+
+    def _propose_drafts(self, batch: _Batch, out: RunnerOutput) -> None:
         """With a draft model: its catch-up and proposals for the next step (draft.py)."""
         if self.draft is not None:
             out.spec_token_ids = self.draft.propose(batch, out)
-        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -485,7 +577,7 @@ class XlaModelRunner:
                 f"{len(items)} requests in one step exceed max_num_seqs {self.max_num_seqs}"
             )
         batch = self._dummy_batch(pick_bucket(self.token_buckets, total))
-        s, off = self.block_size, 0
+        s, off, num_feeds = self.block_size, 0, 0
         for i, (rid, n) in enumerate(items):
             r = self.requests[rid]
             c = r.num_computed
@@ -508,6 +600,10 @@ class XlaModelRunner:
                 )
             pos = np.arange(c, c + n, dtype=np.int32)
             batch.input_ids[off : off + n] = known[c : c + n]
+            if known[c + n - 1] == PENDING:  # sampled by the launch still in flight
+                batch.feed_dst[num_feeds] = off + n - 1
+                batch.feed_src[num_feeds] = r.pending_row
+                num_feeds += 1
             batch.positions[off : off + n] = pos
             batch.slot_mapping[off : off + n] = blocks[pos // s] * s + pos % s
             batch.kv_lens[i] = c + n
@@ -531,18 +627,19 @@ class XlaModelRunner:
         z, r = np.zeros, self.max_num_seqs
         return _Batch(z(t, np.int32), z(t, np.int32), np.full(t, -1, np.int32), z(r, np.int32),
                       z((r, self.max_blocks_per_seq), np.int32), z(r + 1, np.int32), z(1, np.int32),
-                      z(self.num_rows, np.int32))  # fmt: skip
+                      z(self.num_rows, np.int32), np.full(r, t, np.int32), z(r, np.int32))  # fmt: skip
 
     def _put(self, tree):  # noqa: ANN001, ANN202
         """Host arrays -> replicated device arrays (one sharding always, as compiled)."""
         return jax.device_put(tree, self._replicated)
 
     def _device_inputs(self, batch: _Batch) -> tuple:
-        ids, pos, slots, kv_lens, tables, cu, ns, li = self._put(
+        ids, pos, slots, kv_lens, tables, cu, ns, li, dst, src = self._put(
             (batch.input_ids, batch.positions, batch.slot_mapping, batch.kv_lens, batch.block_tables,
-             batch.cu_q_lens, batch.num_seqs, batch.logits_indices)
+             batch.cu_q_lens, batch.num_seqs, batch.logits_indices, batch.feed_dst, batch.feed_src)
         )  # fmt: skip
-        return ids, pos, AttentionMetadata(slots, kv_lens, tables, cu, ns, mesh=self.mesh), li
+        md = AttentionMetadata(slots, kv_lens, tables, cu, ns, mesh=self.mesh)
+        return ids, pos, md, li, (self._last_tokens, dst, src)
 
     def _forward(self, batch: _Batch) -> tuple[jax.Array, jax.Array]:
         """Run the model; keeps the (donated) cache; returns last-token rows [R, H], hidden [T, H]."""
@@ -697,7 +794,7 @@ class XlaModelRunner:
                 out.sampled_token_ids[rid] = []
                 continue
             if res.has_nan[i]:
-                out.errors[rid] = "the model produced NaN logits"
+                out.errors[rid] = NAN_ERROR
                 continue
             toks = tokens(i)
             for tok in toks:
@@ -706,16 +803,20 @@ class XlaModelRunner:
             r.num_computed = len(r.token_ids) - 1
             out.sampled_token_ids[rid] = toks
             if r.params.logprobs is not None:
-                m = 1 + r.params.logprobs
-                lo = first_row(i)
-                out.logprobs[rid] = [
-                    TokenLogprobs(
-                        res.logprob_ids[j, :m].tolist(),
-                        res.logprobs[j, :m].tolist(),
-                        int(res.ranks[j]),
-                    )
-                    for j in range(lo, lo + len(toks))
-                ]
+                out.logprobs[rid] = self._logprobs(res, r, first_row(i), len(toks))
+
+    @staticmethod
+    def _logprobs(
+        res: SamplerOutput | VerifyOutput, r: _ReqState, lo: int, n: int
+    ) -> list[TokenLogprobs]:
+        """The request's TokenLogprobs of result rows lo .. lo + n - 1 (host arrays)."""
+        m = 1 + r.params.logprobs
+        return [
+            TokenLogprobs(
+                res.logprob_ids[j, :m].tolist(), res.logprobs[j, :m].tolist(), int(res.ranks[j])
+            )
+            for j in range(lo, lo + n)
+        ]
 
     def _prompt_logprobs(self, batch: _Batch, hidden: jax.Array, out: RunnerOutput) -> None:
         """Logprobs of prompt tokens whose preceding position was computed this step."""

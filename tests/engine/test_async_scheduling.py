@@ -129,12 +129,47 @@ def test_async_refused_where_unsupported(tiny_model_dir) -> None:  # noqa: ANN00
             async_scheduling="on",
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
-    with pytest.raises(ValueError, match="async_scheduling='on' is not supported.*'xla'"):
-        LLM(model=tiny_model_dir("llama"), backend="xla", async_scheduling="on")
+    with pytest.raises(ValueError, match="async_scheduling='on' is not supported.*offload"):
+        LLM(model=DEMO_MODEL_DIR, async_scheduling="on", kv_offload_bytes=1 << 20)
     with pytest.raises(ValueError, match="async_scheduling must be one of"):
         LLM(model=DEMO_MODEL_DIR, async_scheduling="sometimes")
     # "auto" stays synchronous on the CPU (no device to overlap with).
     assert LLM(model=DEMO_MODEL_DIR).llm_engine._async is False
+
+
+def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001
+    """XLA: the SAMPLE program's tokens stay on the device and the next forward reads them
+    (PENDING inputs); same tokens as synchronous stepping, also with seeded sampling, logprobs
+    and penalties (those steps read tokens at once), and no compilation after start-up."""
+    model = tiny_model_dir("llama")
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(8)]
+    params = []
+    for i in range(8):
+        kw: dict = dict(max_tokens=3 + 5 * (i % 4))
+        if i % 4 == 1:
+            kw.update(temperature=0.8, seed=i)
+        elif i % 4 == 2:
+            kw.update(temperature=0.0, logprobs=2)
+        params.append(SamplingParams(**kw))
+    got = {}
+    for mode in ("off", "on"):
+        llm = LLM(
+            model=model, backend="xla", async_scheduling=mode, max_num_seqs=4,
+            max_num_batched_tokens=32, num_kv_blocks=256, enforce_eager=True,
+        )  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got[mode] = [
+            (o.outputs[0].token_ids, [e and sorted(e.items()) for e in o.outputs[0].logprobs or []])
+            for o in outs
+        ]
+        if mode == "on":
+            eng = llm.llm_engine
+            assert eng.num_overlapped_steps > 5
+    assert got["on"] == got["off"]
+    with_pen = [SamplingParams(max_tokens=8, repetition_penalty=1.2)] * 2
+    llm = LLM(model=model, backend="xla", async_scheduling="on", max_num_seqs=4,
+              max_num_batched_tokens=32, num_kv_blocks=256, enforce_eager=True)  # fmt: skip
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(prompts[:2], with_pen)] == [8, 8]
 
 
 @pytest.mark.gpu
