@@ -309,8 +309,10 @@ class CudaStepRunner:
 
 
 def _feed(ids: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-    """ids[index] = tokens[rows] on the device, stream-ordered after the upload (no host sync)."""
-    ids[index.long()] = tokens[rows.long()].to(ids.dtype)
+    """ids[index] = tokens[rows] on the device, stream-ordered after the upload (no host sync:
+    gather + scatter_, not advanced-index assignment)."""
+    rows, index = rows.long(), index.long()
+    ids.scatter_(0, index, tokens.gather(0, rows).to(ids.dtype))
 
 
 def _fill_table(dst: np.ndarray, tables: list[list[int]]) -> None:

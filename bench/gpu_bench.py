@@ -215,6 +215,25 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
         return r
 
     engine.step = timed_step
+    # Host-time split (where a step's wall time goes): each wrapped call's total seconds.
+    parts: dict[str, float] = {}
+    undo = []
+    for owner, name in ((engine.scheduler, "schedule"), (engine, "_process"),
+                        (engine.runner, "execute"), (engine.runner, "launch"),
+                        (engine.runner, "finish")):  # fmt: skip
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+
+        def wrapped(*a, _fn=fn, _name=name, **kw):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                parts[_name] = parts.get(_name, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, wrapped)
+        undo.append((owner, name))
     sp = SamplingParams(max_tokens=out, min_tokens=out, temperature=0.0, ignore_eos=True)
     walls, toks = [], []
     try:
@@ -228,6 +247,8 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
             assert toks[-1] == n * out, toks[-1]
     finally:
         engine.step = inner
+        for owner, name in undo:
+            delattr(owner, name)
     wall = _median(walls)
     return {
         "num_prompts": n,
@@ -239,6 +260,9 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
         "total_tokens_per_s": n * (inp + out) / wall,
         "steps_last_run": counter["steps"],
         "mean_step_ms_last_run": 1e3 * counter["time"] / max(counter["steps"], 1),
+        # ms per step inside each part (all runs): schedule, runner launch / finish (finish
+        # waits for the device) or execute, engine output processing.
+        "per_step_ms": {k: 1e3 * v / max(counter["steps"], 1) / repeats for k, v in parts.items()},
     }
 
 
@@ -344,6 +368,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "ngram": ({"speculative_config": NGRAM}, "repetitive"),
     "xla_batch": ({"backend": "xla"}, "batch1+offline"),
     "sync": ({"async_scheduling": "off"}, "offline"),
+    "async": ({"async_scheduling": "on"}, "offline"),
+    "sync_b1": ({"async_scheduling": "off"}, "batch1"),
+    "async_b1": ({"async_scheduling": "on"}, "batch1"),
 }
 
 
@@ -376,6 +403,9 @@ def _repetitive(llm: Any, repeats: int, vocab: int) -> dict[str, Any]:
 
 
 def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     extra, what = VARIANTS[args.variant]
     from xlaserve import LLM
 

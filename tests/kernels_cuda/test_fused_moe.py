@@ -208,10 +208,15 @@ def test_tiny_moe_model_greedy_tokens_match_reference(arch, tmp_path, monkeypatc
 @pytest.mark.parametrize("t", [1, 64, 512])
 def test_gpu_mixtral_shapes(t):
     # Mixtral-8x7B MoE layer: E 8, top-2, H 4096, I 14336, bf16.
+    # bf16 outputs reach ~9 here; the bf16 torch reference itself is 0.044 (max abs) / 0.42%
+    # (norm) off the fp32 result on these inputs, so both are held against fp32 by norm.
     args = _problem(t, 8, 2, 4096, 14336, torch.bfloat16, seed=t, scale=0.02)
-    out = fused_experts(*_to("cuda", *args))
-    ref = fused_experts_ref(*_to("cuda", *args))
-    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    out = fused_experts(*_to("cuda", *args)).float()
+    ref = fused_experts_ref(*_to("cuda", *args)).float()
+    exact = _ref_fp32(*_to("cuda", *args))
+    for got in (out, ref):
+        assert float((got - exact).norm() / exact.norm()) < 1e-2
+    assert float((out - exact).abs().max()) < 4 * float((ref - exact).abs().max()) + 1e-3
 
 
 @pytest.mark.gpu
