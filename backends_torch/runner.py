@@ -40,6 +40,7 @@ from xlaserve.backends_torch.layers.attention import (
 )
 from xlaserve.backends_torch.models import get_model_class
 from xlaserve.backends_torch.sampler import (
+    PinnedRing,
     Sampler,
     SamplingRow,
     argmax_only_step,
@@ -152,6 +153,7 @@ class TorchModelRunner:
         # The last deferred launch's argmax tokens [R] (feeds PENDING inputs of the next launch).
         self._last_argmax: torch.Tensor | None = None
         self.num_deferred_steps = 0  # steps whose tokens were left on the device by launch
+        self._token_ring: PinnedRing | None = None  # pinned host slots for deferred tokens
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
         self.kv_offload = None
         self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
@@ -689,10 +691,12 @@ class TorchModelRunner:
         self.num_deferred_steps += 1
         flat = torch.cat([argmax_t, suspect_t.to(argmax_t.dtype)])
         if flat.is_cuda:
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            if self._token_ring is None:  # 4 slots: at most 2 launches are unread at once
+                r = self.config.scheduler.max_num_seqs  # rows: one per request (no drafts)
+                self._token_ring = PinnedRing(slots=4, nbytes=16 * r)
+            host, k = self._token_ring.take(flat.numel(), flat.dtype)
             host.copy_(flat, non_blocking=True)
-            launched.ready = torch.cuda.Event()
-            launched.ready.record()
+            launched.ready = self._token_ring.record(k)
         else:
             host = flat
         launched.host, launched.logits, launched.num_rows = host, logits, len(sample_b)

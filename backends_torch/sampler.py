@@ -81,13 +81,56 @@ def deferrable_step(params: SamplingParams, num_output: int, has_bitmask: bool) 
     )
 
 
+class PinnedRing:
+    """Preallocated pinned host buffers for small non-blocking copies, used round-robin. A slot
+    is reused only after the copy that last used it has finished (its event), and nothing is
+    allocated per step: allocating pinned memory (cudaHostAlloc) can synchronize the device,
+    which would undo async scheduling."""
+
+    def __init__(self, slots: int, nbytes: int) -> None:
+        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self.events: list[torch.cuda.Event | None] = [None] * slots
+        self.i = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
+        """A pinned [numel] view of the next slot and its index (None when it is too small)."""
+        k = self.i % len(self.bufs)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.bufs[k].numel():
+            return None
+        self.i += 1
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # long done: the slot was used len(bufs) copies ago
+        return self.bufs[k][:nbytes].view(dtype), k
+
+    def record(self, k: int) -> torch.cuda.Event:
+        """Mark slot k in use by the copy just enqueued on the current stream."""
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[k] = ev
+        return ev
+
+
+_STAGING: dict[torch.device, PinnedRing] = {}
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for the stream: through pinned memory
-    and a non-blocking copy on CUDA (a pageable copy would synchronize with queued kernels)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    """A small host list on the device without waiting for the stream: through a preallocated
+    pinned buffer and a non-blocking copy on CUDA (a pageable copy would synchronize with the
+    queued kernels)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    ring = _STAGING.get(device)
+    if ring is None:
+        ring = _STAGING[device] = PinnedRing(slots=64, nbytes=1 << 16)
+    slot = ring.take(len(values), dtype)
+    if slot is None:  # larger than a slot (rare): a one-off pinned copy
+        return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    host, k = slot
+    host.copy_(torch.tensor(values, dtype=dtype))
+    out = host.to(device, non_blocking=True)
+    ring.record(k)
+    return out
 
 
 def argmax_only(row: SamplingRow) -> bool:
