@@ -454,12 +454,6 @@ class TorchModelRunner:
         pos_t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev)
         return input_ids, pos_t, md
 
-    @property
-    def prefers_async_scheduling(self) -> bool:
-        """On CUDA a launch returns before the GPU is done, so the engine's host work for the
-        next step overlaps it; on the CPU every op runs to completion anyway."""
-        return self.device.type == "cuda"
-
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self._launch(scheduler_output, defer=False).out
 

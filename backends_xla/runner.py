@@ -422,12 +422,6 @@ class XlaModelRunner:
             self.draft.shutdown()
 
     # ---------------------------------------------------------------- one step
-    @property
-    def prefers_async_scheduling(self) -> bool:
-        """JAX dispatch returns before the device is done; on TPU/GPU the engine's host work
-        for the next step then overlaps the device (single host only)."""
-        return self.platform != "cpu" and self.multihost is None
-
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.finish(self._launch(scheduler_output, defer=False))
 

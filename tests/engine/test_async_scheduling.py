@@ -133,7 +133,7 @@ def test_async_refused_where_unsupported(tiny_model_dir) -> None:  # noqa: ANN00
         LLM(model=DEMO_MODEL_DIR, async_scheduling="on", kv_offload_bytes=1 << 20)
     with pytest.raises(ValueError, match="async_scheduling must be one of"):
         LLM(model=DEMO_MODEL_DIR, async_scheduling="sometimes")
-    # "auto" stays synchronous on the CPU (no device to overlap with).
+    # "auto" is synchronous (async is opt-in until it measures faster on the GPU).
     assert LLM(model=DEMO_MODEL_DIR).llm_engine._async is False
 
 
