@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
-from xlaserve.quantization.numpy_quant import FP8_E4M3
+from xlaserve.quantization.numpy_quant import FP8_E4M3, FP8_MAX
 from xlaserve.quantization.scheme import check_fp8_support
 
 
@@ -338,12 +338,12 @@ class QuantLinear(nn.Module):
         w = linear.weight
         q = cls(linear.in_features, linear.out_features, linear.bias is not None, scheme,
                 w.dtype, w.device)  # fmt: skip
-        tensors = quantize_weight(
-            scheme.method, w.detach().float().cpu().numpy(), scheme.group_size
-        )
-        with torch.no_grad():
-            for name, arr in tensors.items():
-                getattr(q, name).copy_(_np_for_torch(arr).to(w.device))
+        with torch.no_grad():  # on the weight's device: no host round trip of every weight
+            tensors = quantize_weight_torch(
+                scheme.method, w.detach().float(), getattr(q, "group", 0)
+            )
+            for name, t in tensors.items():
+                getattr(q, name).copy_(t)
             if linear.bias is not None:
                 q.bias.copy_(linear.bias)
         return q
@@ -392,6 +392,34 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, method={self.method}"
+
+
+def quantize_weight_torch(method: str, w: torch.Tensor, group: int = 0) -> dict[str, torch.Tensor]:
+    """`xlaserve.quantization.quantize_weight` in torch, on w's device, with the same rounding
+    (round half to even) and the same canonical layouts: W [N, K] float32 -> {"qweight",
+    "scales"[, "qzeros"]}; fp8 codes as their uint8 bits. group: the int4 group size."""
+    if method in ("int8", "fp8"):
+        top = 127.0 if method == "int8" else FP8_MAX
+        amax = w.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+        x = w / s[:, None]
+        if method == "int8":
+            q = torch.round(x).clamp_(-127, 127).to(torch.int8)
+        else:
+            q = x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        return {"qweight": q, "scales": s}
+    if method == "int4":
+        n, k = w.shape
+        wg = w.reshape(n, k // group, group)
+        lo = wg.amin(dim=2).clamp(max=0.0)
+        hi = wg.amax(dim=2).clamp(min=0.0)
+        s = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
+        z = torch.round(-lo / s).clamp_(0, 15)
+        q = (torch.round(wg / s[:, :, None]) + z[:, :, None]).clamp_(0, 15).to(torch.uint8)
+        qg = q.reshape(n, k // group, 2, group // 2)  # group half-split packing (numpy_quant)
+        packed = (qg[:, :, 0, :] | (qg[:, :, 1, :] << 4)).reshape(n, k // 2)
+        return {"qweight": packed, "scales": s, "qzeros": z.to(torch.uint8)}
+    raise ValueError(f"unknown quantization method {method!r}")
 
 
 def _np_for_torch(a: np.ndarray) -> torch.Tensor:

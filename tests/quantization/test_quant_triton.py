@@ -90,3 +90,24 @@ def test_errors() -> None:
             torch.ones(8, 3, device=DEV),
             torch.zeros(8, 3, dtype=torch.uint8, device=DEV),
         )
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_torch_quantizer_equals_numpy(method: str) -> None:
+    """quantize_weight_torch (dummy weights are quantized on their device) gives the canonical
+    numpy quantizer's tensors bit for bit, ties and all-zero rows included."""
+    from xlaserve.backends_torch.layers.linear import quantize_weight_torch
+    from xlaserve.quantization import quantize_weight
+    from xlaserve.quantization.numpy_quant import int4_group_size
+
+    g = np.random.default_rng(3)
+    w = g.standard_normal((48, 256)).astype(np.float32)
+    w[5] = 0.0  # scale 1 path
+    w[7, :8] = [0.5, -0.5, 1.5, -2.5, 127.0, -127.0, 3.0, 0.0]  # exact halves after scaling
+    group = int4_group_size(256, 128) if method == "int4" else 0
+    ref = quantize_weight(method, w, 128)
+    got = quantize_weight_torch(method, torch.from_numpy(w), group)
+    assert sorted(got) == sorted(ref)
+    for name, arr in ref.items():
+        want = arr.view(np.uint8) if method == "fp8" and name == "qweight" else arr  # fp8 bits
+        np.testing.assert_array_equal(got[name].numpy(), want, err_msg=f"{method} {name}")
