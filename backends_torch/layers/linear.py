@@ -422,13 +422,6 @@ def quantize_weight_torch(method: str, w: torch.Tensor, group: int = 0) -> dict[
     raise ValueError(f"unknown quantization method {method!r}")
 
 
-def _np_for_torch(a: np.ndarray) -> torch.Tensor:
-    """numpy (incl. ml_dtypes float8) -> torch CPU tensor; fp8 as its uint8 bits."""
-    if a.dtype == FP8_E4M3:
-        a = a.view(np.uint8)
-    return torch.from_numpy(np.array(a, copy=True))
-
-
 def torch_quant_scheme(
     config: object, spec: object, device: torch.device | str
 ) -> QuantScheme | None:
