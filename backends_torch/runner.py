@@ -46,6 +46,7 @@ from xlaserve.backends_torch.sampler import (
     argmax_only_step,
     deferrable_step,
     is_plain_greedy,
+    to_device,
     token_logprobs,
 )
 from xlaserve.config import EngineConfig
@@ -604,7 +605,9 @@ class TorchModelRunner:
             row_idx.extend(range(qsl[b + 1] - 1 - d, qsl[b + 1]))
         r_total = len(row_idx)
         # A pure decode step samples every row of `hidden`: no gather copy.
-        h = hidden if r_total == hidden.shape[0] else hidden[torch.tensor(row_idx, device=dev)]
+        # A pageable torch.tensor(..., device=cuda) copy would wait for the queued forward (a
+        # prefill step's whole compute), stalling async scheduling: pinned, non-blocking upload.
+        h = hidden if r_total == hidden.shape[0] else hidden[to_device(row_idx, torch.long, dev)]
         logits = self.model.compute_logits(h)  # [R, V]
         # Fast path: only plain greedy requests (sampler.is_plain_greedy; no drafts, bitmask or
         # active min_tokens masking): tokens are the argmax of the raw logits, no SamplingRows.

@@ -422,6 +422,13 @@ class XlaModelRunner:
             self.draft.shutdown()
 
     # ---------------------------------------------------------------- one step
+    @property
+    def async_by_default(self) -> bool:
+        """async_scheduling="auto": on for a single host. JAX dispatch returns before the
+        device is done, so the host work of the next step overlaps it (measured on the CPU:
+        1.23x at batch 1, 1.13x at batch 8, `python -m xlaserve.bench.async_ab`)."""
+        return self.multihost is None
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.finish(self._launch(scheduler_output, defer=False))
 

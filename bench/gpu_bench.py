@@ -79,7 +79,8 @@ TINY = {
 
 
 def write_model_dir(path: str, num_layers: int = 32, tiny: bool = False) -> str:
-    """config.json (Llama-3.1-8B shape, `num_layers` layers) + a tiny BPE tokenizer.json."""
+    """config.json (Llama-3.1-8B shape, `num_layers` layers) + a small BPE tokenizer.json whose
+    vocab covers the model's (added tokens past the trained merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     os.makedirs(path, exist_ok=True)
@@ -98,6 +99,10 @@ def write_model_dir(path: str, num_layers: int = 32, tiny: bool = False) -> str:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer)
+    # Every id of the model's vocab decodes to text (random prompts and random-weight outputs
+    # use all of it): ids past the trained BPE are added tokens "<tN>". With ids that decode
+    # to nothing the incremental detokenizer never advances its window, which is unrealistic.
+    tok.add_tokens([f"<t{i}>" for i in range(tok.get_vocab_size(), cfg["vocab_size"])])
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(
@@ -236,13 +241,16 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
         undo.append((owner, name))
     sp = SamplingParams(max_tokens=out, min_tokens=out, temperature=0.0, ignore_eos=True)
     walls, toks = [], []
+    hot: list[dict[str, Any]] = []
     try:
         for r in range(repeats):
             prompts = [{"prompt_token_ids": p} for p in _prompts(n, inp, vocab, 100 + r)]
             counter.update(steps=0, time=0.0)
+            prof = _cprofile_start(r == repeats - 1)
             t = time.perf_counter()
             res = llm.generate(prompts, sp, use_tqdm=False)
             walls.append(time.perf_counter() - t)
+            hot = _cprofile_stop(prof)
             toks.append(sum(len(o.outputs[0].token_ids) for o in res))
             assert toks[-1] == n * out, toks[-1]
     finally:
@@ -263,7 +271,40 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
         # ms per step inside each part (all runs): schedule, runner launch / finish (finish
         # waits for the device) or execute, engine output processing.
         "per_step_ms": {k: 1e3 * v / max(counter["steps"], 1) / repeats for k, v in parts.items()},
+        "cprofile_last_run": hot,
     }
+
+
+def _cprofile_start(on: bool) -> Any:
+    """XLASERVE_BENCH_CPROFILE=1: profile the (last) offline run with cProfile, to find where
+    host time goes and where the host waits for the device (synchronize / tolist / copy_)."""
+    if not (on and os.environ.get("XLASERVE_BENCH_CPROFILE") == "1"):
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _cprofile_stop(prof: Any, top: int = 40) -> list[dict[str, Any]]:
+    """The `top` functions by own time: ms total, calls, cumulative ms."""
+    if prof is None:
+        return []
+    import pstats
+
+    prof.disable()
+    rows = [
+        {
+            "fn": f"{os.path.basename(file)}:{line}:{name}",
+            "tottime_ms": round(1e3 * tt, 1),
+            "cumtime_ms": round(1e3 * ct, 1),
+            "calls": nc,
+        }
+        for (file, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()
+    ]
+    rows.sort(key=lambda r: -r["tottime_ms"])
+    return rows[:top]
 
 
 def _graph_replay_ms(llm: Any) -> dict[str, float]:
@@ -427,6 +468,9 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
     if what.startswith("batch1"):
         res["batch1"] = _batch1(llm, args.repeats, vocab)
         _save_partial(args, res)
+        if kw.get("backend") != "xla":
+            res["kernel_profile"] = _kernel_profile(llm, buckets=(1,))
+            _save_partial(args, res)
     if what == "repetitive":
         res["repetitive"] = _repetitive(llm, args.repeats, vocab)
     if what.endswith("offline"):

@@ -8,8 +8,10 @@ checkpoint is never held twice in host memory.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +76,7 @@ def _dummy_weights(
     seed: int,
     quant: QuantScheme | None = None,
     qlayers: dict[str, tuple[int, int]] | None = None,
-) -> Iterator[tuple[str, np.ndarray]]:
+) -> Iterator[tuple[str, np.ndarray | _DeviceNormal]]:
     """Random weights of the right shapes (norm weights 1 - offset, biases 0, matrices N(0, 0.02));
     quantized layers get a random float [N, K] weight quantized like a checkpoint's."""
     rng = np.random.default_rng(seed)
@@ -93,8 +95,32 @@ def _dummy_weights(
             yield name, np.full(shape, 1.0 - spec.norm_weight_offset, np.float32)
         elif name.endswith(".bias"):
             yield name, np.zeros(shape, np.float32)
-        else:
-            yield name, rng.normal(0.0, 0.02, shape).astype(np.float32)
+        else:  # drawn on the device (host numpy draws took minutes for an 8B model)
+            yield name, _DeviceNormal(shape, int(rng.integers(0, 2**31 - 1)))
+
+
+@dataclass(frozen=True)
+class _DeviceNormal:
+    """A dummy weight N(0, 0.02) of `shape`, drawn by jax.random on the devices of its sharding
+    (no host array, no host-to-device copy)."""
+
+    shape: tuple[int, ...]
+    seed: int
+
+    def materialize(self, dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
+        return _normal_fn(self.shape, np.dtype(dtype), sharding)(jax.random.key(self.seed))
+
+
+@functools.cache
+def _normal_fn(
+    shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding
+) -> Callable[[jax.Array], jax.Array]:
+    """One compiled sampler per (shape, dtype, sharding): a model has a handful of shapes."""
+
+    def draw(key: jax.Array) -> jax.Array:
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    return jax.jit(draw, out_shardings=sharding)
 
 
 def xla_quant_scheme(requested: str | None, spec: ModelSpec) -> QuantScheme | None:
@@ -216,10 +242,12 @@ def load_model(
                 f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, model expects {want}"
             )
         # Each parameter's own dtype: the model dtype, or a quantized layer's int / f32 / fp8.
-        loaded[name] = jax.device_put(
-            arr.astype(np.dtype(var.get_value().dtype), copy=False),
-            param_sharding(name, var, spec, mesh, expert_parallel),
-        )
+        dt = np.dtype(var.get_value().dtype)
+        sharding = param_sharding(name, var, spec, mesh, expert_parallel)
+        if isinstance(arr, _DeviceNormal):
+            loaded[name] = arr.materialize(dt, sharding)
+        else:
+            loaded[name] = jax.device_put(arr.astype(dt, copy=False), sharding)
     missing = sorted(set(flat) - set(loaded))
     if missing:
         raise ValueError(

@@ -119,9 +119,9 @@ class SchedulerConfig:
     max_num_waiting: int | None = None
     # What preemption does with a request's blocks: "recompute" or "swap" (host tier).
     preemption_mode: str = "recompute"
-    # Schedule step N+1 while step N runs on the device: "on", "off", "auto" (= off until the
-    # async path measures faster on the GPU). Not with speculative decoding or KV offload;
-    # steps fall back to synchronous while a structured-output request runs.
+    # Schedule step N+1 while step N runs on the device: "on", "off", "auto" (on for the XLA
+    # backend on one host; off for torch until it measures faster on the GPU). Not with
+    # speculative decoding or KV offload; synchronous while a structured-output request runs.
     async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:

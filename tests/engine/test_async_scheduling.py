@@ -133,8 +133,9 @@ def test_async_refused_where_unsupported(tiny_model_dir) -> None:  # noqa: ANN00
         LLM(model=DEMO_MODEL_DIR, async_scheduling="on", kv_offload_bytes=1 << 20)
     with pytest.raises(ValueError, match="async_scheduling must be one of"):
         LLM(model=DEMO_MODEL_DIR, async_scheduling="sometimes")
-    # "auto" is synchronous (async is opt-in until it measures faster on the GPU).
+    # "auto": synchronous on torch (opt-in until it measures faster on the GPU), async on XLA.
     assert LLM(model=DEMO_MODEL_DIR).llm_engine._async is False
+    assert LLM(model=tiny_model_dir("llama"), backend="xla").llm_engine._async is True
 
 
 def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001

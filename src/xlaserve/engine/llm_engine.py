@@ -201,9 +201,9 @@ class LLMEngine:
         )
 
     def _use_async_scheduling(self) -> bool:
-        """scheduler.async_scheduling: "on", "off" or "auto". "auto" is off for now: on the H200
-        the async torch path measured slower than the synchronous one (bench/RESULTS.md), so it
-        is opt-in until it measures faster."""
+        """scheduler.async_scheduling: "on", "off" or "auto" = the runner's
+        `async_by_default` (measured, bench/RESULTS.md: on for XLA, 1.13-1.23x on the CPU;
+        off for torch, which measured slower on the H200 and gains nothing on the CPU)."""
         mode = self.config.scheduler.async_scheduling
         can = callable(getattr(self.runner, "launch", None))
         why = None
@@ -215,6 +215,8 @@ class LLMEngine:
             why = "KV offload copies blocks between steps"
         if mode == "on" and why is not None:
             raise ValueError(f"async_scheduling='on' is not supported here: {why}")
+        if mode == "auto":
+            return why is None and bool(getattr(self.runner, "async_by_default", False))
         return mode == "on"
 
     # ------------------------------------------------------------------ requests
