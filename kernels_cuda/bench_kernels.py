@@ -3,12 +3,15 @@
 Run on a CUDA machine: ``python -m xlaserve.kernels_cuda.bench_kernels --output-json out.json``
 (or ``python kernels_cuda/bench_kernels.py``). Times with CUDA events, median of ``--iters``
 after warm-up, and checks each kernel against its reference (max abs error) once per case.
-Self-contained: torch + triton only.
+Self-contained: torch + triton only (the MoE and quantized-GEMV benches borrow backends_torch).
+``--only qgemv`` sweeps the weight-only quantized GEMV configs (see `bench_qgemv`); the summary
+rows ("qgemv_best") print, every config's row goes to ``--output-json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -201,13 +204,238 @@ def bench_moe(dtype: torch.dtype, iters: int, check: bool) -> list[dict[str, Any
     return rows
 
 
+# ---- quantized GEMV sweep (--only qgemv) ---------------------------------------------------------
+
+# Llama-3.1-8B linears (N, K): fused qkv, o_proj, fused gate_up, down.
+QGEMV_SHAPES = (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
+                ("down", 4096, 14336))  # fmt: skip
+QGEMV_M = (1, 4, 8)
+# Candidate GemvTiles (block_n, block_k, split_k, num_warps[, bit_cvt]) per (format, M == 1);
+# block_k counts k's (int4 reads block_k / 2 bytes per row). Each config compiles once per M
+# (~0.5 s), so the grids stay small; the default config of every case is timed as well.
+# fmt: off
+_W8_M1 = [(8, 1024, 1, 4), (4, 1024, 1, 4), (16, 1024, 1, 4), (8, 2048, 1, 4), (16, 512, 1, 2),
+          (8, 256, 1, 1), (8, 256, 1, 4), (16, 2048, 1, 8), (8, 1024, 2, 4), (8, 1024, 4, 4)]
+_W8_MN = [(4, 256, 1, 4), (8, 256, 1, 4), (16, 256, 1, 4), (8, 256, 2, 4), (8, 1024, 1, 4),
+          (16, 256, 1, 8), (8, 512, 1, 2)]
+_I4_M1 = [(8, 2048, 1, 4), (4, 2048, 1, 4), (16, 2048, 1, 4), (8, 4096, 1, 4), (16, 1024, 1, 2),
+          (8, 512, 1, 1), (8, 1024, 1, 4), (16, 4096, 1, 8), (8, 2048, 2, 4), (8, 2048, 4, 4)]
+_I4_MN = [(4, 512, 1, 4), (8, 512, 1, 4), (16, 512, 1, 4), (8, 512, 2, 4), (8, 1024, 1, 4),
+          (16, 512, 1, 8), (4, 1024, 1, 4)]
+# fmt: on
+QGEMV_GRID: dict[tuple[str, bool], list[tuple]] = {
+    ("int8", True): [*_W8_M1, (8, 1024, 1, 4, False)],  # bit_cvt off: cvt instructions
+    ("int8", False): [*_W8_MN, (8, 256, 1, 4, False)],
+    ("fp8", True): _W8_M1,
+    ("fp8", False): _W8_MN,
+    ("int4", True): [*_I4_M1, (8, 2048, 1, 4, False)],
+    ("int4", False): [*_I4_MN, (8, 512, 1, 4, False)],
+}
+# Weight copies cycled through per timing so that every call streams from HBM, as in decode
+# (one layer's weights after another), not from the 50 MB L2 of an H200.
+_QGEMV_STREAM_BYTES = 256 << 20
+
+
+def _graph_ms(calls: list[Callable[[], Any]], iters: int) -> float:
+    """Median ms per call of `calls` run back to back, replayed from one CUDA graph: no CPU
+    launch gaps (decode runs graphs too), so microsecond kernels are timed, not the launcher."""
+    for call in calls:  # compile / warm up outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return time_ms(graph.replay, iters) / len(calls)
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(32, math.ceil(_QGEMV_STREAM_BYTES / max(nbytes, 1))))
+
+
+def _err_text(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def _qgemv_operands(
+    fmt: str, w: torch.Tensor, copies: int | None = None
+) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+    """The quantized operands of W [N, K] for `fmt` (int4: group 128), in `copies` copies
+    (default: as many as stream past the L2), and the weight bytes of one copy."""
+    from xlaserve.backends_torch.layers.linear import quantize_weight_torch
+
+    q = quantize_weight_torch(fmt, w, 128 if fmt == "int4" else 0)
+    names = ("qweight", "scales", "qzeros") if fmt == "int4" else ("qweight", "scales")
+    one = tuple(q[name] for name in names)
+    nbytes = sum(t.numel() * t.element_size() for t in one)
+    copies = _copies(nbytes) if copies is None else copies
+    return [one] + [tuple(t.clone() for t in one) for _ in range(copies - 1)], nbytes
+
+
+def _qgemv_prev_path(fmt: str, x: torch.Tensor, ops: tuple[torch.Tensor, ...]) -> Callable | None:
+    """The decode path the GEMV replaces: tl.dot tiles (int8 / int4), per-token _scaled_mm (fp8)."""
+    from xlaserve.backends_torch.layers.linear import fp8_linear_scaled_mm, fp8_supported
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    tiles = qm._tiles(x.shape[0])
+    if fmt == "int8":
+        return functools.partial(qm._int8_dot, x, ops[0], ops[1], tiles)
+    if fmt == "int4":
+        return functools.partial(qm._int4_dot, x, *ops, 128, tiles)
+    if fp8_supported(x.device):
+        return functools.partial(fp8_linear_scaled_mm, x, ops[0].view(torch.float8_e4m3fn), ops[1])
+    return None
+
+
+def _qgemv_case(
+    fmt: str,
+    x: torch.Tensor,
+    operands: list[tuple[torch.Tensor, ...]],
+    nbytes: int,
+    case: dict[str, Any],
+    iters: int,
+) -> list[dict[str, Any]]:
+    """Sweep one (format, M, shape): a "qgemv_config" row per config (the default first), then
+    the "qgemv_best" summary (fastest config whose output matches the reference)."""
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    fn = {"int8": qm.int8_matmul, "int4": qm.int4_matmul, "fp8": qm.fp8_weight_matmul}[fmt]
+    ref_fn = {"int8": qm.int8_matmul_ref, "int4": qm.int4_matmul_ref,
+              "fp8": qm.fp8_matmul_ref}[fmt]  # fmt: skip
+    m, n, k = x.shape[0], case["N"], case["K"]
+    ref = ref_fn(x, *operands[0]).float()
+    ref_max = ref.abs().max().item()
+    tol = (1e-2 if x.dtype == torch.bfloat16 else 2e-3) * ref_max + 1e-6  # output rounding
+    default = tuple(qm.gemv_tiles(fmt, m, n, k))
+    grid = [default] + [
+        t for c in QGEMV_GRID[(fmt, m == 1)] if (t := tuple(qm.GemvTiles(*c))) != default
+    ]
+    rows: list[dict[str, Any]] = []
+    for cfg in grid:
+        row: dict[str, Any] = {"kernel": "qgemv_config", **case, "config": list(cfg),
+                               "default": cfg == default}  # fmt: skip
+        try:
+            err = (fn(x, *operands[0], tiles=cfg).float() - ref).abs().max().item()
+            ms = _graph_ms([functools.partial(fn, x, *ops, tiles=cfg) for ops in operands], iters)
+            row.update(ms=ms, weight_GBps=nbytes / ms / 1e6, max_abs_err=err, ok=err <= tol)
+        except Exception as e:  # a config that fails to compile or launch is a result too
+            row["error"] = _err_text(e)
+        rows.append(row)
+    timed = [r for r in rows if "ms" in r]
+    good = [r for r in timed if r["ok"]]
+    best = min(good, key=lambda r: r["ms"]) if good else {}
+    dflt = rows[0]
+    summary: dict[str, Any] = {
+        "kernel": "qgemv_best", **case,
+        "best_config": best.get("config"), "best_ms": best.get("ms"),
+        "best_weight_GBps": best.get("weight_GBps"),
+        "default_config": list(default), "default_ms": dflt.get("ms"),
+        "default_weight_GBps": dflt.get("weight_GBps"),
+        "default_max_abs_err": dflt.get("max_abs_err"), "ref_max_abs": ref_max,
+        "failed_configs": len(rows) - len(timed), "wrong_configs": len(timed) - len(good),
+    }  # fmt: skip
+    try:
+        prev = [_qgemv_prev_path(fmt, x, ops) for ops in operands]
+        if prev[0] is not None:
+            summary["prev_path_ms"] = _graph_ms(prev, iters)
+    except Exception as e:
+        summary["prev_path_error"] = _err_text(e)
+    return [*rows, summary]
+
+
+def _qgemv_configs(fmt: str, m: int) -> list[tuple]:
+    """Every config the sweep times for (fmt, m): the defaults of all shapes, then the grid."""
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    out = [tuple(qm.gemv_tiles(fmt, m, n, k)) for _, n, k in QGEMV_SHAPES]
+    out += [tuple(qm.GemvTiles(*c)) for c in QGEMV_GRID[(fmt, m == 1)]]
+    return list(dict.fromkeys(out))
+
+
+def _qgemv_precompile(formats: list[str], dtype: torch.dtype) -> float:
+    """Compile every (format, M, config) variant in threads, on a small weight with the same
+    integer specializations as the real shapes (N, K multiples of 16): Triton compiles take
+    ~0.5 s each and partly overlap. Best effort: failures are ignored here and recorded by the
+    timed pass, which finds the rest in Triton's cache. Returns the seconds spent."""
+    import os
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    start = time.perf_counter()
+    w = 0.02 * torch.randn(64, QGEMV_SHAPES[0][2], device="cuda")
+    tasks = []
+    for fmt in formats:
+        fn = {"int8": qm.int8_matmul, "int4": qm.int4_matmul, "fp8": qm.fp8_weight_matmul}[fmt]
+        ops = _qgemv_operands(fmt, w, copies=1)[0][0]
+        for m in QGEMV_M:
+            x = torch.randn(m, w.shape[1], device="cuda", dtype=dtype)
+            tasks += [functools.partial(fn, x, *ops, tiles=c) for c in _qgemv_configs(fmt, m)]
+
+    def run(task: Callable[[], Any]) -> None:
+        try:
+            task()
+        except Exception:
+            pass
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(run, tasks))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_qgemv(dtype: torch.dtype, iters: int) -> list[dict[str, Any]]:
+    """Weight-only quantized GEMV (kernels_cuda/quant_matmul.py) at decode M on the Llama-8B
+    shapes, int8 / int4 (group 128) / fp8: per (format, M, shape) the default config and a grid
+    of candidates ("qgemv_config" rows: ms, weight GB/s, max abs error vs the torch reference,
+    or the error of a config that fails), then "qgemv_best": the fastest correct config beside
+    the default, bf16 x @ W^T (bf16_ms) and the path the GEMV replaces (prev_path_ms). Every
+    timing cycles through weight copies past the L2, replayed from a CUDA graph."""
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    dev = torch.device("cuda")
+    formats = ["int8", "int4"] + (["fp8"] if qm.fp8_gemv_supported(dev) else [])
+    rows: list[dict[str, Any]] = [
+        {"kernel": "qgemv_precompile", "seconds": _qgemv_precompile(formats, dtype)}
+    ]
+    for shape, n, k in QGEMV_SHAPES:
+        w = 0.02 * torch.randn(n, k, device=dev)
+        wbs = [w.to(dtype)]
+        wbs += [wbs[0].clone() for _ in range(_copies(wbs[0].numel() * wbs[0].element_size()) - 1)]
+        xs = {m: torch.randn(m, k, device=dev, dtype=dtype) for m in QGEMV_M}
+        base_ms = {
+            m: _graph_ms([functools.partial(torch.nn.functional.linear, xs[m], wb) for wb in wbs],
+                         iters)
+            for m in QGEMV_M
+        }  # fmt: skip
+        del wbs
+        for fmt in formats:
+            operands, nbytes = _qgemv_operands(fmt, w)
+            for m in QGEMV_M:
+                case = {"format": fmt, "M": m, "shape": shape, "N": n, "K": k,
+                        "dtype": str(dtype)}  # fmt: skip
+                case_rows = _qgemv_case(fmt, xs[m], operands, nbytes, case, iters)
+                summary = case_rows[-1]
+                summary["bf16_ms"] = base_ms[m]
+                summary["bf16_GBps"] = 2 * n * k / base_ms[m] / 1e6
+                if summary["best_ms"]:
+                    summary["speedup_vs_bf16"] = base_ms[m] / summary["best_ms"]
+                rows += case_rows
+            del operands
+        del w
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--no-check", action="store_true", help="skip reference comparisons")
-    parser.add_argument("--only", choices=["attention", "small", "moe"], default=None)
+    parser.add_argument("--only", choices=["attention", "small", "moe", "qgemv"], default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -221,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_small_kernels(dtype, args.iters)
     if args.only in (None, "moe"):
         rows += bench_moe(dtype, args.iters, not args.no_check)
+    if args.only in (None, "qgemv"):
+        rows += bench_qgemv(dtype, args.iters)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     try:
         import triton
@@ -229,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     for row in rows:
-        print(json.dumps(row))
+        if row["kernel"] != "qgemv_config":  # per-config sweep rows: in --output-json only
+            print(json.dumps(row))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -6,10 +6,26 @@ Layouts are the canonical ones of `xlaserve.quantization.numpy_quant`:
     int8: qweight int8 [N, K], scales [N]                 y = (x @ q^T) * s
     int4: qweight uint8 [N, K/2] (group half-split), scales [N, G], zeros uint8 [N, G]
           y[m, n] = sum_t s[n, t] * sum_{k in group t} x[m, k] * (q[n, k] - z[n, t])
+    fp8:  qweight uint8 [N, K] (float8_e4m3fn bits), scales [N]   y = (x @ fp8(q)^T) * s
 x: [M, K] float16/bfloat16/float32 -> y: [M, N] x.dtype (fp32 accumulation).
+
+Two kernel families:
+  * GEMV (small M, decode; `use_gemv`): no tl.dot. Each program owns BLOCK_N output channels and one
+    of SPLIT_K slices of K; it streams wide contiguous rows of the packed weight (BLOCK_K k's per
+    step), multiply-accumulates elementwise in fp32 and reduces over K once at the end (M == 1)
+    or once per step (M > 1, one reduction per row of x, sharing the dequantized tile; int4:
+    per group chunk, then scaled). Many small programs keep enough loads in flight to run at
+    HBM bandwidth. SPLIT_K > 1 writes fp32 partials to a workspace that a second small kernel
+    sums (deterministic, no atomics).
+  * tl.dot tiles (larger M, prefill): int8 / int4 only; fp8 there goes through torch.
+Tile parameters are data (GEMV_TILES, TILES) so they can be re-tuned from GPU measurements
+(`python -m xlaserve.kernels_cuda.bench_kernels --only qgemv`).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -20,6 +36,8 @@ from xlaserve.kernels_cuda._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    interpret_mode,
+    next_pow2,
     upcast_dot,
 )
 
@@ -33,6 +51,136 @@ TILES: dict[str, tuple[int, int, int]] = {
 
 def _tiles(m: int) -> tuple[int, int, int]:
     return TILES["decode"] if m <= 16 else TILES["prefill"]
+
+
+# GEMV path (decode): possible for 1 <= M <= GEMV_MAX_M. Larger M has enough rows per weight tile
+# for tl.dot to pay off (and an [M, BLOCK_N] accumulator per program stops being small).
+GEMV_MAX_M = 8
+
+
+class GemvTiles(NamedTuple):
+    """One GEMV launch config (a plain 4- or 5-tuple in this order works too).
+
+    block_n: output channels per program (power of two). block_k: k's per step (power of two,
+    >= 16; int4 reads block_k / 2 bytes per row per step). split_k: programs along K (>= 1; 0 =
+    pick from the shape, see `gemv_tiles`). num_warps: 1, 2, 4, 8 or 16. bit_cvt: int8 / int4
+    codes become floats by exponent-bit tricks (integer ops + one fadd, exact) instead of
+    int->float cvt instructions, which issue at a fraction of the FMA rate; fp8 ignores it (it
+    uses the hardware fp8 conversion).
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int = 0
+    num_warps: int = 4
+    bit_cvt: bool = True
+
+
+# Per format: (max M, tiles) buckets, the first with M <= max M wins. Starting points from the
+# sm_90 SASS (no shared-memory round trips or barriers in the K loop, no spills), to be re-tuned
+# from `bench_kernels --only qgemv` on the target GPU. M == 1: BLOCK_K (int4: BLOCK_K / 2 bytes)
+# >= 8 * 32 * num_warps puts all warps along K, x loads once per thread and rows are register
+# repeats. M > 1: one warp-row of 256 k's (int8 / fp8) keeps each step's reduction in a warp.
+# Measured on the H200 (2026-12-03, bench/RESULTS.md): M == 1 fp8 takes (4, 1024) (best on all
+# four Llama-8B shapes), int4 M 2..4 (8, 1024) (best on three of four).
+GEMV_TILES: dict[str, tuple[tuple[int, GemvTiles], ...]] = {
+    "int8": ((1, GemvTiles(8, 1024)), (GEMV_MAX_M, GemvTiles(8, 256))),
+    "int4": ((1, GemvTiles(8, 2048)), (4, GemvTiles(8, 1024)), (GEMV_MAX_M, GemvTiles(4, 512))),
+    "fp8": ((1, GemvTiles(4, 1024)), (GEMV_MAX_M, GemvTiles(8, 256))),
+}
+# Largest M whose default path is the GEMV (a `GemvTiles` override forces it up to GEMV_MAX_M).
+# Measured on the H200 over the Llama-8B shapes: at M = 4 the int8 / fp8 GEMVs lost to the tl.dot
+# kernel / _scaled_mm on three of four shapes, the int4 GEMV won on three of four; at M = 1 every
+# GEMV won (1.2-4.6x over the previous paths).
+GEMV_DEFAULT_MAX_M: dict[str, int] = {"int8": 1, "int4": 4, "fp8": 1}
+
+
+def use_gemv(fmt: str, m: int, tiles: GemvTiles | tuple | None = None) -> bool:
+    """Whether an M-row matmul of format fmt takes the GEMV: the default up to
+    GEMV_DEFAULT_MAX_M[fmt]; with a tiles override, iff it is a GEMV config (4 or 5 values) and
+    M <= GEMV_MAX_M."""
+    if not 1 <= m <= GEMV_MAX_M:
+        return False
+    if tiles is not None:
+        return len(tiles) >= 4
+    return m <= GEMV_DEFAULT_MAX_M[fmt]
+
+
+# Auto split_k: double it (up to GEMV_MAX_SPLIT) while there are fewer than GEMV_MIN_PROGRAMS
+# programs (2 per SM on an H200: fewer leave too few loads in flight to saturate HBM) and every
+# K slice keeps at least GEMV_MIN_SPLIT_STEPS steps (the partial-sum pass costs a launch).
+GEMV_MIN_PROGRAMS = 264
+GEMV_MIN_SPLIT_STEPS = 4
+GEMV_MAX_SPLIT = 8
+
+
+def _resolve_split(tiles: GemvTiles, n: int, k: int) -> GemvTiles:
+    """tiles with split_k 0 (auto) replaced by a count picked from the shape."""
+    if tiles.split_k:
+        return tiles
+    programs = triton.cdiv(n, tiles.block_n)
+    steps = triton.cdiv(k, tiles.block_k)
+    split = 1
+    while (
+        split < GEMV_MAX_SPLIT
+        and programs * split < GEMV_MIN_PROGRAMS
+        and steps >= 2 * split * GEMV_MIN_SPLIT_STEPS
+    ):
+        split *= 2
+    return tiles._replace(split_k=split)
+
+
+def gemv_tiles(fmt: str, m: int, n: int, k: int) -> GemvTiles:
+    """The default GEMV config of format fmt ("int8" / "int4" / "fp8") for x [m, k] and a
+    weight of n output channels (1 <= m <= GEMV_MAX_M), split_k resolved (>= 1)."""
+    if fmt not in GEMV_TILES:
+        raise ValueError(f"gemv_tiles: format {fmt!r} not in {sorted(GEMV_TILES)}")
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"gemv_tiles: M={m} outside the GEMV range 1..{GEMV_MAX_M}")
+    tiles = next(t for max_m, t in GEMV_TILES[fmt] if m <= max_m)
+    return _resolve_split(tiles, n, k)
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _check_gemv_tiles(name: str, tiles: GemvTiles | tuple) -> GemvTiles:
+    """A user tiles override as GemvTiles; ValueError when it cannot launch."""
+    if not isinstance(tiles, tuple) or len(tiles) not in (4, 5):
+        raise ValueError(
+            f"{name}: GEMV tiles must be (block_n, block_k, split_k, num_warps[, bit_cvt]), "
+            f"got {tiles!r}"
+        )
+    t = GemvTiles(*tiles)
+    ok = (
+        _is_pow2(t.block_n)
+        and t.block_n <= 256
+        and _is_pow2(t.block_k)
+        and 16 <= t.block_k <= 8192
+        and 0 <= t.split_k <= 64
+        and t.num_warps in (1, 2, 4, 8, 16)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name}: bad GEMV tiles {t}: block_n a power of two <= 256, block_k a power of two "
+            "in 16..8192, split_k in 0..64, num_warps in (1, 2, 4, 8, 16)"
+        )
+    return t
+
+
+def _check_dot_tiles(name: str, tiles: tuple) -> tuple[int, int, int]:
+    """A user (BLOCK_M, BLOCK_N, BLOCK_K) override of the tl.dot path; ValueError when bad."""
+    if (
+        not isinstance(tiles, tuple)
+        or len(tiles) != 3
+        or not all(isinstance(v, int) and _is_pow2(v) and 16 <= v <= 256 for v in tiles)
+    ):
+        raise ValueError(
+            f"{name}: tl.dot tiles (M > {GEMV_MAX_M}) must be (BLOCK_M, BLOCK_N, BLOCK_K), "
+            f"powers of two in 16..256, got {tiles!r}"
+        )
+    return tiles
 
 
 # ---- references ----------------------------------------------------------------------------------
@@ -70,6 +218,20 @@ def int4_matmul_ref(
     """x [M, K] -> [M, N] x.dtype (fp32 math)."""
     w = dequant_int4_torch(qweight, scales, zeros, torch.float32)
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def dequant_fp8_torch(
+    qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """(uint8 [N, K] float8_e4m3fn bits, scales [N]) -> W [N, K] = fp8 value * scale in `dtype`."""
+    w = qweight.view(torch.float8_e4m3fn).to(torch.float32) * scales.to(torch.float32)[:, None]
+    return w.to(dtype)
+
+
+def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Weight-only fp8: x [M, K], qweight uint8 [N, K] (float8_e4m3fn bits), scales [N] ->
+    [M, N] x.dtype (fp32 math; x is not quantized)."""
+    return (x.float() @ dequant_fp8_torch(qweight, scales, torch.float32).t()).to(x.dtype)
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -161,27 +323,285 @@ def _int4_mm_kernel(
     )
 
 
+# ---- GEMV kernels (small M) ------------------------------------------------------------------------
+# Program (pid_n, pid_k) computes y[:, pid_n * BLOCK_N : +BLOCK_N] over K slice pid_k, written to
+# y directly (SPLIT_K 1: stride_ys 0) or to fp32 workspace plane pid_k (summed by
+# _splitk_sum_kernel). The weight tile is dequantized once per step and shared by the M rows of x
+# (tl.static_range). int8 / fp8 at M == 1 keep an elementwise [BLOCK_N, BLOCK_K] fp32 accumulator,
+# reduced once after the K loop (no cross-lane work in the loop); M > 1 reduces each row's
+# products per step into [BLOCK_N, BLOCK_MP], so registers do not grow with M. int4 reduces
+# per group chunk (see _gemv_int4_kernel).
+
+
+@triton.jit
+def _int8_bits_to_f32(b):
+    # uint8 bits of an int8 code q -> float(q), exactly: b ^ 0x80 = q + 128 in 0..255; as the low
+    # mantissa bits of 2^23 (0x4B000000) that float is 2^23 + q + 128; one fadd removes the bias.
+    return (b.to(tl.int32) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _gemv_w8_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_ys, stride_ym,
+    M: tl.constexpr, BLOCK_MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, BIT_CVT: tl.constexpr, VEC: tl.constexpr, X_TILE: tl.constexpr,
+):  # fmt: skip
+    # w: uint8 [N, K], int8 codes or float8_e4m3fn bits; y = (x @ w^T) * s[n].
+    # Layouts: w is read VEC bytes per thread, the width of x's 16-byte vectors, so that Triton
+    # gives x the weight tile's layout; a differently laid out x costs a shared-memory round
+    # trip with barriers every step. X_TILE loads x as a [BLOCK_N, BLOCK_K] broadcast tile (same
+    # shape, so same layout; rows a thread holds twice are L1 hits); without it x is a [BLOCK_K]
+    # vector, whose layout matches only when BLOCK_K >= VEC * 32 * num_warps (M == 1).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm = tl.arange(0, BLOCK_MP)
+    n_ok = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    if M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_MP), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K  # K_SPLIT is a multiple of BLOCK_K: only the last step of K is ragged
+        kw = tl.max_contiguous(kk, VEC)
+        wb = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        if FP8:
+            w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif BIT_CVT:
+            w = _int8_bits_to_f32(wb)
+        else:
+            w = wb.to(tl.int8, bitcast=True).to(tl.float32)
+        for m in tl.static_range(M):
+            if X_TILE:
+                xk = tl.broadcast_to(kk[None, :], (BLOCK_N, BLOCK_K))
+                xv = tl.load(x_ptr + m * stride_xm + xk, mask=xk < K, other=0.0).to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + m * stride_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
+                xv = xv[None, :]
+            if M == 1:
+                acc += w * xv
+            else:
+                part = tl.sum(w * xv, axis=1)
+                acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+    if M == 1:
+        out = tl.sum(acc, axis=1)[:, None]
+    else:
+        out = acc
+    s = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    out = out * s[:, None]
+    ptrs = y_ptr + pid_k * stride_ys + rm[None, :] * stride_ym + rn[:, None]
+    tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & (rm[None, :] < M))
+
+
+@triton.jit
+def _gemv_int4_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr,
+    N, KB, KB_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_ys, stride_ym,
+    M: tl.constexpr, BLOCK_MP: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKS: tl.constexpr, CHUNK: tl.constexpr, HALF: tl.constexpr, BIT_CVT: tl.constexpr,
+    VEC: tl.constexpr, X_TILE: tl.constexpr,
+):  # fmt: skip
+    # Packed byte b of a row (KB = K / 2 per row) holds k_lo = b + (b // HALF) * HALF in its low
+    # nibble and k_lo + HALF in its high one (group half-split). A step reads CHUNKS x CHUNK
+    # contiguous bytes per row; CHUNK divides HALF, so a chunk lies inside one group: its
+    # products are summed first (mostly in-thread) and scaled once, one scale / zero per
+    # (channel, chunk) instead of a multiply per element. Layouts as in _gemv_w8_kernel: bytes
+    # are read VEC per thread; X_TILE: x as a broadcast [BLOCK_N, CHUNKS, CHUNK] tile, else as
+    # [CHUNKS, CHUNK] (matching when a step's bytes >= VEC * 32 * num_warps, M == 1).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.arange(0, CHUNKS)
+    rj = tl.arange(0, CHUNK)
+    rm = tl.arange(0, BLOCK_MP)
+    n_ok = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
+    sz_rows = rn[:, None] * stride_sn
+    b_start = pid_k * KB_SPLIT
+    b_end = tl.minimum(b_start + KB_SPLIT, KB)
+    if M == 1:
+        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_MP), dtype=tl.float32)
+    for b0 in range(b_start, b_end, CHUNKS * CHUNK):
+        cb = b0 + rc * CHUNK  # first byte of each chunk
+        c_ok = cb < KB  # KB_SPLIT is a multiple of the step: only the last step is ragged
+        grp = cb // HALF
+        bb = tl.max_contiguous(cb[:, None] + rj[None, :], [1, VEC])  # [CHUNKS, CHUNK] bytes
+        k_lo = bb + (grp * HALF)[:, None]
+        ok = n_ok[:, None] & c_ok[None, :]
+        p = tl.load(w_rows + bb[None, :, :], mask=ok[:, :, None], other=0).to(tl.int32)
+        sz = sz_rows + grp[None, :]
+        s = tl.load(s_ptr + sz, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_N, CHUNKS]
+        z = tl.load(z_ptr + sz, mask=ok, other=0)
+        if BIT_CVT:
+            # nibble q as the low mantissa bits of 2^23 is the float 2^23 + q: one fadd of
+            # -(2^23 + z) gives q - z exactly.
+            zf = (z.to(tl.float32) + 8388608.0)[:, :, None]
+            q_lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zf
+            q_hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zf
+        else:
+            zi = z.to(tl.int32)[:, :, None]
+            q_lo = ((p & 0xF) - zi).to(tl.float32)
+            q_hi = ((p >> 4) - zi).to(tl.float32)
+        if X_TILE:
+            xk = tl.broadcast_to(k_lo[None, :, :], (BLOCK_N, CHUNKS, CHUNK))
+            x_ok = tl.broadcast_to(c_ok[None, :, None], (BLOCK_N, CHUNKS, CHUNK))
+        else:
+            xk = k_lo
+            x_ok = tl.broadcast_to(c_ok[:, None], (CHUNKS, CHUNK))
+        for m in tl.static_range(M):
+            xm = x_ptr + m * stride_xm + xk
+            x_lo = tl.load(xm, mask=x_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(xm + HALF, mask=x_ok, other=0.0).to(tl.float32)
+            if not X_TILE:
+                x_lo = x_lo[None, :, :]
+                x_hi = x_hi[None, :, :]
+            seg = tl.sum(q_lo * x_lo + q_hi * x_hi, axis=2) * s
+            if M == 1:
+                acc += seg
+            else:
+                acc += tl.where(rm[None, :] == m, tl.sum(seg, axis=1)[:, None], 0.0)
+    if M == 1:
+        out = tl.sum(acc, axis=1)[:, None]
+    else:
+        out = acc
+    ptrs = y_ptr + pid_k * stride_ys + rm[None, :] * stride_ym + rn[:, None]
+    tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & (rm[None, :] < M))
+
+
+@triton.jit
+def _splitk_sum_kernel(ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    # y[i] = sum_s ws[s, i] over the fp32 partials [SPLIT, M * N]; fixed order: deterministic.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    for sp in tl.static_range(1, SPLIT):
+        acc += tl.load(ws_ptr + sp * MN + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 # ---- wrappers ------------------------------------------------------------------------------------
 
+_SPLITK_SUM_BLOCK = 1024
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float, qweight int8 [N, K], scales float [N] -> y [M, N] x.dtype."""
+
+def _gemv(
+    fmt: str,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group: int,
+    tiles: GemvTiles,
+) -> torch.Tensor:
+    """Launch the GEMV of format fmt on validated inputs: x [M, K] (1 <= M <= GEMV_MAX_M, last
+    dim contiguous), w uint8 [N, K] (int4: [N, K/2]), contiguous scales (and zeros)."""
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    t = _resolve_split(tiles, n, k)
+    split = t.split_k
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    stride_ys = 0 if split == 1 else m * n
+    grid = (triton.cdiv(n, t.block_n), split)
+    vec = 16 // x.element_size()  # x elements per 16-byte load: the weight's bytes per thread
+    common = {"M": m, "BLOCK_MP": next_pow2(m), "BLOCK_N": t.block_n, "BIT_CVT": t.bit_cvt,
+              "num_warps": t.num_warps}  # fmt: skip
+    if fmt == "int4":
+        half = group // 2
+        step = t.block_k // 2  # bytes per row per step
+        chunk = min(half & -half, step)  # largest power of two dividing HALF, capped by the step
+        kb = k // 2
+        kb_split = triton.cdiv(triton.cdiv(kb, split), step) * step
+        _gemv_int4_kernel[grid](
+            x, w, scales, zeros, out, n, kb, kb_split,
+            x.stride(0), w.stride(0), scales.stride(0), stride_ys, n,
+            CHUNKS=step // chunk, CHUNK=chunk, HALF=half,
+            VEC=min(vec, chunk),  # a contiguity hint: never past a chunk (odd groups)
+            X_TILE=m > 1 or step < vec * 32 * t.num_warps, **common,
+        )  # fmt: skip
+    else:
+        k_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
+        _gemv_w8_kernel[grid](
+            x, w, scales, out, n, k, k_split,
+            x.stride(0), w.stride(0), stride_ys, n,
+            BLOCK_K=t.block_k, FP8=fmt == "fp8", VEC=vec,
+            X_TILE=m > 1 or t.block_k < vec * 32 * t.num_warps, **common,
+        )  # fmt: skip
+    if split > 1:
+        mn = m * n
+        _splitk_sum_kernel[(triton.cdiv(mn, _SPLITK_SUM_BLOCK),)](
+            out, y, mn, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK
+        )
+    return y
+
+
+def _check_x_w(name: str, x: torch.Tensor, qweight: torch.Tensor) -> None:
+    if x.dim() != 2 or qweight.dim() != 2:
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)} and qweight {tuple(qweight.shape)} must be 2-D"
+        )
+    check_last_dim_contiguous(f"{name} x", x)
+    check_last_dim_contiguous(f"{name} qweight", qweight)
+
+
+def int8_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    tiles: GemvTiles | tuple | None = None,
+) -> torch.Tensor:
+    """x [M, K] float, qweight int8 [N, K], scales float [N] -> y [M, N] x.dtype.
+
+    M <= GEMV_DEFAULT_MAX_M["int8"] runs the GEMV kernel, larger M the tl.dot one (`use_gemv`).
+    tiles overrides the config: a `GemvTiles` (or its tuple; M <= GEMV_MAX_M) runs the GEMV,
+    (BLOCK_M, BLOCK_N, BLOCK_K) the tl.dot kernel.
+    """
     check_device("int8_matmul", x, qweight, scales)
     check_dtype("int8_matmul x", x, FLOAT_DTYPES)
     check_dtype("int8_matmul qweight", qweight, (torch.int8,))
-    if x.dim() != 2 or qweight.dim() != 2 or x.shape[1] != qweight.shape[1]:
+    check_dtype("int8_matmul scales", scales, FLOAT_DTYPES)
+    _check_x_w("int8_matmul", x, qweight)
+    if x.shape[1] != qweight.shape[1]:
         raise ValueError(f"int8_matmul: x {tuple(x.shape)} and qweight {tuple(qweight.shape)}")
     if scales.shape != (qweight.shape[0],):
         raise ValueError(f"int8_matmul: scales must be [N], got {tuple(scales.shape)}")
-    check_last_dim_contiguous("int8_matmul x", x)
-    check_last_dim_contiguous("int8_matmul qweight", qweight)
+    m, k = x.shape
+    n = qweight.shape[0]
+    if use_gemv("int8", m, tiles):
+        t = (_check_gemv_tiles("int8_matmul", tiles) if tiles is not None
+             else gemv_tiles("int8", m, n, k))  # fmt: skip
+        # The kernel reads int8 codes as raw bytes (see _int8_bits_to_f32).
+        return _gemv("int8", x, qweight.view(torch.uint8), scales.contiguous(), None, 0, t)
+    t = _check_dot_tiles("int8_matmul", tiles) if tiles is not None else _tiles(m)
+    return _int8_dot(x, qweight, scales.contiguous(), t)
+
+
+def _int8_dot(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, tiles: tuple[int, int, int]
+) -> torch.Tensor:
+    """The tl.dot int8 path on validated inputs (any M; benchmarks time it at small M too)."""
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bm, bn, bk = _tiles(m)
+    if m == 0:
+        return y
+    bm, bn, bk = tiles
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _int8_mm_kernel[grid](
-        x, qweight, scales.contiguous(), y, m, n, k,
+        x, qweight, scales, y, m, n, k,
         x.stride(0), qweight.stride(0), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=upcast_dot(x.dtype),
     )  # fmt: skip
@@ -199,31 +619,71 @@ def int4_block_k(group: int, preferred: int = 64) -> int | None:
 
 
 def int4_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    *,
+    tiles: GemvTiles | tuple | None = None,
 ) -> torch.Tensor:
-    """x [M, K] float, qweight uint8 [N, K/2], scales [N, G], zeros uint8 [N, G] -> [M, N]."""
+    """x [M, K] float, qweight uint8 [N, K/2], scales [N, G], zeros uint8 [N, G] -> [M, N].
+
+    The group K / G must be even. M <= GEMV_DEFAULT_MAX_M["int4"] runs the GEMV kernel (any even
+    group); larger M the tl.dot one (the group needs a power-of-two divisor >= 16). tiles: as in `int8_matmul`.
+    """
     check_device("int4_matmul", x, qweight, scales, zeros)
     check_dtype("int4_matmul x", x, FLOAT_DTYPES)
     check_dtype("int4_matmul qweight", qweight, (torch.uint8,))
+    check_dtype("int4_matmul scales", scales, FLOAT_DTYPES)
+    check_dtype("int4_matmul zeros", zeros, (torch.uint8,))
+    _check_x_w("int4_matmul", x, qweight)
     m, k = x.shape
     n = qweight.shape[0]
     if qweight.shape != (n, k // 2) or k % 2:
         raise ValueError(f"int4_matmul: x {tuple(x.shape)} needs qweight [N, K/2], got "
                          f"{tuple(qweight.shape)}")  # fmt: skip
-    if scales.shape != zeros.shape or scales.shape[0] != n or k % scales.shape[1]:
+    if (
+        scales.dim() != 2
+        or scales.shape != zeros.shape
+        or scales.shape[0] != n
+        or scales.shape[1] == 0
+        or k % scales.shape[1]
+    ):
         raise ValueError(
             f"int4_matmul: scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} must be "
             f"[N, G] with G dividing K={k}"
         )
     group = k // scales.shape[1]
-    bm, bn, bk = _tiles(m)
-    bk_g = int4_block_k(group, bk)
-    if bk_g is None:
-        raise ValueError(f"int4_matmul: group size {group} has no power-of-two divisor >= 16")
+    if group % 2:
+        raise ValueError(f"int4_matmul: group size {group} must be even (half-split packing)")
     scales, zeros = scales.contiguous(), zeros.contiguous()
-    check_last_dim_contiguous("int4_matmul x", x)
-    check_last_dim_contiguous("int4_matmul qweight", qweight)
+    if use_gemv("int4", m, tiles):
+        t = (_check_gemv_tiles("int4_matmul", tiles) if tiles is not None
+             else gemv_tiles("int4", m, n, k))  # fmt: skip
+        return _gemv("int4", x, qweight, scales, zeros, group, t)
+    t = _check_dot_tiles("int4_matmul", tiles) if tiles is not None else _tiles(m)
+    if int4_block_k(group, t[2]) is None:
+        raise ValueError(f"int4_matmul: group size {group} has no power-of-two divisor >= 16")
+    return _int4_dot(x, qweight, scales, zeros, group, t)
+
+
+def _int4_dot(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    tiles: tuple[int, int, int],
+) -> torch.Tensor:
+    """The tl.dot int4 path on validated inputs (contiguous scales / zeros; int4_block_k(group,
+    BLOCK_K) not None)."""
+    m, k = x.shape
+    n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    bm, bn, bk = tiles
+    bk_g = int4_block_k(group, bk)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _int4_mm_kernel[grid](
         x, qweight, scales, zeros, y, m, n, k,
@@ -231,3 +691,61 @@ def int4_matmul(
         GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk_g, UPCAST=upcast_dot(x.dtype),
     )  # fmt: skip
     return y
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def fp8_gemv_supported(device: torch.device | str) -> bool:
+    """Whether the Triton fp8 GEMV runs on device: CUDA compute capability >= 8.9 (Triton's
+    float8e4nv conversion), or CPU under TRITON_INTERPRET=1."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return interpret_mode()
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index) >= (8, 9)
+
+
+def fp8_weight_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    tiles: GemvTiles | tuple | None = None,
+) -> torch.Tensor:
+    """Weight-only fp8: x [M, K] float, qweight uint8 [N, K] float8_e4m3fn bits (a float8_e4m3fn
+    tensor is read as its bits), scales float [N] -> y [M, N] x.dtype = (x @ fp8(q)^T) * s.
+
+    x is not quantized. M <= GEMV_DEFAULT_MAX_M["fp8"] (or a GEMV tiles override, M <=
+    GEMV_MAX_M) on a device with `fp8_gemv_supported`: the Triton
+    GEMV (fp32 accumulation); otherwise the weight is dequantized to x.dtype and multiplied by
+    torch. tiles: a `GemvTiles` override of the GEMV (ValueError where that path is not taken).
+    """
+    check_device("fp8_weight_matmul", x, qweight, scales)
+    check_dtype("fp8_weight_matmul x", x, FLOAT_DTYPES)
+    check_dtype("fp8_weight_matmul qweight", qweight, (torch.uint8, torch.float8_e4m3fn))
+    check_dtype("fp8_weight_matmul scales", scales, FLOAT_DTYPES)
+    _check_x_w("fp8_weight_matmul", x, qweight)
+    if x.shape[1] != qweight.shape[1]:
+        raise ValueError(
+            f"fp8_weight_matmul: x {tuple(x.shape)} and qweight {tuple(qweight.shape)}"
+        )
+    if scales.shape != (qweight.shape[0],):
+        raise ValueError(f"fp8_weight_matmul: scales must be [N], got {tuple(scales.shape)}")
+    qweight = qweight.view(torch.uint8)
+    m, k = x.shape
+    n = qweight.shape[0]
+    if use_gemv("fp8", m, tiles) and fp8_gemv_supported(x.device):
+        t = (_check_gemv_tiles("fp8_weight_matmul", tiles) if tiles is not None
+             else gemv_tiles("fp8", m, n, k))  # fmt: skip
+        return _gemv("fp8", x, qweight, scales.contiguous(), None, 0, t)
+    if tiles is not None:
+        raise ValueError(
+            f"fp8_weight_matmul: tiles apply to the Triton GEMV only (a GEMV config, 1 <= M <= "
+            f"{GEMV_MAX_M}, on CUDA cc >= 8.9), not M={m} on {x.device}"
+        )
+    return torch.nn.functional.linear(x, dequant_fp8_torch(qweight, scales, x.dtype))

@@ -286,7 +286,11 @@ class QuantLinear(nn.Module):
     int8: qweight int8 [N, K], scales f32 [N]; int4: qweight uint8 [N, K/2], scales f32 [N, G],
     qzeros uint8 [N, G] (+ perm int32 [K] for GPTQ act-order); fp8: qweight uint8 [N, K] holding
     float8_e4m3fn bits, scales f32 [N]. CPU: dequantize-on-the-fly matmul (fp8: emulated).
-    CUDA: Triton dequant-matmul (int8/int4), torch._scaled_mm (fp8, cc >= 8.9).
+    CUDA: Triton dequant-matmul (int8/int4; a GEMV kernel for decode-sized M, see
+    `quant_matmul.use_gemv`). fp8 (cc >= 8.9): M == 1 (decode) runs weight-only through the
+    Triton fp8 GEMV (x not quantized:
+    at least as accurate, and bandwidth- rather than launch-bound); larger M uses
+    torch._scaled_mm with per-token activation quantization.
     A fused layer (`MergedLinear`) keeps its `part_names` / `part_sizes` when quantized.
     """
 
@@ -386,8 +390,13 @@ class QuantLinear(nn.Module):
                 x, qm.dequant_int4_torch(self.qweight, self.scales, self.qzeros, x.dtype)
             )
         w8 = self.qweight.view(torch.float8_e4m3fn)
-        if on_cuda and fp8_supported(x.device) and x.shape[1] % 16 == 0 and w8.shape[0] % 16 == 0:
-            return fp8_linear_scaled_mm(x, w8, self.scales)
+        if on_cuda and fp8_supported(x.device):
+            from xlaserve.kernels_cuda import quant_matmul as qm
+
+            if qm.use_gemv("fp8", x.shape[0]):  # decode: weight-only, no per-token quant
+                return qm.fp8_weight_matmul(x.contiguous(), self.qweight, self.scales)
+            if x.shape[1] % 16 == 0 and w8.shape[0] % 16 == 0:
+                return fp8_linear_scaled_mm(x, w8, self.scales)
         return fp8_linear_ref(x, w8, self.scales)
 
     def extra_repr(self) -> str:
