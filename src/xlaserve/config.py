@@ -120,7 +120,7 @@ class SchedulerConfig:
     # What preemption does with a request's blocks: "recompute" or "swap" (host tier).
     preemption_mode: str = "recompute"
     # Schedule step N+1 while step N runs on the device: "on", "off", "auto" (on for the XLA
-    # backend on one host; off for torch until it measures faster on the GPU). Not with
+    # backend on one host and for torch on CUDA; off for torch on the CPU). Not with
     # speculative decoding or KV offload; synchronous while a structured-output request runs.
     async_scheduling: str = "auto"
 

@@ -202,8 +202,8 @@ class LLMEngine:
 
     def _use_async_scheduling(self) -> bool:
         """scheduler.async_scheduling: "on", "off" or "auto" = the runner's
-        `async_by_default` (measured, bench/RESULTS.md: on for XLA, 1.13-1.23x on the CPU;
-        off for torch, which measured slower on the H200 and gains nothing on the CPU)."""
+        `async_by_default` (measured, bench/RESULTS.md: on for XLA, 1.13-1.23x on the CPU; on
+        for torch on CUDA, 1.10-1.21x offline on the H200; off for torch on the CPU, ~1.0x)."""
         mode = self.config.scheduler.async_scheduling
         can = callable(getattr(self.runner, "launch", None))
         why = None
