@@ -191,7 +191,7 @@ class CudaStepRunner:
             h[f + k : f + 2 * k] = feed[1]
         dev = buf.upload(need)
         if k:
-            _feed(dev[0:t], dev[f : f + k], dev[f + k : f + 2 * k], feed[2])
+            feed_tokens(dev[0:t], dev[f : f + k], dev[f + k : f + 2 * k], feed[2])
         md = TritonAttentionMetadata(
             query_start_loc=dev[3 * t : 3 * t + b + 1],
             seq_lens=dev[3 * t + b + 1 : 3 * t + 2 * b + 1],
@@ -301,14 +301,16 @@ class CudaStepRunner:
         # Only the first 6 * bmax + b * m ints are read by this bucket's graph.
         d = self._g.upload(6 * bmax + b * m)
         if k:
-            _feed(self.g_ids, d[4 * bmax : 4 * bmax + k], d[5 * bmax : 5 * bmax + k], feed[2])
+            feed_tokens(self.g_ids, d[4 * bmax : 4 * bmax + k], d[5 * bmax : 5 * bmax + k], feed[2])
         g, out, _ = self.graphs[b]
         g.replay()
         self.num_replays += 1
         return out[:n]
 
 
-def _feed(ids: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+def feed_tokens(
+    ids: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
+) -> None:
     """ids[index] = tokens[rows] on the device, stream-ordered after the upload (no host sync:
     gather + scatter_, not advanced-index assignment)."""
     rows, index = rows.long(), index.long()

@@ -551,9 +551,11 @@ class TorchModelRunner:
         else:
             input_ids, pos_t, md = self._build_inputs(chunks)
             if feed is not None:
-                dst = torch.tensor(feed_dst, device=self.device)
-                src = torch.tensor(feed_src, device=self.device)
-                input_ids[dst] = self._last_argmax[src].to(input_ids.dtype)
+                from xlaserve.backends_torch.cuda_graphs import feed_tokens
+
+                dev = self.device
+                feed_tokens(input_ids, to_device(feed_dst, torch.long, dev),
+                            to_device(feed_src, torch.long, dev), self._last_argmax)  # fmt: skip
             qsl, seq_lens = md.query_start_loc_host, md.seq_lens_host
             hidden = self.model(input_ids, pos_t, self.kv_caches, md)  # [T, H]
 
@@ -691,9 +693,8 @@ class TorchModelRunner:
         """Sampling without waiting: tokens [R] (device) and non-finite flags go to pinned host
         memory in the background; each sampling request gets a PENDING token (row r of the
         tokens), which the next launch can feed on the device and `finish` fills in."""
-        argmax_t = tokens_t
         self.num_deferred_steps += 1
-        flat = torch.cat([argmax_t, suspect_t.to(argmax_t.dtype)])
+        flat = torch.cat([tokens_t, suspect_t.to(tokens_t.dtype)])
         if flat.is_cuda:
             if self._token_ring is None:  # 4 slots: at most 2 launches are unread at once
                 r = self.config.scheduler.max_num_seqs  # rows: one per request (no drafts)
@@ -704,7 +705,7 @@ class TorchModelRunner:
         else:
             host = flat
         launched.host, launched.logits, launched.num_rows = host, logits, len(sample_b)
-        self._last_argmax = argmax_t
+        self._last_argmax = tokens_t
         for row, b in enumerate(sample_b):  # one row per request (no drafts on this path)
             rid = order[b][0]
             st = self.requests[rid]

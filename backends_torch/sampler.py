@@ -61,10 +61,7 @@ def argmax_only_step(
     """True when this step's token is the argmax of the raw logits: a plain greedy request
     (`plain_greedy` = is_plain_greedy(params), cached by callers) with no bitmask this step and no
     min_tokens stop masking active (`num_output` tokens generated so far)."""
-    if has_bitmask or not plain_greedy:
-        return False
-    p = params
-    return not (p.min_tokens and num_output < p.min_tokens and p.all_stop_token_ids())
+    return plain_greedy and not has_bitmask and not params.masks_stop_tokens(num_output)
 
 
 def deferrable_step(params: SamplingParams, num_output: int, has_bitmask: bool) -> bool:
@@ -77,7 +74,7 @@ def deferrable_step(params: SamplingParams, num_output: int, has_bitmask: bool) 
         or p.needs_penalties
         or p.logit_bias
         or p.logprobs is not None
-        or (p.min_tokens and num_output < p.min_tokens and p.all_stop_token_ids())
+        or p.masks_stop_tokens(num_output)
     )
 
 

@@ -493,7 +493,7 @@ class XlaModelRunner:
         with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
         st = self._sampling_tensors(rows, batch.req_ids, b, extras, with_lp, so.grammar_bitmask)
         res, self._last_tokens = self._program(SAMPLE, b)(self.state, rows_h, st)
-        if defer and self._deferrable(batch, rows):
+        if defer and self._deferrable(rows):
             self._defer(batch, res, launched)
             return launched
         res = jax.device_get(res)
@@ -502,7 +502,7 @@ class XlaModelRunner:
         self._propose_drafts(batch, out)
         return launched
 
-    def _deferrable(self, batch: _Batch, rows: list[_ReqState | None]) -> bool:
+    def _deferrable(self, rows: list[_ReqState | None]) -> bool:
         """Tokens may stay on the device: nothing this step reads them on the host (no draft
         model, no prompt logprobs, no penalties whose counts the host keeps)."""
         if self.draft is not None:
@@ -658,7 +658,7 @@ class XlaModelRunner:
             p.logit_bias
             or p.needs_penalties
             or rid in so.grammar_bitmask
-            or (r.num_output < p.min_tokens and p.all_stop_token_ids())
+            or p.masks_stop_tokens(r.num_output)
         )
 
     def _put_sampling(self, host: dict[str, np.ndarray], b: int) -> SamplingTensors:

@@ -760,23 +760,23 @@ def _print_table(r: dict[str, Any]) -> None:
          g("hf", "offline_1024_128", "output_tokens_per_s")),
         ("xla b1 decode tok/s", g("xla", "batch1", "decode_tokens_per_s"), None),
         ("xla ttft (s)", g("xla", "ttft_warm", "ttft_s"), None),
-        ("xla (batched) b1 tok/s", g("xla_batch", "batch1", "decode_tokens_per_s"), None),
-        ("xla 256/256 out tok/s", g("xla_batch", "offline_256_256", "output_tokens_per_s"), None),
-        ("int8 b1 decode tok/s", g("int8", "batch1", "decode_tokens_per_s"), None),
-        ("int4 b1 decode tok/s", g("int4", "batch1", "decode_tokens_per_s"), None),
-        ("fp8 b1 decode tok/s", g("fp8", "batch1", "decode_tokens_per_s"), None),
-        ("sync 256/256 tok/s", g("sync", "offline_256_256", "output_tokens_per_s"), None),
-        ("kv fp8 256/256 tok/s", g("kv_fp8", "offline_256_256", "output_tokens_per_s"), None),
-        ("kv int8 256/256 tok/s", g("kv_int8", "offline_256_256", "output_tokens_per_s"), None),
-        ("rep. plain b1 tok/s", g("ngram_base", "repetitive", "tokens_per_s"), None),
-        ("rep. ngram b1 tok/s", g("ngram", "repetitive", "tokens_per_s"), None),
-        ("ngram acc. length", g("ngram", "repetitive", "mean_acceptance_length"), None),
     ]  # fmt: skip
-    print(f"{'metric':<22}{'xlaserve':>12}{'hf':>12}")
+    # One row per figure of each variant stage (VARIANTS: what it measures).
+    figures = {
+        "batch1": [("b1 decode tok/s", ("batch1", "decode_tokens_per_s"))],
+        "offline": [("256/256 tok/s", ("offline_256_256", "output_tokens_per_s"))],
+        "repetitive": [("rep. b1 tok/s", ("repetitive", "tokens_per_s")),
+                       ("acc. length", ("repetitive", "mean_acceptance_length"))],
+    }  # fmt: skip
+    for name, (_, what) in VARIANTS.items():
+        for part in what.split("+"):
+            for label, keys in figures[part]:
+                rows.append((f"{name} {label}", g(name, *keys), None))
+    print(f"{'metric':<28}{'xlaserve':>12}{'hf':>12}")
     for name, a, b in rows:
         fa = f"{a:12.2f}" if isinstance(a, int | float) else f"{'-':>12}"
         fb = f"{b:12.2f}" if isinstance(b, int | float) else f"{'-':>12}"
-        print(f"{name:<22}{fa}{fb}")
+        print(f"{name:<28}{fa}{fb}")
 
 
 if __name__ == "__main__":

@@ -273,6 +273,13 @@ def _qgemv_operands(
     return [one] + [tuple(t.clone() for t in one) for _ in range(copies - 1)], nbytes
 
 
+def _qgemv_fn(fmt: str) -> Callable[..., torch.Tensor]:
+    """The public quantized matmul of `fmt` (takes a `tiles=` override)."""
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    return {"int8": qm.int8_matmul, "int4": qm.int4_matmul, "fp8": qm.fp8_weight_matmul}[fmt]
+
+
 def _qgemv_prev_path(fmt: str, x: torch.Tensor, ops: tuple[torch.Tensor, ...]) -> Callable | None:
     """The decode path the GEMV replaces: tl.dot tiles (int8 / int4), per-token _scaled_mm (fp8)."""
     from xlaserve.backends_torch.layers.linear import fp8_linear_scaled_mm, fp8_supported
@@ -300,7 +307,7 @@ def _qgemv_case(
     the "qgemv_best" summary (fastest config whose output matches the reference)."""
     from xlaserve.kernels_cuda import quant_matmul as qm
 
-    fn = {"int8": qm.int8_matmul, "int4": qm.int4_matmul, "fp8": qm.fp8_weight_matmul}[fmt]
+    fn = _qgemv_fn(fmt)
     ref_fn = {"int8": qm.int8_matmul_ref, "int4": qm.int4_matmul_ref,
               "fp8": qm.fp8_matmul_ref}[fmt]  # fmt: skip
     m, n, k = x.shape[0], case["N"], case["K"]
@@ -362,13 +369,11 @@ def _qgemv_precompile(formats: list[str], dtype: torch.dtype) -> float:
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from xlaserve.kernels_cuda import quant_matmul as qm
-
     start = time.perf_counter()
     w = 0.02 * torch.randn(64, QGEMV_SHAPES[0][2], device="cuda")
     tasks = []
     for fmt in formats:
-        fn = {"int8": qm.int8_matmul, "int4": qm.int4_matmul, "fp8": qm.fp8_weight_matmul}[fmt]
+        fn = _qgemv_fn(fmt)
         ops = _qgemv_operands(fmt, w, copies=1)[0][0]
         for m in QGEMV_M:
             x = torch.randn(m, w.shape[1], device="cuda", dtype=dtype)

@@ -184,6 +184,11 @@ class SamplingParams:
             ids.update(self.eos_token_ids)
         return ids
 
+    def masks_stop_tokens(self, num_output: int) -> bool:
+        """True while min_tokens masks the stop tokens: fewer than min_tokens tokens generated
+        (`num_output`) and some stop token to mask."""
+        return num_output < self.min_tokens and bool(self.all_stop_token_ids())
+
     def is_stop_token(self, token_id: int) -> bool:
         """`token_id in all_stop_token_ids()`, without building the set (called per token)."""
         return token_id in self.stop_token_ids or (

@@ -99,6 +99,18 @@ def test_min_tokens_logit_bias_and_seeds(llama) -> None:  # noqa: ANN001
     assert 0 not in got[3][:3] and got[3][3] == 0  # EOS blocked until min_tokens, then forced
 
 
+def test_min_tokens_alone_masks_stop_tokens(llama) -> None:  # noqa: ANN001
+    """min_tokens with no other extra (no bias, penalties, bitmask) still turns the sampler's
+    extras on: the greedy first token, made a stop token, is blocked until min_tokens."""
+    _, runner, _ = llama
+    prompt = _prompts(runner.vocab, [6], seed=5)
+    plain, _, _ = drive(runner, prompt, SamplingParams(temperature=0.0, max_tokens=3), 3, BUDGET)
+    first = plain[0][0]
+    sp = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[first], max_tokens=3)
+    got, _, _ = drive(runner, prompt, sp, 3, BUDGET)
+    assert first not in got[0][:2]
+
+
 def test_structured_bitmask_and_penalties(llama) -> None:  # noqa: ANN001
     _, runner, _ = llama
     v = runner.vocab

@@ -374,7 +374,8 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Async scheduling needs every token's consumer off the step's critical path: no
-        grammar (bitmasks read the previous token) and no n-gram drafts (they read it too)."""
+        grammar running or compiling (bitmasks read the previous token). Speculative decoding,
+        which reads it too, turns async off at start-up (`_use_async_scheduling`)."""
         st = self._structured
         return st is None or (st.num_matchers == 0 and not st.has_pending())
 
