@@ -26,6 +26,24 @@ def test_decode_buckets_and_splits() -> None:
     assert s >= 1 and s & (s - 1) == 0
 
 
+@pytest.mark.parametrize(
+    "t,b,m,k", [(1, 1, 1, 0), (7, 3, 17, 2), (256, 256, 257, 256), (33, 5, 16, 5)]
+)
+def test_eager_layout_is_aligned_and_disjoint(t: int, b: int, m: int, k: int) -> None:
+    """Every segment of the eager upload starts 16-int aligned (Triton specializes pointers on
+    16-byte alignment) and the segments do not overlap."""
+    from xlaserve.backends_torch.cuda_graphs import _eager_layout, _pad16
+
+    mw = _pad16(m)
+    assert mw % 16 == 0 and m <= mw < m + 16
+    *offs, total = _eager_layout(t, b, mw, k)
+    sizes = (t, t, t, b + 1, b, b * mw, k, k)
+    assert all(o % 16 == 0 for o in offs)
+    ends = [o + n for o, n in zip(offs, sizes, strict=True)]
+    assert all(e <= nxt for e, nxt in zip(ends, offs[1:], strict=False))
+    assert ends[-1] <= total
+
+
 def _run(runner, prompts: list[list[int]], max_tokens: int = 8, budget: int = 16):
     sched = MiniScheduler(runner, num_blocks=runner.num_blocks, budget=budget)
     for i, p in enumerate(prompts):
@@ -85,3 +103,30 @@ def test_model_that_does_not_fit_raises(hf_model_dir) -> None:
     d = hf_model_dir("llama_bf16")
     with pytest.raises(RuntimeError, match="does not fit"):
         _runner(d, dtype="auto", num_kv_blocks=None, cache=dict(gpu_memory_utilization=0.001))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_no_triton_compiles_after_start_up(hf_model_dir, monkeypatch) -> None:
+    """Start-up (profile forward, graph capture, warm-up) compiles every Triton specialisation a
+    run of mixed batches needs: varied prompt lengths and batch sizes compile nothing more."""
+    from triton.runtime import jit as triton_jit
+
+    d = hf_model_dir("llama_bf16")
+    runner = _runner(d, dtype="auto", num_kv_blocks=256)
+    compiled: list[str] = []
+    orig = triton_jit.JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        compiled.append(self.fn.__name__)
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_jit.JITFunction, "_do_compile", counting)
+    g = torch.Generator().manual_seed(1)
+    vocab = runner.spec.vocab_size
+    for batch, budget in ((1, 64), (3, 64), (17, 256), (5, 37)):
+        lens = torch.randint(2, 90, (batch,), generator=g).tolist()
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+        _run(runner, prompts, max_tokens=5, budget=budget)
+    assert runner.cuda_step.num_eager > 0 and runner.cuda_step.num_replays > 0
+    assert compiled == [], f"Triton compiled during serving: {compiled}"
