@@ -44,7 +44,31 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+_GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear (x [..., K] @ weight [N, K]^T + bias), except one-row float16 / bfloat16 inputs
+    (batch-1 decode) on CUDA, or on CPU under TRITON_INTERPRET=1, whose weight shape the Triton
+    dense GEMV serves (`kernels_cuda.dense_gemv.use_dense_gemv`: the DENSE_GEMV_SHAPES table, or
+    $XLASERVE_DENSE_GEMV=1 / 0). Cheap checks first: other calls never import Triton."""
+    k = x.shape[-1]
+    if (
+        x.numel() == k
+        and x.dtype in _GEMV_DTYPES
+        and weight.dtype == x.dtype
+        and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    ):
+        from xlaserve.kernels_cuda.dense_gemv import dense_gemv, use_dense_gemv
+
+        n = weight.shape[0]
+        if use_dense_gemv(1, n, k, x.dtype, x.device):
+            y = dense_gemv(x.reshape(1, k).contiguous(), weight, bias)
+            return y.reshape(*x.shape[:-1], n)
+    return F.linear(x, weight, bias)
 
 
 class MergedLinear(Linear):
@@ -157,7 +181,7 @@ class VocabEmbedding(nn.Module):
 
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied embeddings: hidden [B, H] -> logits [B, V]."""
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)
 
 
 # ---- factories: the plain layer, or its tensor-parallel variant inside a TP worker ------------

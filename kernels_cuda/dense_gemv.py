@@ -1,0 +1,186 @@
+"""Dense (fp16 / bf16 / fp32) GEMV in Triton for decode: y[1, N] = x[1, K] @ W[N, K]^T (+ b).
+
+At batch-1 decode every linear is a GEMV: the weight is read once and each element feeds one FMA,
+so the bound is HBM bandwidth. cuBLAS picks kernels that reach ~4.1 TB/s on the widest shape of
+Llama-8B (gate_up) but 2.6-3.3 TB/s on the narrow ones (qkv, o_proj) and adds a split-K reduce
+kernel on some; this kernel is the int8 / fp8 GEMV of quant_matmul.py (`_gemv_w8_kernel`) with
+the weight read as floats: many programs, each owning BLOCK_N output rows and streaming wide
+contiguous K chunks (BLOCK_K elements per row per step, 16-byte loads), fp32 FMA into an
+elementwise [BLOCK_N, BLOCK_K] accumulator reduced once after the K loop, no tl.dot. Optional
+split-K: SPLIT_K programs per row block write fp32 partials that quant_matmul's deterministic
+`_splitk_sum_kernel` adds in a fixed order (no atomics). The launch config is quant_matmul's
+`GemvTiles` (bit_cvt is ignored here) and split_k 0 is resolved by its `_resolve_split`.
+
+Data, to be set from H200 measurements (`python -m xlaserve.kernels_cuda.bench_kernels --only
+dense_gemv`):
+  * DENSE_GEMV_TILES: (N, K) -> GemvTiles; other shapes use DENSE_GEMV_DEFAULT_TILES.
+  * DENSE_GEMV_SHAPES: the (N, K) weight shapes whose M == 1 forward takes this kernel instead of
+    cuBLAS (`use_dense_gemv`, wired into backends_torch.layers.linear). Empty: off by default.
+    $XLASERVE_DENSE_GEMV=1 / 0 forces every shape on / off.
+
+No residual epilogue: the decoder adds the residual inside its fused add + RMSNorm kernel, which
+reads the residual anyway, so folding the add into o_proj / down saves no traffic or launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from xlaserve.kernels_cuda._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    interpret_mode,
+)
+from xlaserve.kernels_cuda.quant_matmul import (
+    _SPLITK_SUM_BLOCK,
+    GemvTiles,
+    _check_gemv_tiles,
+    _resolve_split,
+    _splitk_sum_kernel,
+)
+
+# Starting point from the fp8 GEMV's measured best M == 1 config ((4, 1024): 4 rows x 1024 k's
+# per step; 1024 = 8 bf16 per 16-byte load x 32 lanes x 4 warps, so x's vector layout matches the
+# weight tile's and no shared-memory shuffle is needed). bf16 moves twice the bytes per step.
+DENSE_GEMV_DEFAULT_TILES = GemvTiles(4, 1024, 0, 4)
+# Per (N, K) overrides, filled from `bench_kernels --only dense_gemv` on the target GPU.
+DENSE_GEMV_TILES: dict[tuple[int, int], GemvTiles] = {}
+# (N, K) weight shapes whose M == 1 (decode) forward takes the Triton GEMV rather than cuBLAS.
+# Empty = off until measured; e.g. Llama-3.1-8B: (6144, 4096) qkv, (4096, 4096) o_proj,
+# (28672, 4096) gate_up, (4096, 14336) down, (128256, 4096) lm_head.
+DENSE_GEMV_SHAPES: frozenset[tuple[int, int]] = frozenset()
+# Activation dtypes the dispatch considers (the kernel itself also runs fp32, for tests).
+DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)
+ENV_DENSE_GEMV = "XLASERVE_DENSE_GEMV"
+
+
+def dense_gemv_tiles(n: int, k: int) -> GemvTiles:
+    """The launch config for a weight [n, k]: DENSE_GEMV_TILES or the default, split resolved."""
+    return _resolve_split(DENSE_GEMV_TILES.get((n, k), DENSE_GEMV_DEFAULT_TILES), n, k)
+
+
+def use_dense_gemv(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether x [m, k] @ W[n, k]^T takes the Triton GEMV: m == 1, dtype fp16 / bf16, a CUDA
+    device (or CPU under TRITON_INTERPRET=1), and (n, k) in DENSE_GEMV_SHAPES, unless
+    $XLASERVE_DENSE_GEMV is "1" (every shape) or "0" (none)."""
+    if m != 1 or dtype not in DENSE_GEMV_DTYPES:
+        return False
+    dev = torch.device(device)
+    if not (dev.type == "cuda" or (dev.type == "cpu" and interpret_mode())):
+        return False
+    env = os.environ.get(ENV_DENSE_GEMV)
+    if env in ("0", "1"):
+        return env == "1"
+    return (n, k) in DENSE_GEMV_SHAPES
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    N, K, K_SPLIT,
+    stride_wn, stride_ys,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, X_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) over K slice pid_k, written to
+    # y directly (one slice: stride_ys 0) or to fp32 workspace plane pid_k. Layouts as in
+    # quant_matmul._gemv_w8_kernel: VEC elements (16 bytes) per thread along K; X_TILE loads x
+    # as a broadcast [BLOCK_N, BLOCK_K] tile (same layout as w; repeated rows are L1 hits)
+    # for steps narrower than one 16-byte load per thread, else as a [BLOCK_K] vector.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K  # K_SPLIT is a multiple of BLOCK_K: only the last step of K is ragged
+        kw = tl.max_contiguous(kk, VEC)
+        w = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if X_TILE:
+            xk = tl.broadcast_to(kw[None, :], (BLOCK_N, BLOCK_K))
+            xv = tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
+        else:
+            xv = tl.load(x_ptr + kw, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * xv
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:  # added once: by the first K slice
+        first = (rn * 0 + pid_k) == 0  # a tensor mask (the interpreter rejects scalar ones)
+        b = tl.load(b_ptr + rn, mask=n_ok & first, other=0.0)
+        out += b.to(tl.float32)
+    tl.store(y_ptr + pid_k * stride_ys + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def dense_gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T (+ bias [N]) in fp32 math -> [1, N] x.dtype."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def dense_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tiles: GemvTiles | tuple | None = None,
+) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation, one rounding.
+
+    x, weight, bias: one float dtype (fp16 / bf16 / fp32), last dims contiguous (weight rows may
+    be strided, e.g. a row slice of a fused weight). M must be 1 (decode). tiles: a `GemvTiles`
+    override (block_n, block_k, split_k (0: auto), num_warps[, bit_cvt ignored]); default
+    `dense_gemv_tiles(N, K)`. split_k > 1 runs a second, deterministic summing kernel.
+    """
+    name = "dense_gemv"
+    check_device(name, x, weight, *(() if bias is None else (bias,)))
+    check_dtype(f"{name} x", x, FLOAT_DTYPES)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] != 1 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"{name}: x must be [1, K] and weight [N, K], got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"{name}: x, weight (and bias) must share one dtype")
+    n, k = weight.shape
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"{name}: bias must be [N={n}], got {tuple(bias.shape)}")
+    check_last_dim_contiguous(f"{name} x", x)
+    check_last_dim_contiguous(f"{name} weight", weight)
+    if bias is not None:
+        check_last_dim_contiguous(f"{name} bias", bias)
+    t = _resolve_split(
+        _check_gemv_tiles(name, tiles) if tiles is not None else dense_gemv_tiles(n, k), n, k
+    )
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    split = t.split_k
+    out = y if split == 1 else torch.empty((split, n), dtype=torch.float32, device=x.device)
+    vec = 16 // x.element_size()  # elements per 16-byte load
+    k_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
+    _dense_gemv_kernel[(triton.cdiv(n, t.block_n), split)](
+        x, weight, y if bias is None else bias, out, n, k, k_split,
+        weight.stride(0), 0 if split == 1 else n,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, VEC=vec,
+        X_TILE=t.block_k < vec * 32 * t.num_warps, HAS_BIAS=bias is not None,
+        num_warps=t.num_warps,
+    )  # fmt: skip
+    if split > 1:
+        _splitk_sum_kernel[(triton.cdiv(n, _SPLITK_SUM_BLOCK),)](
+            out, y, n, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK
+        )
+    return y

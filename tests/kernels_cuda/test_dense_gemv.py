@@ -1,0 +1,151 @@
+"""Dense Triton GEMV (M == 1) vs the fp32 torch reference and F.linear; the Linear dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xlaserve.kernels_cuda import dense_gemv as dg
+from xlaserve.kernels_cuda.dense_gemv import GemvTiles, dense_gemv, dense_gemv_ref
+
+# (atol, rtol) vs the fp32 reference: one output rounding (summation order differs).
+_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 1e-2)}
+
+
+def _operands(n: int, k: int, dtype: torch.dtype, bias: bool, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + n + k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x.to(device), w.to(device), None if b is None else b.to(device)
+
+
+@pytest.mark.parametrize(
+    "n,k,dtype,tiles,bias",
+    [
+        (37, 200, torch.float32, GemvTiles(4, 64, 1, 1), False),  # ragged N and K
+        (70, 96, torch.bfloat16, GemvTiles(8, 32, 1, 1), True),  # x as a broadcast tile
+        (33, 300, torch.float16, GemvTiles(4, 64, 3, 1), True),  # split-K, bias on slice 0
+        (16, 130, torch.bfloat16, GemvTiles(2, 16, 4, 1), False),  # split-K, empty last slice
+        (24, 64, torch.float16, GemvTiles(8, 256, 1, 1), False),  # one ragged step, x vector
+        (20, 512, torch.bfloat16, GemvTiles(4, 64, 0, 1), False),  # auto split
+    ],
+)
+def test_matches_reference(n, k, dtype, tiles, bias, device):
+    x, w, b = _operands(n, k, dtype, bias, device)
+    got = dense_gemv(x, w, b, tiles=tiles)
+    assert got.shape == (1, n) and got.dtype == dtype
+    ref = dense_gemv_ref(x.cpu(), w.cpu(), None if b is None else b.cpu())
+    atol, rtol = _TOL[dtype]
+    torch.testing.assert_close(got.cpu().float(), ref.float(), atol=atol, rtol=rtol)
+    lin = F.linear(x.cpu().float(), w.cpu().float(), None if b is None else b.cpu().float())
+    torch.testing.assert_close(got.cpu().float(), lin, atol=atol, rtol=rtol)
+
+
+def test_split_k_is_deterministic_and_close_to_unsplit(device):
+    x, w, _ = _operands(24, 384, torch.float32, False, device)
+    one = dense_gemv(x, w, tiles=GemvTiles(8, 64, 1, 1))
+    split = dense_gemv(x, w, tiles=GemvTiles(8, 64, 4, 1))
+    torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5)
+    assert torch.equal(dense_gemv(x, w, tiles=GemvTiles(8, 64, 4, 1)), split)
+
+
+def test_strided_weight_rows(device):
+    # A row slice of a wider weight: rows stride K + 8, last dim contiguous.
+    x, w, _ = _operands(12, 72, torch.float32, False, device)
+    wide = torch.zeros(12, 80, device=device)
+    wide[:, :72] = w
+    got = dense_gemv(x, wide[:, :72], tiles=GemvTiles(4, 32, 1, 1))
+    torch.testing.assert_close(got.cpu(), dense_gemv_ref(x.cpu(), w.cpu()), atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_bad_inputs(device):
+    x, w, _ = _operands(8, 32, torch.float32, False, device)
+    with pytest.raises(ValueError, match=r"\[1, K\]"):
+        dense_gemv(torch.cat([x, x]), w)
+    with pytest.raises(ValueError, match="one dtype"):
+        dense_gemv(x, w.half())
+    with pytest.raises(ValueError, match="bias"):
+        dense_gemv(x, w, torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="bad GEMV tiles"):
+        dense_gemv(x, w, tiles=(3, 64, 1, 1))
+
+
+def test_tiles_table_and_auto_split(monkeypatch):
+    monkeypatch.setattr(dg, "DENSE_GEMV_TILES", {(64, 128): GemvTiles(16, 32, 2, 1)})
+    assert dg.dense_gemv_tiles(64, 128) == GemvTiles(16, 32, 2, 1)
+    t = dg.dense_gemv_tiles(4096, 14336)
+    assert t.split_k >= 1 and (t.block_n, t.block_k) == dg.DENSE_GEMV_DEFAULT_TILES[:2]
+
+
+def test_use_dense_gemv_table_and_env(monkeypatch):
+    monkeypatch.delenv(dg.ENV_DENSE_GEMV, raising=False)
+    cuda = torch.device("cuda")
+    assert not dg.use_dense_gemv(1, 64, 128, torch.bfloat16, cuda)  # table empty by default
+    monkeypatch.setattr(dg, "DENSE_GEMV_SHAPES", frozenset({(64, 128)}))
+    assert dg.use_dense_gemv(1, 64, 128, torch.bfloat16, cuda)
+    assert not dg.use_dense_gemv(1, 64, 256, torch.bfloat16, cuda)  # other shape
+    assert not dg.use_dense_gemv(2, 64, 128, torch.bfloat16, cuda)  # M > 1
+    assert not dg.use_dense_gemv(1, 64, 128, torch.float32, cuda)  # fp32: cuBLAS
+    monkeypatch.setenv(dg.ENV_DENSE_GEMV, "0")
+    assert not dg.use_dense_gemv(1, 64, 128, torch.bfloat16, cuda)
+    monkeypatch.setenv(dg.ENV_DENSE_GEMV, "1")
+    assert dg.use_dense_gemv(1, 32, 32, torch.float16, cuda)
+
+
+@pytest.mark.parametrize("mode", ["table", "env"])
+def test_linear_dispatch_picks_the_kernel(mode, device, monkeypatch):
+    """Linear.forward at M == 1 bf16 calls dense_gemv exactly when the table / env says so and
+    matches F.linear; M > 1 and other shapes stay on F.linear."""
+    from xlaserve.backends_torch.layers.linear import Linear, VocabEmbedding
+
+    monkeypatch.delenv(dg.ENV_DENSE_GEMV, raising=False)
+    calls: list[tuple[int, int]] = []
+    real = dg.dense_gemv
+
+    def spy(x, w, b=None, **kw):
+        calls.append(tuple(w.shape))
+        return real(x, w, b, **kw)
+
+    monkeypatch.setattr(dg, "dense_gemv", spy)
+    lin = Linear(96, 40, bias=True, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96) / 10)
+        lin.bias.copy_(torch.randn(40))
+    x = torch.randn(1, 1, 96).to(torch.bfloat16).to(device)  # [..., K] with one row
+    ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    lin(x)
+    assert calls == []  # off by default
+    if mode == "table":
+        monkeypatch.setattr(dg, "DENSE_GEMV_SHAPES", frozenset({(40, 96)}))
+    else:
+        monkeypatch.setenv(dg.ENV_DENSE_GEMV, "1")
+    got = lin(x)
+    assert calls == [(40, 96)] and got.shape == (1, 1, 40)
+    torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=2e-2)
+    lin(torch.randn(2, 96).to(torch.bfloat16).to(device))  # M = 2: cuBLAS
+    assert len(calls) == 1
+    emb = VocabEmbedding(40, 96, dtype=torch.bfloat16, device=device)  # tied lm head
+    with torch.no_grad():
+        emb.weight.copy_(lin.weight)
+    emb.as_lm_head(x[0])
+    assert calls[-1] == (40, 96) and len(calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape,n,k",
+    [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
+     ("down", 4096, 14336), ("lm_head", 128256, 4096)],
+)  # fmt: skip
+def test_gpu_llama8b_shapes(shape, n, k):
+    dev = torch.device("cuda")
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    w = (0.02 * torch.randn(n, k, device=dev)).to(torch.bfloat16)
+    ref = dense_gemv_ref(x, w).float()
+    tol = 1e-2 * ref.abs().max().item()
+    for tiles in (None, GemvTiles(4, 1024, 2, 4), GemvTiles(8, 512, 1, 4)):
+        got = dense_gemv(x, w, tiles=tiles).float()
+        torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+    torch.testing.assert_close(dense_gemv(x, w).float(), F.linear(x, w).float(), atol=tol, rtol=0)
