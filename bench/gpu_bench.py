@@ -419,6 +419,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "async": ({"async_scheduling": "on"}, "offline"),
     "sync_b1": ({"async_scheduling": "off"}, "batch1"),
     "async_b1": ({"async_scheduling": "on"}, "batch1"),
+    # XLA attention A/B on the GPU (issue 3): the jnp reference against the Pallas GPU kernel.
+    "xla_batch_ref": ({"backend": "xla"}, "batch1+offline"),
+    "xla_batch_pallas": ({"backend": "xla"}, "batch1+offline"),
+}
+# Environment of a variant's subprocess (knobs that are not LLM arguments).
+VARIANT_ENV: dict[str, dict[str, str]] = {
+    "xla_batch_ref": {"XLASERVE_RPA_IMPL": "reference"},
+    "xla_batch_pallas": {"XLASERVE_RPA_IMPL": "pallas_gpu"},
 }
 
 
@@ -731,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         save()
     for name in stages:
         if name in VARIANTS:
-            report[name] = _run_stage(name, "variant", args, ["--variant", name], env)
+            venv = dict(env, **VARIANT_ENV.get(name, {}))
+            report[name] = _run_stage(name, "variant", args, ["--variant", name], venv)
             save()
     _print_table(report)
     return 0

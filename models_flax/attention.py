@@ -14,7 +14,8 @@ dequantizes what it reads. The scales are sharded over KV heads like the codes.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,9 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # int32 [B+1]: start of each request's tokens in T
     num_seqs: jax.Array  # int32 [1]: real requests (rows past it are padding)
     mesh: Mesh | None = None  # static: the device mesh (axis "model") or None
-    impl: str = "auto"  # static: kernel implementation ("auto" | "reference" | "pallas_tpu")
+    # static: kernel implementation, "auto" unless $XLASERVE_RPA_IMPL names one (A/B benchmarks):
+    # "auto" | "reference" | "pallas_tpu" | "pallas_gpu" (see ragged_paged_attention).
+    impl: str = field(default_factory=lambda: os.environ.get("XLASERVE_RPA_IMPL", "auto"))
 
 
 def paged_attention(
