@@ -25,6 +25,8 @@ _EXPORTS: dict[str, str] = {
     "rotary_embedding": "rotary",
     "rotary_embedding_ref": "rotary",
     "compute_cos_sin_cache": "rotary",
+    "rotary_embedding_write_kv": "rotary",
+    "rotary_embedding_write_kv_ref": "rotary",
     "silu_and_mul": "activation",
     "silu_and_mul_ref": "activation",
     "gelu_tanh_and_mul": "activation",

@@ -319,7 +319,9 @@ def get_attention_backend(name: str) -> AttentionBackend:
 class Attention(nn.Module):
     """One layer's attention core: writes this step's K/V to the layer's cache, then attends.
 
-    q [T, Hq, D], k/v [T, Hkv, D] (already rotated/normed) -> [T, Hq * D].
+    q [T, Hq, D], k/v [T, Hkv, D] (already rotated/normed) -> [T, Hq * D]. `kv_written=True`
+    says a fused kernel (rope + KV write) has already put this step's K/V into the cache at
+    md.slot_mapping; the write is skipped and k / v may be None.
     """
 
     def __init__(
@@ -344,22 +346,30 @@ class Attention(nn.Module):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, ...],
         md: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """kv_cache: (k, v) or, quantized, (k codes, v codes, k scales, v scales)."""
+        """kv_cache: (k, v) or, quantized, (k codes, v codes, k scales, v scales).
+        kv_written: K/V of this step are already in the cache (see the class doc)."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if not kv_written and (k is None or v is None):
+            raise ValueError("Attention: k and v are needed unless kv_written")
         if len(kv_cache) == 4:
             ks, vs = kv_cache[2], kv_cache[3]
-            self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping, k_scale=ks, v_scale=vs)
+            if not kv_written:
+                self.backend.write_kv(
+                    k, v, k_cache, v_cache, md.slot_mapping, k_scale=ks, v_scale=vs
+                )
             out = self.backend.forward(
                 q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap,
                 k_scale=ks, v_scale=vs,
             )  # fmt: skip
         else:
-            self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+            if not kv_written:
+                self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
             out = self.backend.forward(
                 q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap
             )

@@ -85,6 +85,33 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
 
+    @property
+    def triton_enabled(self) -> bool:
+        """Whether the Triton kernels rotate (`enable_triton` was given a table)."""
+        return self.cos_sin_cache is not None
+
+    def forward_write_kv(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Triton path only: rotate q [T, Hq, D] and k [T, Hkv, D] in place and write the rotated
+        k and v [T, Hkv, D] into the float paged caches [N, S, Hkv, D] at slot_mapping [T]
+        (slots < 0 skipped), one launch (kernels_cuda.rotary_embedding_write_kv). Returns q."""
+        if self.cos_sin_cache is None:
+            raise RuntimeError("forward_write_kv needs the Triton rotary (enable_triton)")
+        from xlaserve.kernels_cuda import rotary_embedding_write_kv
+
+        rotary_embedding_write_kv(
+            q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True
+        )
+        return q
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@ module with different spec fields (the adapters in model_loader/registry.py set 
 Parameter names are the canonical names of `model_loader/spec.py`, except that q/k/v and a gated
 MLP's gate/up are fused layers (`qkv_proj`, `gate_up_proj`: one GEMM each, output split into views);
 `CausalLMBase.load_weights` writes the canonical members into their rows. On CUDA with the Triton
-attention backend, rotary and act-and-mul run as Triton kernels (`set_triton_ops`).
+attention backend, rotary and act-and-mul run as Triton kernels (`set_triton_ops`); there, with a
+float KV cache, rope and the KV-cache write are one kernel (FUSED_ROPE_KV_WRITE).
 """
 
 from __future__ import annotations
@@ -83,6 +84,18 @@ def triton_ops_default(device: str | torch.device, backend: AttentionBackend) ->
     return torch.device(device).type == "cuda" and backend.name == "triton"
 
 
+# Fused rope + KV-cache write (kernels_cuda.rotary_embedding_write_kv: one launch instead of
+# rotary + write_kv) wherever the Triton rotary runs and the cache holds floats (a quantized
+# cache keeps the two kernels). $XLASERVE_FUSED_ROPE_KV "1" / "0" overrides this default.
+FUSED_ROPE_KV_WRITE = True
+
+
+def fused_rope_kv_enabled() -> bool:
+    """FUSED_ROPE_KV_WRITE unless $XLASERVE_FUSED_ROPE_KV is "1" / "0" (read at model build)."""
+    env = os.environ.get("XLASERVE_FUSED_ROPE_KV")
+    return env == "1" if env in ("0", "1") else FUSED_ROPE_KV_WRITE
+
+
 class DecoderAttention(nn.Module):
     """x [T, H] -> [T, H]: q/k/v projections, optional qk-norm, rope, paged attention, o_proj.
 
@@ -129,6 +142,7 @@ class DecoderAttention(nn.Module):
             self.q_norm = spec_norm(spec, qd, dtype, device)
             self.k_norm = spec_norm(spec, kd, dtype, device)
         self.rotary = layer_rotary(spec, layer, device)
+        self.fuse_rope_kv = fused_rope_kv_enabled()
         scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self.attn = Attention(
             self.hq,
@@ -156,6 +170,10 @@ class DecoderAttention(nn.Module):
         if self.qk_norm and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
+            if self.fuse_rope_kv and self.rotary.triton_enabled and len(kv) == 2:
+                # One kernel rotates q / k and writes k / v into the (float) paged cache.
+                q = self.rotary.forward_write_kv(positions, q, k, v, kv[0], kv[1], md.slot_mapping)
+                return self.o_proj(self.attn(q, None, None, kv, md, kv_written=True))
             q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv, md))
 
