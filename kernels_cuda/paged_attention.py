@@ -21,7 +21,10 @@ least cdiv(q_len_i, BLOCK_Q) of them; the surplus exits at once), so the grid si
 Each program finds its sequence by binary search over ``query_start_loc``. K/V tiles of BLOCK_N
 keys are gathered through the block table (any page size S), softmax is online in fp32.
 
-Rows of ``out`` beyond ``query_start_loc[B]`` (padding tokens) are not written.
+Rows of ``out`` beyond ``query_start_loc[B]`` (padding tokens) are written as zeros when
+``zero_padding`` (the default when ``out`` is allocated here, with torch.empty: no separate fill
+kernel): by cdiv(T, BLOCK_Q) extra programs past the attention tiles (one split), or by the merge
+kernel (split-KV, whose grid covers every row). Otherwise they are left untouched.
 
 Quantized cache (``k_scale`` / ``v_scale`` given; contract in xlaserve.quantization.kv_quant):
 ``k_cache`` / ``v_cache`` hold int8 or float8_e4m3fn codes and the scales are float32 [N, S, Hkv]
@@ -108,6 +111,8 @@ def _unified_attention_kernel(
     stride_sn,
     stride_ss,
     num_seqs,
+    num_tokens,
+    num_tiles,
     sm_scale,
     soft_cap,
     window,
@@ -124,9 +129,26 @@ def _unified_attention_kernel(
     DOT_PREC: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
+    ZERO_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    if ZERO_PAD:
+        if pid >= num_tiles:
+            # Zero-fill program: rows of BLOCK_Q tokens x this kv head's G query heads (the
+            # attention tile's shape), only tokens past query_start_loc[B] (padding).
+            zr = tl.arange(0, BLOCK_M)
+            z_tok = (pid - num_tiles) * BLOCK_Q + zr // G
+            z_ok = (
+                (zr // G < BLOCK_Q) & (z_tok >= tl.load(qsl_ptr + num_seqs)) & (z_tok < num_tokens)
+            )
+            zd = tl.arange(0, BLOCK_D)
+            z_offs = (
+                z_tok[:, None] * stride_ot + (kvh * G + zr % G)[:, None] * stride_oh + zd[None, :]
+            )
+            zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + z_offs, zeros, mask=z_ok[:, None] & (zd < HEAD_DIM)[None, :])
+            return
 
     # Binary search: the last sequence whose first program index <= pid.
     lo = pid * 0
@@ -259,14 +281,18 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    ZERO_PAD: tl.constexpr,
 ):
     # One program per (token, q head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
     tok = tl.program_id(0)
     head = tl.program_id(1)
-    if tok >= tl.load(qsl_ptr + num_seqs):
-        return  # padding row
-    sp = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
+    if tok >= tl.load(qsl_ptr + num_seqs):  # padding row: zeros, or left untouched
+        if ZERO_PAD:
+            zeros = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, zeros, mask=d < HEAD_DIM)
+        return
+    sp = tl.arange(0, NUM_SPLITS)
     base = (tok * num_heads + head) * NUM_SPLITS
     m = tl.load(part_ml_ptr + (base + sp) * 2)
     l_s = tl.load(part_ml_ptr + (base + sp) * 2 + 1)
@@ -393,12 +419,13 @@ def unified_attention(
     num_kv_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    zero_padding: bool | None = None,
 ) -> torch.Tensor:
     """Paged causal attention over a ragged batch of prefill chunks and decodes, one launch.
 
     Args:
         q: [T, Hq, D] queries (fp16/bf16/fp32; last dim contiguous). T may include trailing
-            padding rows past ``query_start_loc[B]``; those rows of ``out`` are left untouched.
+            padding rows past ``query_start_loc[B]`` (see zero_padding).
         k_cache, v_cache: [N, S, Hkv, D], same dtype as q; Hq % Hkv == 0 (GQA); D <= 256.
         out: [T, Hq, D] same dtype as q, or None to allocate (then padding rows are zeros).
         query_start_loc: int32 [B+1], cumulative query counts (query_start_loc[0] == 0).
@@ -415,6 +442,8 @@ def unified_attention(
             Pass a fixed value when capturing CUDA graphs whose seq_lens change on replay.
         k_scale, v_scale: None, or float32 [N, S, Hkv] when k_cache / v_cache hold int8 /
             float8_e4m3fn codes (quantized KV cache; dequantized on read).
+        zero_padding: whether the kernels write zeros into the padding rows of out; None (the
+            default): iff out is None (so an allocated out is zeros there, a given one untouched).
 
     Returns:
         out: [T, Hq, D].
@@ -432,11 +461,17 @@ def unified_attention(
     )  # fmt: skip
     for label, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(f"unified_attention {label}", tensor)
+    if zero_padding is None:
+        zero_padding = out is None
     if out is None:
-        out = torch.zeros_like(q)
+        out = torch.empty_like(q)  # padding rows: zeroed by the kernels (no fill launch)
     else:
         check_last_dim_contiguous("unified_attention out", out)
-    if t == 0 or b == 0:
+    if t == 0:
+        return out
+    if b == 0:  # every row is padding
+        if zero_padding:
+            out.zero_()
         return out
 
     g = hq // hkv
@@ -459,7 +494,10 @@ def unified_attention(
         part_ml = torch.empty((t, hq, num_kv_splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    grid = (num_tiles, hkv, num_kv_splits)
+    # One split: cdiv(T, BLOCK_Q) zero-fill programs past the tiles (their rows past
+    # query_start_loc[B]); split-KV: the merge kernel, whose grid covers every row, zeroes.
+    zero_main = zero_padding and num_kv_splits == 1
+    grid = (num_tiles + (triton.cdiv(t, block_q) if zero_main else 0), hkv, num_kv_splits)
     ks, vs = (k_scale, v_scale) if quant else (seq_lens, seq_lens)  # unused when float
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, query_start_loc, seq_lens, block_tables,
@@ -469,7 +507,7 @@ def unified_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
-        b, float(sm_scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        b, t, num_tiles, float(sm_scale), float(soft_cap or 0.0), int(sliding_window or 0),
         G=g,
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -483,13 +521,15 @@ def unified_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_kv_splits,
         QUANT=quant,
+        ZERO_PAD=zero_main,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_kv_splits > 1:
         _merge_splits_kernel[(t, hq)](
             part_acc, part_ml, out, query_start_loc, b, out.stride(0), out.stride(1), hq,
-            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, num_warps=4,
+            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, ZERO_PAD=zero_padding,
+            num_warps=4,
         )  # fmt: skip
     return out
 
@@ -529,6 +569,7 @@ def unified_attention_ref(
     num_kv_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    zero_padding: bool | None = None,
 ) -> torch.Tensor:
     """Plain torch reference of :func:`unified_attention` (same arguments, fp32 math;
     ``num_kv_splits`` is accepted and ignored; a quantized cache is dequantized first).
@@ -541,6 +582,8 @@ def unified_attention_ref(
     )  # fmt: skip
     if out is None:
         out = torch.zeros_like(q)
+    elif zero_padding:
+        out[int(query_start_loc[-1]) :] = 0
     if k_scale is not None:
         k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
     _, hq, d = q.shape
