@@ -5,7 +5,10 @@ Run on a CUDA machine: ``python -m xlaserve.kernels_cuda.bench_kernels --output-
 after warm-up, and checks each kernel against its reference (max abs error) once per case.
 Self-contained: torch + triton only (the MoE and quantized-GEMV benches borrow backends_torch).
 ``--only qgemv`` sweeps the weight-only quantized GEMV configs (see `bench_qgemv`); the summary
-rows ("qgemv_best") print, every config's row goes to ``--output-json``.
+rows ("qgemv_best") print, every config's row goes to ``--output-json``. ``--only dense_gemv``
+sweeps the bf16 Triton GEMV against cuBLAS at M == 1 (`bench_dense_gemv`; "dense_gemv_best"
+rows print). ``--only decode_small`` times the batch-1 decode kernels: rotary + write_kv vs the
+fused kernel, unified_attention over num_kv_splits (`bench_decode_small`).
 """
 
 from __future__ import annotations
@@ -434,13 +437,253 @@ def bench_qgemv(dtype: torch.dtype, iters: int) -> list[dict[str, Any]]:
     return rows
 
 
+# ---- dense GEMV sweep (--only dense_gemv) --------------------------------------------------------
+
+# Llama-3.1-8B weights (N, K) at batch-1 decode: the four linears of a layer and the lm head.
+DENSE_GEMV_BENCH_SHAPES = (*QGEMV_SHAPES, ("lm_head", 128256, 4096))
+# Candidate GemvTiles (block_n, block_k, split_k, num_warps); the default of every shape is timed
+# too. block_k >= 8 * 32 * num_warps (bf16) keeps x a vector (no broadcast tile).
+# fmt: off
+DENSE_GEMV_GRID: list[tuple[int, int, int, int]] = [
+    (4, 1024, 1, 4), (2, 1024, 1, 4), (8, 1024, 1, 4), (1, 1024, 1, 4), (4, 2048, 1, 8),
+    (8, 512, 1, 2), (4, 512, 1, 2), (16, 256, 1, 1), (4, 1024, 2, 4), (8, 1024, 4, 4),
+]
+# fmt: on
+
+
+def _dense_gemv_configs() -> list[tuple]:
+    from xlaserve.kernels_cuda import dense_gemv as dg
+
+    out = [tuple(dg.dense_gemv_tiles(n, k)) for _, n, k in DENSE_GEMV_BENCH_SHAPES]
+    out += [tuple(dg.GemvTiles(*c)) for c in DENSE_GEMV_GRID]
+    return list(dict.fromkeys(out))
+
+
+def _dense_gemv_precompile(dtype: torch.dtype) -> float:
+    """Compile every config in threads on a small weight with the real shapes' integer
+    specializations (N, K multiples of 16); failures are left to the timed pass."""
+    import os
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from xlaserve.kernels_cuda.dense_gemv import dense_gemv
+
+    start = time.perf_counter()
+    tasks = []
+    for k in sorted({k for _, _, k in DENSE_GEMV_BENCH_SHAPES}):
+        w = torch.randn(64, k, device="cuda", dtype=dtype)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        tasks += [functools.partial(dense_gemv, x, w, tiles=c) for c in _dense_gemv_configs()]
+
+    def run(task: Callable[[], Any]) -> None:
+        try:
+            task()
+        except Exception:
+            pass
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(run, tasks))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_dense_gemv(dtype: torch.dtype, iters: int) -> list[dict[str, Any]]:
+    """Triton dense GEMV (kernels_cuda/dense_gemv.py) vs cuBLAS F.linear at M == 1 on the
+    Llama-8B shapes: a "dense_gemv_config" row per config (ms, weight GB/s, max abs error vs the
+    fp32 reference, or the error of a config that fails), then "dense_gemv_best" per shape: the
+    fastest correct config, the default, cuBLAS (cublas_ms) and speedup_vs_cublas. Every timing
+    cycles through weight copies past the L2 (>= 256 MB), replayed from a CUDA graph, as in
+    `bench_qgemv`. A shape whose best config beats cuBLAS belongs in DENSE_GEMV_SHAPES (and
+    that config in DENSE_GEMV_TILES)."""
+    from xlaserve.kernels_cuda import dense_gemv as dg
+
+    dev = torch.device("cuda")
+    rows: list[dict[str, Any]] = []
+    try:
+        rows.append({"kernel": "dense_gemv_precompile", "seconds": _dense_gemv_precompile(dtype)})
+    except Exception as e:
+        rows.append({"kernel": "dense_gemv_precompile", "error": _err_text(e)})
+    configs = _dense_gemv_configs()
+    for shape, n, k in DENSE_GEMV_BENCH_SHAPES:
+        case = {"shape": shape, "N": n, "K": k, "dtype": str(dtype)}
+        try:
+            w0 = (0.02 * torch.randn(n, k, device=dev)).to(dtype)
+            nbytes = w0.numel() * w0.element_size()
+            ws = [w0] + [w0.clone() for _ in range(_copies(nbytes) - 1)]
+            x = torch.randn(1, k, device=dev, dtype=dtype)
+            ref = dg.dense_gemv_ref(x, w0).float()
+        except Exception as e:
+            rows.append({"kernel": "dense_gemv_best", **case, "error": _err_text(e)})
+            torch.cuda.empty_cache()
+            continue
+        ref_max = ref.abs().max().item()
+        tol = (1e-2 if dtype == torch.bfloat16 else 2e-3) * ref_max + 1e-6
+        default = tuple(dg.dense_gemv_tiles(n, k))
+        grid = [default] + [c for c in configs if c != default]
+        case_rows: list[dict[str, Any]] = []
+        for cfg in grid:
+            row: dict[str, Any] = {"kernel": "dense_gemv_config", **case, "config": list(cfg),
+                                   "default": cfg == default}  # fmt: skip
+            try:
+                err = (dg.dense_gemv(x, w0, tiles=cfg).float() - ref).abs().max().item()
+                calls = [functools.partial(dg.dense_gemv, x, w, tiles=cfg) for w in ws]
+                ms = _graph_ms(calls, iters)
+                row.update(ms=ms, weight_GBps=nbytes / ms / 1e6, max_abs_err=err, ok=err <= tol)
+            except Exception as e:  # a config that fails to compile or launch is a result too
+                row["error"] = _err_text(e)
+            case_rows.append(row)
+        summary: dict[str, Any] = {"kernel": "dense_gemv_best", **case, "copies": len(ws)}
+        try:
+            cub = [functools.partial(torch.nn.functional.linear, x, w) for w in ws]
+            summary["cublas_ms"] = _graph_ms(cub, iters)
+            summary["cublas_GBps"] = nbytes / summary["cublas_ms"] / 1e6
+        except Exception as e:
+            summary["cublas_error"] = _err_text(e)
+        good = [r for r in case_rows if r.get("ok")]
+        best = min(good, key=lambda r: r["ms"]) if good else {}
+        dflt = case_rows[0]
+        summary.update(
+            best_config=best.get("config"), best_ms=best.get("ms"),
+            best_weight_GBps=best.get("weight_GBps"), default_config=list(default),
+            default_ms=dflt.get("ms"), default_max_abs_err=dflt.get("max_abs_err"),
+            ref_max_abs=ref_max, failed_configs=sum("error" in r for r in case_rows),
+            wrong_configs=sum("ok" in r and not r["ok"] for r in case_rows),
+        )  # fmt: skip
+        if best and "cublas_ms" in summary:
+            summary["speedup_vs_cublas"] = summary["cublas_ms"] / best["ms"]
+        rows += [*case_rows, summary]
+        del ws, w0
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- batch-1 decode small kernels (--only decode_small) -------------------------------------------
+
+# Calls per captured graph: per-call time = replay time / calls (launch gaps excluded).
+_DECODE_SMALL_CALLS = 32
+# Llama-8B attention: (Hq, Hkv, D, page, cache blocks per layer).
+_DECODE_HEADS = (32, 8, 128, 16, 512)
+
+
+def _timed_row(row: dict[str, Any], key: str, calls: list[Callable[[], Any]], iters: int) -> None:
+    """row[key] = ms per call (graph replay), or row[key + "_error"] when it fails."""
+    try:
+        row[key] = _graph_ms(calls, iters)
+    except Exception as e:
+        row[key + "_error"] = _err_text(e)
+
+
+def _decode_rope_kv_row(
+    t: int, dtype: torch.dtype, cos_sin: torch.Tensor, iters: int, check: bool
+) -> dict[str, Any]:
+    """One decode_small row: rotary + write_kv vs the fused kernel at T tokens (Llama-8B heads),
+    each call on another layer's cache."""
+    from xlaserve.kernels_cuda.rotary import (
+        rotary_embedding_write_kv,
+        rotary_embedding_write_kv_ref,
+    )
+
+    dev = torch.device("cuda")
+    hq, hkv, d, page, nblk = _DECODE_HEADS
+    layers = _DECODE_SMALL_CALLS
+    row: dict[str, Any] = {"kernel": "decode_rope_kv_write", "T": t, "dtype": str(dtype)}
+    try:
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=dtype)
+        q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+        pos = torch.randint(0, 8192, (t,), device=dev)
+        slots = torch.randperm(nblk * page, device=dev)[:t].to(torch.int32)
+        caches = [(torch.zeros(nblk, page, hkv, d, device=dev, dtype=dtype),
+                   torch.zeros(nblk, page, hkv, d, device=dev, dtype=dtype))
+                  for _ in range(layers)]  # fmt: skip
+
+        def separate(kc: torch.Tensor, vc: torch.Tensor) -> None:
+            rotary_embedding(q, k, pos, cos_sin)
+            write_kv(k, v, kc, vc, slots)
+
+        _timed_row(row, "rotary_ms",
+                   [functools.partial(rotary_embedding, q, k, pos, cos_sin)] * layers, iters)  # fmt: skip
+        _timed_row(row, "write_kv_ms",
+                   [functools.partial(write_kv, k, v, *c, slots) for c in caches], iters)  # fmt: skip
+        _timed_row(row, "separate_ms", [functools.partial(separate, *c) for c in caches], iters)
+        fused = [functools.partial(rotary_embedding_write_kv, q, k, v, pos, cos_sin, *c, slots)
+                 for c in caches]  # fmt: skip
+        _timed_row(row, "fused_ms", fused, iters)
+        if "separate_ms" in row and "fused_ms" in row:
+            row["saved_us_per_layer"] = 1e3 * (row["separate_ms"] - row["fused_ms"])
+        if check:
+            q0, k0, v0 = (torch.randn_like(x) for x in (q, k, v))
+            kc, vc = torch.zeros_like(caches[0][0]), torch.zeros_like(caches[0][1])
+            want = [x.clone() for x in (q0, k0, kc, vc)]
+            rotary_embedding_write_kv_ref(want[0], want[1], v0, pos, cos_sin, want[2],
+                                          want[3], slots)  # fmt: skip
+            rotary_embedding_write_kv(q0, k0, v0, pos, cos_sin, kc, vc, slots)
+            row["max_abs_err"] = max(
+                (a.float() - b.float()).abs().max().item()
+                for a, b in zip((q0, k0, kc, vc), want, strict=True)
+            )
+        del caches
+    except Exception as e:
+        row["error"] = _err_text(e)
+    return row
+
+
+def bench_decode_small(dtype: torch.dtype, iters: int, check: bool) -> list[dict[str, Any]]:
+    """Batch-1 decode kernels of Llama-8B (32 q / 8 kv heads, D 128, page 16): rotary + write_kv
+    (two launches) vs rotary_embedding_write_kv (one), at T 1 and 8; unified_attention at one
+    sequence x kv_len 384 (and 2048) with num_kv_splits 1 / 2 / 4 / 8 / auto (None), out
+    allocated by the call (empty + in-kernel zero padding) as the attention backend does, beside
+    the torch.zeros_like fill it replaced. Each row times _DECODE_SMALL_CALLS calls per CUDA
+    graph (32 layers' caches for the KV writes); a failing variant records its error."""
+    dev = torch.device("cuda")
+    hq, hkv, d, page, _ = _DECODE_HEADS
+    layers = _DECODE_SMALL_CALLS
+    rows: list[dict[str, Any]] = []
+    inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, device=dev).float() / d)
+    cos_sin = compute_cos_sin_cache(inv, 8192)
+    for t in (1, 8):
+        rows.append(_decode_rope_kv_row(t, dtype, cos_sin, iters, check))
+    for kv_len in (384, 2048):
+        try:
+            q = torch.randn(1, hq, d, device=dev, dtype=dtype)
+            nb = -(-kv_len // page)
+            kc = torch.randn(4 * nb, page, hkv, d, device=dev, dtype=dtype)
+            vc = torch.randn_like(kc)
+            qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+            sl = torch.tensor([kv_len], dtype=torch.int32, device=dev)
+            bt = torch.randperm(4 * nb, device=dev)[:nb].to(torch.int32)[None]
+            args = (q, kc, vc, None, qsl, sl, bt, 1, kv_len, d**-0.5)
+            ref = unified_attention_ref(*args).float() if check else None
+        except Exception as e:
+            rows.append({"kernel": "decode_attention", "kv_len": kv_len, "error": _err_text(e)})
+            continue
+        fill = {"kernel": "decode_attention", "kv_len": kv_len, "variant": "zeros_like_fill"}
+        _timed_row(fill, "ms", [functools.partial(torch.zeros_like, q)] * layers, iters)
+        rows.append(fill)
+        for splits in (1, 2, 4, 8, None):
+            row = {"kernel": "decode_attention", "kv_len": kv_len, "dtype": str(dtype),
+                   "num_kv_splits": splits if splits else "auto"}  # fmt: skip
+            call = functools.partial(unified_attention, *args, num_kv_splits=splits)
+            _timed_row(row, "ms", [call] * layers, iters)
+            if check and "ms" in row:
+                try:
+                    row["max_abs_err"] = (call().float() - ref).abs().max().item()
+                except Exception as e:
+                    row["check_error"] = _err_text(e)
+            rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--no-check", action="store_true", help="skip reference comparisons")
-    parser.add_argument("--only", choices=["attention", "small", "moe", "qgemv"], default=None)
+    parser.add_argument(
+        "--only",
+        choices=["attention", "small", "moe", "qgemv", "dense_gemv", "decode_small"],
+        default=None,
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -456,6 +699,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_moe(dtype, args.iters, not args.no_check)
     if args.only in (None, "qgemv"):
         rows += bench_qgemv(dtype, args.iters)
+    if args.only in (None, "dense_gemv"):
+        rows += bench_dense_gemv(dtype, args.iters)
+    if args.only in (None, "decode_small"):
+        rows += bench_decode_small(dtype, args.iters, not args.no_check)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     try:
         import triton
@@ -464,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     for row in rows:
-        if row["kernel"] != "qgemv_config":  # per-config sweep rows: in --output-json only
+        if row["kernel"] not in ("qgemv_config", "dense_gemv_config"):  # sweeps: JSON only
             print(json.dumps(row))
     if args.output_json:
         with open(args.output_json, "w") as f:
