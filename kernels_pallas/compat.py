@@ -104,3 +104,44 @@ def is_interpret_forced() -> bool:
         return state is not None and state.value is not None
     except Exception:  # private API moved: assume not forced
         return False
+
+
+# --- Pallas GPU (Triton lowering) -------------------------------------------------------------
+# `jax.experimental.pallas.triton` (>= 0.4.31; `pallas.gpu` before). Imported lazily: a missing
+# module only matters once a GPU kernel is traced.
+
+
+def _triton_module() -> Any:
+    try:
+        from jax.experimental.pallas import triton as plgpu
+    except ImportError:  # pragma: no cover - very old / future layouts
+        try:
+            from jax.experimental.pallas import gpu as plgpu  # type: ignore[no-redef]
+        except ImportError as e:
+            raise ImportError(
+                f"jax {jax.__version__} has no Pallas Triton module (jax.experimental.pallas.triton)"
+            ) from e
+    return plgpu
+
+
+def gpu_compiler_params(num_warps: int, num_stages: int) -> Any:
+    """Triton compiler params: `CompilerParams` (>= 0.6), `TritonCompilerParams` before."""
+    plgpu = _triton_module()
+    cls = _first_attr((plgpu, "CompilerParams"), (plgpu, "TritonCompilerParams"))
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def gpu_load(ref: Any, *, mask: Any = None, other: Any = None) -> Any:
+    """Masked load from a (possibly `.at[...]`-indexed) ref (`plgpu.load`; it also runs under
+    the interpreter). Without a mask it is a plain `ref[...]`."""
+    if mask is None:
+        return ref[...]
+    return _triton_module().load(ref, mask=mask, other=other)
+
+
+def gpu_store(ref: Any, val: Any, *, mask: Any = None) -> None:
+    """Masked store into a (possibly `.at[...]`-indexed) ref (`plgpu.store`)."""
+    if mask is None:
+        ref[...] = val
+        return
+    _triton_module().store(ref, val, mask=mask)

@@ -14,8 +14,9 @@ Three entry points:
 - `ref_ragged_paged_attention`: plain jnp, vectorized and jit-able with static shapes; it
   gathers every token's pages (memory O(T * M * S * Hkv * D): a reference and CPU path).
 - `ragged_paged_attention(impl=...)`: "reference", "pallas_tpu" (the Mosaic kernel below; runs
-  on CPU under TPU interpret mode) or "auto" (pallas_tpu when JAX's backend is TPU, else the
-  reference; a GPU kernel comes later).
+  on CPU under TPU interpret mode), "pallas_gpu" (the Pallas Triton kernel in
+  ragged_paged_attention_gpu.py; runs on CPU under Pallas' interpreter) or "auto" (pallas_tpu
+  when JAX's backend is TPU, `GPU_AUTO_IMPL` on a GPU, else the reference).
 
 The Mosaic kernel
 -----------------
@@ -80,11 +81,18 @@ from jax.experimental import pallas as pl
 
 from xlaserve.kernels_pallas import compat
 from xlaserve.kernels_pallas.kv_cache_quant import dequantize_kv, kv_cache_dtype_of, quantize_kv
+from xlaserve.kernels_pallas.ragged_paged_attention_gpu import (
+    GpuBlockSizes,
+    ragged_paged_attention_gpu,
+)
 
 # A large finite negative logit for masked keys: exp(MASK - m) underflows to 0, and a row whose
 # keys are all masked in one block never computes -inf - (-inf).
 MASK_VALUE: float = -0.7 * float(np.finfo(np.float32).max)
-_IMPLS = ("auto", "reference", "pallas_tpu")
+_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+# What impl="auto" runs on a GPU backend: whichever of "reference" / "pallas_gpu" is faster.
+# Set from the H200 measurement (python -m xlaserve.kernels_pallas.bench_rpa_gpu).
+GPU_AUTO_IMPL: str = "reference"
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Lane width used for the replicated m/l scratch (TPU vregs are [8, 128]).
 _LANES = 128
@@ -764,6 +772,8 @@ def _resolve_impl(impl: str) -> str:
     # Mosaic; under forced TPU interpret mode the kernel runs anywhere.
     if jax.default_backend() == "tpu" or compat.is_interpret_forced():
         return "pallas_tpu"
+    if jax.default_backend() == "gpu":
+        return GPU_AUTO_IMPL
     return "reference"
 
 
@@ -786,7 +796,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     impl: str = "auto",
-    block_sizes: BlockSizes | None = None,
+    block_sizes: BlockSizes | GpuBlockSizes | None = None,
 ) -> jax.Array:
     """Ragged paged attention over a batch mixing prefill chunks and decodes.
 
@@ -796,8 +806,11 @@ def ragged_paged_attention(
     into T (non-decreasing; padded sequences have q_len 0); num_seqs: int32 [1].
     GQA: query head h uses kv head h // (Hq // Hkv). sliding_window w: keys in (p - w, p].
     soft_cap c: logits = c * tanh(logits / c). Softmax and accumulation in float32.
-    impl: "reference" | "pallas_tpu" | "auto" (pallas_tpu on a TPU backend or under forced TPU
-    interpret mode, else reference). block_sizes: override the tuning table (kernel only).
+    impl: "reference" | "pallas_tpu" | "pallas_gpu" | "auto" (pallas_tpu on a TPU backend or
+    under forced TPU interpret mode, GPU_AUTO_IMPL on a GPU backend, else reference).
+    "pallas_gpu" does not handle quantized caches: with k_scale/v_scale it runs the reference.
+    block_sizes: override the tuning table (kernels only; BlockSizes for pallas_tpu,
+    GpuBlockSizes for pallas_gpu).
     Quantized cache (xlaserve.quantization.kv_quant): k_cache/v_cache int8 or float8_e4m3fn
     codes with k_scale, v_scale float32 [N, S, Hkv] (one scale per token and KV head); keys and
     values are dequantized (codes * scale) where they are read.
@@ -807,12 +820,24 @@ def ragged_paged_attention(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sliding_window, soft_cap, impl, k_scale, v_scale,
     )  # fmt: skip
-    if _resolve_impl(impl) == "reference":
+    resolved = _resolve_impl(impl)
+    if resolved == "pallas_gpu" and k_scale is None:
+        if block_sizes is not None and not isinstance(block_sizes, GpuBlockSizes):
+            raise ValueError(f"pallas_gpu takes GpuBlockSizes, got {type(block_sizes).__name__}")
+        return ragged_paged_attention_gpu(
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            block_sizes=block_sizes,
+        )  # fmt: skip
+    # The GPU kernel has no in-kernel dequantization: quantized caches take the reference.
+    if resolved in ("reference", "pallas_gpu"):
         return ref_ragged_paged_attention(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"pallas_tpu takes BlockSizes, got {type(block_sizes).__name__}")
     return _pallas_tpu_attention(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
