@@ -9,7 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_device, check_dtype, check_last_dim_contiguous
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    pdl_kwargs,
+    pdl_prologue,
+    use_pdl,
+)
 
 # Activation codes of `apply_activation` (shared with the fused MoE kernel).
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
@@ -44,7 +52,9 @@ def _act_and_mul_kernel(
     inter,
     ACT: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -75,8 +85,9 @@ def _launch(x: torch.Tensor, out: torch.Tensor | None, act: str) -> torch.Tensor
     block = min(1024, triton.next_power_of_2(inter))
     grid = (t, triton.cdiv(inter, block))
     _act_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), inter, ACT=ACT_CODES[act], BLOCK=block, num_warps=4
-    )
+        x, out, x.stride(0), out.stride(0), inter, ACT=ACT_CODES[act], BLOCK=block, num_warps=4,
+        USE_PDL=(pdl := use_pdl(x)), **pdl_kwargs(pdl),
+    )  # fmt: skip
     return out
 
 

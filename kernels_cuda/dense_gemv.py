@@ -11,12 +11,13 @@ split-K: SPLIT_K programs per row block write fp32 partials that quant_matmul's 
 `_splitk_sum_kernel` adds in a fixed order (no atomics). The launch config is quant_matmul's
 `GemvTiles` (bit_cvt is ignored here) and split_k 0 is resolved by its `_resolve_split`.
 
-Data, to be set from H200 measurements (`python -m xlaserve.kernels_cuda.bench_kernels --only
+Data, set from H200 measurements (`python -m xlaserve.kernels_cuda.bench_kernels --only
 dense_gemv`):
   * DENSE_GEMV_TILES: (N, K) -> GemvTiles; other shapes use DENSE_GEMV_DEFAULT_TILES.
   * DENSE_GEMV_SHAPES: the (N, K) weight shapes whose M == 1 forward takes this kernel instead of
-    cuBLAS (`use_dense_gemv`, wired into backends_torch.layers.linear). Empty: off by default.
-    $XLASERVE_DENSE_GEMV=1 / 0 forces every shape on / off.
+    cuBLAS (`use_dense_gemv`, wired into backends_torch.layers.linear); None (the default) = all
+    shapes on CUDA, as it beat cuBLAS on every shape measured. $XLASERVE_DENSE_GEMV=1 / 0 forces
+    every shape on / off.
 
 No residual epilogue: the decoder adds the residual inside its fused add + RMSNorm kernel, which
 reads the residual anyway, so folding the add into o_proj / down saves no traffic or launch.
@@ -36,6 +37,9 @@ from xlaserve.kernels_cuda._common import (
     check_dtype,
     check_last_dim_contiguous,
     interpret_mode,
+    pdl_kwargs,
+    pdl_prologue,
+    use_pdl,
 )
 from xlaserve.kernels_cuda.quant_matmul import (
     _SPLITK_SUM_BLOCK,
@@ -45,16 +49,19 @@ from xlaserve.kernels_cuda.quant_matmul import (
     _splitk_sum_kernel,
 )
 
-# Starting point from the fp8 GEMV's measured best M == 1 config ((4, 1024): 4 rows x 1024 k's
-# per step; 1024 = 8 bf16 per 16-byte load x 32 lanes x 4 warps, so x's vector layout matches the
-# weight tile's and no shared-memory shuffle is needed). bf16 moves twice the bytes per step.
-DENSE_GEMV_DEFAULT_TILES = GemvTiles(4, 1024, 0, 4)
-# Per (N, K) overrides, filled from `bench_kernels --only dense_gemv` on the target GPU.
+# Default tiles, measured on the H200 (bench/RESULTS.md, 2026-12-03 fourth session; a sweep of
+# 36 configs per shape): 2 rows x 1024 k's per step, auto split-K, 4 warps is the best or within
+# 0.2 us of it on every Llama-8B shape (1024 = 8 bf16 per 16-byte load x 32 lanes x 4 warps, so
+# x's vector layout matches the weight tile's and no shared-memory shuffle is needed).
+DENSE_GEMV_DEFAULT_TILES = GemvTiles(2, 1024, 0, 4)
+# Per (N, K) overrides (none needed so far; `bench_kernels --only dense_gemv` sweeps them).
 DENSE_GEMV_TILES: dict[tuple[int, int], GemvTiles] = {}
-# (N, K) weight shapes whose M == 1 (decode) forward takes the Triton GEMV rather than cuBLAS.
-# Empty = off until measured; e.g. Llama-3.1-8B: (6144, 4096) qkv, (4096, 4096) o_proj,
-# (28672, 4096) gate_up, (4096, 14336) down, (128256, 4096) lm_head.
-DENSE_GEMV_SHAPES: frozenset[tuple[int, int]] = frozenset()
+# (N, K) weight shapes whose M == 1 (decode) forward takes the Triton GEMV rather than cuBLAS;
+# None = every shape on CUDA. Measured on the H200, bf16, us per call (cuBLAS -> this kernel):
+# qkv 6144x4096 15.4 -> 14.4, o_proj 4096x4096 13.3 -> 10.9 (cuBLAS adds a split-K reduce
+# kernel), gate_up 28672x4096 58.0 -> 56.3, down 4096x14336 32.5 -> 30.4, lm_head 128256x4096
+# 282.9 -> 238.5: faster on every shape measured, so on by default.
+DENSE_GEMV_SHAPES: frozenset[tuple[int, int]] | None = None
 # Activation dtypes the dispatch considers (the kernel itself also runs fp32, for tests).
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)
 ENV_DENSE_GEMV = "XLASERVE_DENSE_GEMV"
@@ -67,7 +74,8 @@ def dense_gemv_tiles(n: int, k: int) -> GemvTiles:
 
 def use_dense_gemv(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether x [m, k] @ W[n, k]^T takes the Triton GEMV: m == 1, dtype fp16 / bf16, a CUDA
-    device (or CPU under TRITON_INTERPRET=1), and (n, k) in DENSE_GEMV_SHAPES, unless
+    device (or CPU under TRITON_INTERPRET=1), and (n, k) in DENSE_GEMV_SHAPES (None: every
+    shape on CUDA), unless
     $XLASERVE_DENSE_GEMV is "1" (every shape) or "0" (none)."""
     if m != 1 or dtype not in DENSE_GEMV_DTYPES:
         return False
@@ -77,6 +85,8 @@ def use_dense_gemv(m: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     env = os.environ.get(ENV_DENSE_GEMV)
     if env in ("0", "1"):
         return env == "1"
+    if DENSE_GEMV_SHAPES is None:  # every shape, on CUDA (not by default in the interpreter)
+        return dev.type == "cuda"
     return (n, k) in DENSE_GEMV_SHAPES
 
 
@@ -87,7 +97,9 @@ def _dense_gemv_kernel(
     stride_wn, stride_ys,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, X_TILE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) over K slice pid_k, written to
     # y directly (one slice: stride_ys 0) or to fp32 workspace plane pid_k. Layouts as in
     # quant_matmul._gemv_w8_kernel: VEC elements (16 bytes) per thread along K; X_TILE loads x
@@ -177,10 +189,10 @@ def dense_gemv(
         weight.stride(0), 0 if split == 1 else n,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, VEC=vec,
         X_TILE=t.block_k < vec * 32 * t.num_warps, HAS_BIAS=bias is not None,
-        num_warps=t.num_warps,
+        num_warps=t.num_warps, USE_PDL=(pdl := use_pdl(x)), **pdl_kwargs(pdl),
     )  # fmt: skip
     if split > 1:
         _splitk_sum_kernel[(triton.cdiv(n, _SPLITK_SUM_BLOCK),)](
-            out, y, n, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK
+            out, y, n, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK, USE_PDL=pdl, **pdl_kwargs(pdl)
         )
     return y

@@ -16,7 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_device, check_dtype, check_last_dim_contiguous, next_pow2
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    next_pow2,
+    pdl_kwargs,
+    pdl_prologue,
+    use_pdl,
+)
 from .kv_quant import QMAX, quantize_kv
 
 
@@ -78,7 +87,9 @@ def _write_kv_kernel(
     BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr,
     QUANT_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -224,7 +235,7 @@ def write_kv(
         hkv,
         HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
         QUANT=quant, QUANT_FP8=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=4,
+        num_warps=4, USE_PDL=(pdl := use_pdl(k)), **pdl_kwargs(pdl),
     )  # fmt: skip
 
 

@@ -12,7 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_device, check_dtype, check_last_dim_contiguous, next_pow2
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    next_pow2,
+    pdl_kwargs,
+    pdl_prologue,
+    use_pdl,
+)
 
 _MAX_BLOCK = 8192
 
@@ -33,7 +42,9 @@ def _rms_norm_kernel(
     weight_offset,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     sq = tl.zeros([BLOCK], dtype=tl.float32)
     # Pass 1: residual add (rounded to the storage dtype) and the sum of squares.
@@ -102,6 +113,7 @@ def _launch(
         res_out.stride(0) if has_res else 0,
         hidden, float(eps), float(weight_offset),
         HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps,
+        USE_PDL=(pdl := use_pdl(x)), **pdl_kwargs(pdl),
     )  # fmt: skip
 
 

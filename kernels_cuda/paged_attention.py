@@ -48,7 +48,10 @@ from ._common import (
     check_dtype,
     check_last_dim_contiguous,
     next_pow2,
+    pdl_kwargs,
+    pdl_prologue,
     upcast_dot,
+    use_pdl,
 )
 from .kv_quant import dequantize_kv
 from .kv_write import check_kv_scales
@@ -84,7 +87,9 @@ def _tanh(x):
     return tl.where(x < 0, -y, y)
 
 
-@triton.jit
+# Per-step ints are not specialized (Triton would otherwise compile a variant per "== 1" /
+# "divisible by 16" combination of them, in the middle of serving).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_tiles"])
 def _unified_attention_kernel(
     q_ptr,
     k_ptr,
@@ -130,7 +135,9 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
     ZERO_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     if ZERO_PAD:
@@ -268,7 +275,7 @@ def _unified_attention_kernel(
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(
     part_acc_ptr,
     part_ml_ptr,
@@ -282,7 +289,9 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     ZERO_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     # One program per (token, q head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -524,12 +533,14 @@ def unified_attention(
         ZERO_PAD=zero_main,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        USE_PDL=(pdl := use_pdl(q)),
+        **pdl_kwargs(pdl),
     )  # fmt: skip
     if num_kv_splits > 1:
         _merge_splits_kernel[(t, hq)](
             part_acc, part_ml, out, query_start_loc, b, out.stride(0), out.stride(1), hq,
             HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, ZERO_PAD=zero_padding,
-            num_warps=4,
+            num_warps=4, USE_PDL=pdl, **pdl_kwargs(pdl),
         )  # fmt: skip
     return out
 

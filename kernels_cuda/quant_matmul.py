@@ -38,7 +38,10 @@ from xlaserve.kernels_cuda._common import (
     check_last_dim_contiguous,
     interpret_mode,
     next_pow2,
+    pdl_kwargs,
+    pdl_prologue,
     upcast_dot,
+    use_pdl,
 )
 
 # Tile sizes as data: (BLOCK_M, BLOCK_N, BLOCK_K) by M bucket. Decode (M <= 16) wants tall N
@@ -348,7 +351,9 @@ def _gemv_w8_kernel(
     stride_xm, stride_wn, stride_ys, stride_ym,
     M: tl.constexpr, BLOCK_MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, BIT_CVT: tl.constexpr, VEC: tl.constexpr, X_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     # w: uint8 [N, K], int8 codes or float8_e4m3fn bits; y = (x @ w^T) * s[n].
     # Layouts: w is read VEC bytes per thread, the width of x's 16-byte vectors, so that Triton
     # gives x the weight tile's layout; a differently laid out x costs a shared-memory round
@@ -409,7 +414,9 @@ def _gemv_int4_kernel(
     M: tl.constexpr, BLOCK_MP: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr, CHUNK: tl.constexpr, HALF: tl.constexpr, BIT_CVT: tl.constexpr,
     VEC: tl.constexpr, X_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     # Packed byte b of a row (KB = K / 2 per row) holds k_lo = b + (b // HALF) * HALF in its low
     # nibble and k_lo + HALF in its high one (group half-split). A step reads CHUNKS x CHUNK
     # contiguous bytes per row; CHUNK divides HALF, so a chunk lies inside one group: its
@@ -480,7 +487,10 @@ def _gemv_int4_kernel(
 
 
 @triton.jit
-def _splitk_sum_kernel(ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_sum_kernel(
+    ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_prologue(USE_PDL)
     # y[i] = sum_s ws[s, i] over the fp32 partials [SPLIT, M * N]; fixed order: deterministic.
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
@@ -517,8 +527,9 @@ def _gemv(
     stride_ys = 0 if split == 1 else m * n
     grid = (triton.cdiv(n, t.block_n), split)
     vec = 16 // x.element_size()  # x elements per 16-byte load: the weight's bytes per thread
+    pdl = use_pdl(x)
     common = {"M": m, "BLOCK_MP": next_pow2(m), "BLOCK_N": t.block_n, "BIT_CVT": t.bit_cvt,
-              "num_warps": t.num_warps}  # fmt: skip
+              "num_warps": t.num_warps, "USE_PDL": pdl, **pdl_kwargs(pdl)}  # fmt: skip
     if fmt == "int4":
         half = group // 2
         step = t.block_k // 2  # bytes per row per step
@@ -543,7 +554,7 @@ def _gemv(
     if split > 1:
         mn = m * n
         _splitk_sum_kernel[(triton.cdiv(mn, _SPLITK_SUM_BLOCK),)](
-            out, y, mn, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK
+            out, y, mn, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK, USE_PDL=pdl, **pdl_kwargs(pdl)
         )
     return y
 

@@ -18,7 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_device, check_dtype, check_last_dim_contiguous, next_pow2
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    next_pow2,
+    pdl_kwargs,
+    pdl_prologue,
+    use_pdl,
+)
 from .kv_write import _check as _check_write_kv
 from .kv_write import write_kv_ref
 
@@ -64,7 +73,9 @@ def _rotary_kernel(
     IS_NEOX: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -86,7 +97,9 @@ def _rope_write_kv_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, IS_NEOX: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_REST: tl.constexpr, HAS_REST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     # One program per token: q rotated in place (as _rotary_kernel); k rotated in registers and
     # stored both in place and to the cache slot, v copied to the cache slot. Every element is
     # stored by the thread that loaded it (pairs x1 / x2 share a layout), so in-place stores
@@ -201,6 +214,7 @@ def rotary_embedding(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         q.shape[1], k.shape[1], half,
         IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
+        USE_PDL=(pdl := use_pdl(q)), **pdl_kwargs(pdl),
     )  # fmt: skip
 
 
@@ -256,6 +270,7 @@ def rotary_embedding_write_kv(
         BLOCK_HALF=block_half, BLOCK_HKV=max(1, min(next_pow2(hkv), 2048 // block_d)),
         BLOCK_D=block_d, BLOCK_REST=next_pow2(max(d - rotary_dim, 1)),
         HAS_REST=rotary_dim < d, num_warps=4,
+        USE_PDL=(pdl := use_pdl(q)), **pdl_kwargs(pdl),
     )  # fmt: skip
 
 

@@ -82,8 +82,13 @@ def test_tiles_table_and_auto_split(monkeypatch):
 def test_use_dense_gemv_table_and_env(monkeypatch):
     monkeypatch.delenv(dg.ENV_DENSE_GEMV, raising=False)
     cuda = torch.device("cuda")
-    assert not dg.use_dense_gemv(1, 64, 128, torch.bfloat16, cuda)  # table empty by default
+    assert dg.DENSE_GEMV_SHAPES is None  # default: every shape on CUDA (measured faster)
+    assert dg.use_dense_gemv(1, 64, 128, torch.bfloat16, cuda)
+    assert not dg.use_dense_gemv(2, 64, 128, torch.bfloat16, cuda)  # M > 1: cuBLAS
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter only when asked for
+    assert not dg.use_dense_gemv(1, 64, 128, torch.bfloat16, torch.device("cpu"))
     monkeypatch.setattr(dg, "DENSE_GEMV_SHAPES", frozenset({(64, 128)}))
+    assert dg.use_dense_gemv(1, 64, 128, torch.bfloat16, torch.device("cpu"))
     assert dg.use_dense_gemv(1, 64, 128, torch.bfloat16, cuda)
     assert not dg.use_dense_gemv(1, 64, 256, torch.bfloat16, cuda)  # other shape
     assert not dg.use_dense_gemv(2, 64, 128, torch.bfloat16, cuda)  # M > 1
@@ -109,6 +114,7 @@ def test_linear_dispatch_picks_the_kernel(mode, device, monkeypatch):
         return real(x, w, b, **kw)
 
     monkeypatch.setattr(dg, "dense_gemv", spy)
+    monkeypatch.setattr(dg, "DENSE_GEMV_SHAPES", frozenset())  # off, then on by table / env
     lin = Linear(96, 40, bias=True, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(40, 96) / 10)
@@ -116,7 +122,7 @@ def test_linear_dispatch_picks_the_kernel(mode, device, monkeypatch):
     x = torch.randn(1, 1, 96).to(torch.bfloat16).to(device)  # [..., K] with one row
     ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
     lin(x)
-    assert calls == []  # off by default
+    assert calls == []  # off
     if mode == "table":
         monkeypatch.setattr(dg, "DENSE_GEMV_SHAPES", frozenset({(40, 96)}))
     else:
