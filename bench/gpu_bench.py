@@ -419,12 +419,20 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "async": ({"async_scheduling": "on"}, "offline"),
     "sync_b1": ({"async_scheduling": "off"}, "batch1"),
     "async_b1": ({"async_scheduling": "on"}, "batch1"),
+    # Batch-1 decode A/B of this session's decode changes (issue 7), each on / off by env.
+    "b1": ({}, "batch1"),
+    "b1_no_pdl": ({}, "batch1"),
+    "b1_no_gemv": ({}, "batch1"),
+    "b1_base": ({}, "batch1"),
     # XLA attention A/B on the GPU (issue 3): the jnp reference against the Pallas GPU kernel.
     "xla_batch_ref": ({"backend": "xla"}, "batch1+offline"),
     "xla_batch_pallas": ({"backend": "xla"}, "batch1+offline"),
 }
 # Environment of a variant's subprocess (knobs that are not LLM arguments).
 VARIANT_ENV: dict[str, dict[str, str]] = {
+    "b1_no_pdl": {"XLASERVE_PDL": "0"},
+    "b1_no_gemv": {"XLASERVE_DENSE_GEMV": "0"},
+    "b1_base": {"XLASERVE_PDL": "0", "XLASERVE_DENSE_GEMV": "0", "XLASERVE_FUSED_ROPE_KV": "0"},
     "xla_batch_ref": {"XLASERVE_RPA_IMPL": "reference"},
     "xla_batch_pallas": {"XLASERVE_RPA_IMPL": "pallas_gpu"},
 }
