@@ -27,7 +27,9 @@ beyond the context, with page ids clamped into [0, N) so a garbage table entry c
 then it does one online-softmax update in float32 with exp2 of
 log2(e)-scaled logits. Masked logits get a large finite negative value and masked
 probabilities are forced to 0, so a row whose keys are all masked in one step never computes
--inf - (-inf) and never counts masked keys. The output store is masked to the tile's rows;
+-inf - (-inf) and never counts masked keys. Steps whose every key is visible to every row of
+the tile (past the window edge, before the causal diagonal) run a copy of the step with no
+masks and unmasked loads; only the edge steps pay for masking. The output store is masked to the tile's rows;
 rows no tile owns (padding tokens) are zeroed by the wrapper.
 
 Split KV (flash decoding): with few programs (small decode batches) the KV range of a tile is
@@ -250,7 +252,7 @@ def _rpa_gpu_kernel(
         slot_iota = lax.broadcasted_iota(jnp.int32, (p, s), 1)
         col_iota = lax.broadcasted_iota(jnp.int32, (1, d), 1)
 
-        def body(blk, carry):  # noqa: ANN001, ANN202
+        def body(blk, carry, masked: bool):  # noqa: ANN001, ANN202
             acc, m_prev, l_prev = carry
             pages = block_tables_ref[seq, pl.ds(blk * p, p)]  # [P]
             pages = jnp.clip(pages, 0, num_pages - 1)
@@ -260,7 +262,9 @@ def _rpa_gpu_kernel(
             rows_kv = ((pages[:, None] * s + slot_iota) * num_kv_heads + h).reshape(bk, 1)
             # Keys past kv_len are not read (masked load, zero fill): no NaN from stale slots.
             kpos = blk * bk + key_iota  # [1, BK]
-            kv_mask = jnp.broadcast_to(kpos.reshape(bk, 1) < kv_len, (bk, d))
+            kv_mask = None
+            if masked:  # interior steps lie inside kv_len: plain (vectorizable) loads
+                kv_mask = jnp.broadcast_to(kpos.reshape(bk, 1) < kv_len, (bk, d))
             k = compat.gpu_load(k_ref.at[rows_kv, col_iota], mask=kv_mask, other=0)  # [BK, D]
             v = compat.gpu_load(v_ref.at[rows_kv, col_iota], mask=kv_mask, other=0)
             logits = lax.dot_general(
@@ -270,14 +274,16 @@ def _rpa_gpu_kernel(
                 logits = logits * (sm_scale * _LOG2E)
             else:  # cap * tanh(x / cap), in log2 units
                 logits = (soft_cap * _LOG2E) * jnp.tanh(logits * (sm_scale / soft_cap))
-            # Causal (which also bounds keys by kv_len for the tile's real rows) + window.
-            mask = kpos <= row_pos
-            if sliding_window is not None:
-                mask &= kpos > row_pos - sliding_window
-            logits = jnp.where(mask, logits, MASK_VALUE)
+            if masked:  # causal (which also bounds keys by kv_len for real rows) + window
+                mask = kpos <= row_pos
+                if sliding_window is not None:
+                    mask &= kpos > row_pos - sliding_window
+                logits = jnp.where(mask, logits, MASK_VALUE)
             m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
             alpha = jnp.exp2(m_prev - m_new)
-            probs = jnp.where(mask, jnp.exp2(logits - m_new), 0.0)
+            probs = jnp.exp2(logits - m_new)
+            if masked:
+                probs = jnp.where(mask, probs, 0.0)
             l_new = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
             pv = lax.dot_general(
                 probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -290,7 +296,20 @@ def _rpa_gpu_kernel(
             jnp.full((rows, 1), MASK_VALUE, jnp.float32),
             jnp.zeros((rows, 1), jnp.float32),
         )
-        acc, m_i, l_i = lax.fori_loop(blk_lo, blk_hi, body, init)
+        # Steps whose every key is visible to every real row of the tile need no mask: keys
+        # <= the first row's position (causal) and > the last row's position - window. The
+        # walk is [blk_lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, blk_hi)
+        # masked (the window edge, then the causal diagonal / kv_len edge).
+        full_hi = jnp.clip((pos0 + 1) // bk, blk_lo, blk_hi)
+        full_lo = blk_lo
+        if sliding_window is not None:
+            pos_last = pos0 + n_rows - 1
+            full_lo = (pos_last - sliding_window + 1 + bk - 1) // bk
+        full_lo = jnp.clip(full_lo, blk_lo, full_hi)
+        masked_body = functools.partial(body, masked=True)
+        carry = lax.fori_loop(blk_lo, full_lo, masked_body, init)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_hi, blk_hi, masked_body, carry)
 
         tok_ok = lax.broadcasted_iota(jnp.int32, (bq, gp, d), 0) < n_rows
         if kv_splits == 1:
