@@ -1,6 +1,7 @@
 """Ragged paged attention, the Pallas GPU (Triton) kernel, run on CPU under Pallas' interpreter.
 
-Tier 1: tiny cases worked out by hand. Tier 2: a sweep against the float64 numpy oracle and the
+On a GPU backend the same file runs the real Triton kernel (interpret mode is only the CPU
+default). Tier 1: tiny cases worked out by hand. Tier 2: a sweep against the float64 numpy oracle and the
 jnp reference over page sizes, GQA ratios (incl. a non-power-of-2 G), head dims, dtypes,
 raggedness (decode-only, prefill-only, mixed, partial pages, query tiles splitting a sequence),
 sliding window, soft cap and split KV. Unused cache slots hold NaN, so a read past kv_len or
@@ -310,7 +311,8 @@ def test_auto_is_reference_on_cpu_and_pallas_gpu_is_one_kernel() -> None:
         fn = lambda *a: ragged_paged_attention(*a, sm_scale=0.25, impl=impl)  # noqa: E731
         return str(jax.make_jaxpr(fn)(*case.args()))
 
-    assert jax.default_backend() == "cpu"
+    if jax.default_backend() != "cpu":  # on a GPU "auto" is GPU_AUTO_IMPL, as measured
+        pytest.skip("checks the CPU dispatch")
     assert "pallas_call" not in jaxpr("auto")
     assert jaxpr("pallas_gpu").count("pallas_call[") == 1
 
