@@ -423,6 +423,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "b1": ({}, "batch1"),
     "b1_no_pdl": ({}, "batch1"),
     "b1_no_gemv": ({}, "batch1"),
+    "b1_no_act_gemv": ({}, "batch1"),
     "b1_base": ({}, "batch1"),
     # XLA attention A/B on the GPU (issue 3): the jnp reference against the Pallas GPU kernel.
     "xla_batch_ref": ({"backend": "xla"}, "batch1+offline"),
@@ -432,6 +433,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
 VARIANT_ENV: dict[str, dict[str, str]] = {
     "b1_no_pdl": {"XLASERVE_PDL": "0"},
     "b1_no_gemv": {"XLASERVE_DENSE_GEMV": "0"},
+    "b1_no_act_gemv": {"XLASERVE_FUSED_ACT_GEMV": "0"},
     "b1_base": {"XLASERVE_PDL": "0", "XLASERVE_DENSE_GEMV": "0", "XLASERVE_FUSED_ROPE_KV": "0"},
     "xla_batch_ref": {"XLASERVE_RPA_IMPL": "reference"},
     "xla_batch_pallas": {"XLASERVE_RPA_IMPL": "pallas_gpu"},

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xlaserve.backends_torch.layers.linear import make_linear, make_merged_linear
+from xlaserve.backends_torch.layers.linear import Linear, make_linear, make_merged_linear
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -70,11 +70,31 @@ class MLP(nn.Module):
             self.up_proj = make_linear(hidden, intermediate, bias, dtype, device, "column")
         self.down_proj = make_linear(intermediate, hidden, bias, dtype, device, "row")
 
+    def _act_gemv_fusable(self, gu: torch.Tensor) -> bool:
+        """Whether a one-row [gate | up] can go through `dense_gemv_act_mul`: a plain (not
+        quantized, not tensor-parallel) down projection whose shape the dense GEMV serves."""
+        from xlaserve.kernels_cuda.dense_gemv import fused_act_gemv_enabled, use_dense_gemv
+
+        down = self.down_proj
+        return (
+            type(down) is Linear
+            and gu.is_contiguous()
+            and down.weight.dtype == gu.dtype
+            and fused_act_gemv_enabled()
+            and use_dense_gemv(1, *down.weight.shape, gu.dtype, gu.device)
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             gu = self.gate_up_proj(x)  # [T, 2I] (this rank's gate | up shards under TP)
             kernel = _TRITON_GATED.get(self.activation) if self.use_triton_ops else None
             if kernel is not None and gu.dim() == 2:
+                if gu.shape[0] == 1 and self._act_gemv_fusable(gu):
+                    # Batch-1 decode: act-and-mul inside the down GEMV (one launch fewer).
+                    from xlaserve.kernels_cuda.dense_gemv import dense_gemv_act_mul
+
+                    down = self.down_proj
+                    return dense_gemv_act_mul(gu, down.weight, down.bias, self.activation)
                 from xlaserve import kernels_cuda
 
                 return self.down_proj(getattr(kernels_cuda, kernel)(gu))

@@ -147,9 +147,20 @@ def test_dense_gemv_dispatch_in_bf16_decode(arch_dir, monkeypatch):  # noqa: ANN
     monkeypatch.setattr(
         dg, "dense_gemv", lambda x, w, b=None: shapes.append(w.shape) or real(x, w, b)
     )
+    fused: list[tuple[int, int]] = []
+    real_act = dg.dense_gemv_act_mul
+    monkeypatch.setattr(
+        dg, "dense_gemv_act_mul", lambda x, w, b, a: fused.append(w.shape) or real_act(x, w, b, a)
+    )
     monkeypatch.setenv(dg.ENV_DENSE_GEMV, "1")
-    _, got, _ = _prefill_and_decode(spec, model)
-    # decode only: qkv, o, gate_up, down per layer, plus the lm head (prefill has M > 1).
-    assert len(shapes) == 4 * spec.num_layers + 1
-    torch.testing.assert_close(got, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
-    assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
+    for fuse_act in ("1", "0"):
+        shapes.clear()
+        fused.clear()
+        monkeypatch.setenv("XLASERVE_FUSED_ACT_GEMV", fuse_act)
+        _, got, _ = _prefill_and_decode(spec, model)
+        # decode only: qkv, o, gate_up, down per layer (down with act-and-mul fused in, unless
+        # switched off), plus the lm head (prefill has M > 1).
+        n_act = spec.num_layers if fuse_act == "1" else 0
+        assert len(fused) == n_act and len(shapes) == 4 * spec.num_layers + 1 - n_act
+        torch.testing.assert_close(got, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+        assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()

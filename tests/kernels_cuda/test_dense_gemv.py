@@ -155,3 +155,100 @@ def test_gpu_llama8b_shapes(shape, n, k):
         got = dense_gemv(x, w, tiles=tiles).float()
         torch.testing.assert_close(got, ref, atol=tol, rtol=0)
     torch.testing.assert_close(dense_gemv(x, w).float(), F.linear(x, w).float(), atol=tol, rtol=0)
+
+
+# ---- act-and-mul prologue (dense_gemv_act_mul) ------------------------------------------------
+
+
+def _act_mul_ref(x2: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up in fp32, rounded to x2's dtype (what the act-and-mul kernel stores)."""
+    from xlaserve.backends_torch.layers.activation import get_activation
+
+    g, u = x2.float().chunk(2, dim=-1)
+    return (get_activation(act)(g) * u).to(x2.dtype)
+
+
+@pytest.mark.parametrize(
+    "n,k,dtype,tiles,act,bias",
+    [
+        (37, 200, torch.float32, GemvTiles(4, 64, 1, 1), "silu", False),  # ragged N and K
+        (70, 96, torch.bfloat16, GemvTiles(8, 32, 1, 1), "gelu_tanh", True),  # x as a tile
+        (33, 300, torch.float16, GemvTiles(4, 64, 3, 1), "gelu", True),  # split-K + bias
+        (24, 64, torch.bfloat16, GemvTiles(8, 256, 1, 1), "silu", False),  # x vector, ragged
+        (20, 512, torch.float16, None, "relu", False),  # default act tiles
+    ],
+)
+def test_act_mul_matches_unfused_and_reference(n, k, dtype, tiles, act, bias, device):
+    from xlaserve import kernels_cuda
+    from xlaserve.kernels_cuda.dense_gemv import DENSE_GEMV_ACT_TILES, dense_gemv_act_mul
+
+    g = torch.Generator().manual_seed(n * k)
+    x2 = torch.randn(1, 2 * k, generator=g).to(dtype).to(device)
+    x, w, b = _operands(n, k, dtype, bias, device)
+    got = dense_gemv_act_mul(x2, w, b, act, tiles=tiles)
+    assert got.shape == (1, n) and got.dtype == dtype
+    # Same tiles, unfused: the act-and-mul kernel (or its rounding, relu has no kernel) then the
+    # GEMV: bit-identical (the product is rounded to x's dtype in both).
+    if act == "relu":
+        a = _act_mul_ref(x2.cpu(), act).to(device)
+    else:
+        a = getattr(kernels_cuda, f"{act}_and_mul")(x2)
+    assert torch.equal(got, dense_gemv(a, w, b, tiles=tiles or DENSE_GEMV_ACT_TILES))
+    ref = dense_gemv_ref(_act_mul_ref(x2.cpu(), act), w.cpu(), None if b is None else b.cpu())
+    atol, rtol = _TOL[dtype]
+    torch.testing.assert_close(got.cpu().float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def test_act_mul_rejects_bad_inputs(device):
+    from xlaserve.kernels_cuda.dense_gemv import dense_gemv_act_mul
+
+    x2 = torch.randn(1, 64, device=device)
+    w = torch.randn(8, 64, device=device)  # K must be half of x's width
+    with pytest.raises(ValueError, match=r"\[1, 2K\]"):
+        dense_gemv_act_mul(x2, w)
+    with pytest.raises(ValueError, match="act must be one of"):
+        dense_gemv_act_mul(x2, w[:, :32], act="tanh")
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_mlp_batch1_uses_the_fused_act_gemv(fused, device, monkeypatch):
+    """A gated MLP on the Triton ops at one row: act-and-mul goes into the down GEMV (when the
+    dense GEMV serves the shape and the switch is on) with the same bits as the two kernels."""
+    from xlaserve.backends_torch.layers.activation import MLP
+    from xlaserve.kernels_cuda import dense_gemv as dgm
+
+    monkeypatch.setenv(dg.ENV_DENSE_GEMV, "1")
+    monkeypatch.setenv("XLASERVE_FUSED_ACT_GEMV", fused)
+    calls: list[str] = []
+    real = dgm.dense_gemv_act_mul
+    monkeypatch.setattr(
+        dgm, "dense_gemv_act_mul", lambda *a, **k: calls.append("x") or real(*a, **k)
+    )
+    torch.manual_seed(0)
+    mlp = MLP(64, 96, "silu", dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn_like(p) / 8)
+    mlp.use_triton_ops = True
+    x = torch.randn(1, 64).to(torch.bfloat16).to(device)
+    got = mlp(x)
+    assert calls == (["x"] if fused == "1" else [])
+    monkeypatch.setenv("XLASERVE_FUSED_ACT_GEMV", "0")
+    assert torch.equal(got, mlp(x))  # same bits as act-and-mul kernel + GEMV
+    assert len(calls) == (1 if fused == "1" else 0)
+    mlp(torch.randn(3, 64).to(torch.bfloat16).to(device))  # M > 1: never fused
+    assert len(calls) == (1 if fused == "1" else 0)
+
+
+@pytest.mark.gpu
+def test_gpu_act_mul_llama8b_down() -> None:
+    from xlaserve import kernels_cuda
+    from xlaserve.kernels_cuda.dense_gemv import dense_gemv_act_mul
+
+    dev = torch.device("cuda")
+    x2 = torch.randn(1, 2 * 14336, device=dev, dtype=torch.bfloat16)
+    w = (0.02 * torch.randn(4096, 14336, device=dev)).to(torch.bfloat16)
+    for tiles in (None, GemvTiles(2, 1024, 0, 4), GemvTiles(4, 1024, 2, 4)):
+        got = dense_gemv_act_mul(x2, w, tiles=tiles)
+        a = kernels_cuda.silu_and_mul(x2)
+        assert torch.equal(got, dense_gemv(a, w, tiles=tiles or dg.DENSE_GEMV_ACT_TILES))
