@@ -69,8 +69,11 @@ DENSE_GEMV_SHAPES: frozenset[tuple[int, int]] | None = None
 # projection's shape (4096 x 14336) on the H200.
 DENSE_GEMV_ACT_TILES = GemvTiles(8, 2048, 0, 4)
 # Whether a gated MLP's batch-1 decode fuses act-and-mul into the down GEMV when both run as
-# Triton kernels; $XLASERVE_FUSED_ACT_GEMV "1" / "0" overrides.
-FUSED_ACT_GEMV = True
+# Triton kernels; $XLASERVE_FUSED_ACT_GEMV "1" / "0" overrides. Off: measured slower on the
+# H200 (Llama-8B batch-1 decode 226.2 tok/s fused vs 233.1 with the separate act-and-mul
+# kernel, same call): each program recomputes the activation of its whole K range, and the
+# tiles were not swept for it.
+FUSED_ACT_GEMV = False
 # Activation dtypes the dispatch considers (the kernel itself also runs fp32, for tests).
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)
 ENV_DENSE_GEMV = "XLASERVE_DENSE_GEMV"

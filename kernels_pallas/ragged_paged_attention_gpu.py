@@ -141,11 +141,16 @@ def default_gpu_tuning(head_dim: int, page_size: int, dtype: jnp.dtype) -> GpuTu
     )
 
 
-# (head_dim, page_size, dtype name) -> GpuTuning. Starting points (flash-attention-like tiles
-# for an H100-class GPU), to be replaced by `bench_rpa_gpu --sweep` results from the H200.
+# (head_dim, page_size, dtype name) -> GpuTuning. (128, 16, bf16) is measured on the H200
+# (`bench_rpa_gpu --sweep`, 2026-12-03, Llama-8B heads; median us of blocking calls): decode at
+# batch 1 (433 keys) 255.6 with the starting point (16, 8 pages, 4 warps, 2 stages, up to 4 KV
+# splits) -> 173.8 with 3 stages and no split; batch 256 (~495 keys each) 638 -> 633 (a forced
+# 4-way split measured 557 there, but splitting only when the grid is small is what hurt batch
+# 1); prefill 1 x 2048: the starting point (64, 4, 4, 2) within 1 us of the best (317.8). The
+# other entries are unmeasured starting points (flash-attention-like tiles).
 TUNED_GPU_BLOCK_SIZES: dict[tuple[int, int, str], GpuTuning] = {
     (128, 16, "bfloat16"): GpuTuning(
-        decode=GpuBlockSizes(16, 8, num_warps=4, num_stages=2, kv_splits=4),
+        decode=GpuBlockSizes(16, 8, num_warps=4, num_stages=3, kv_splits=1),
         prefill=GpuBlockSizes(64, 4, num_warps=4, num_stages=2),
     ),
     (128, 32, "bfloat16"): GpuTuning(
