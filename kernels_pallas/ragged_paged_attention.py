@@ -83,6 +83,7 @@ from xlaserve.kernels_pallas import compat
 from xlaserve.kernels_pallas.kv_cache_quant import dequantize_kv, kv_cache_dtype_of, quantize_kv
 from xlaserve.kernels_pallas.ragged_paged_attention_gpu import (
     GpuBlockSizes,
+    gpu_kernel_supports,
     ragged_paged_attention_gpu,
 )
 
@@ -825,6 +826,8 @@ def ragged_paged_attention(
         sliding_window, soft_cap, impl, k_scale, v_scale,
     )  # fmt: skip
     resolved = _resolve_impl(impl)
+    if impl == "auto" and resolved == "pallas_gpu" and not gpu_kernel_supports(q, k_cache):
+        resolved = "reference"  # e.g. head_dim 48 or a quantized cache: the reference takes all
     if resolved == "pallas_gpu" and k_scale is None:
         if block_sizes is not None and not isinstance(block_sizes, GpuBlockSizes):
             raise ValueError(f"pallas_gpu takes GpuBlockSizes, got {type(block_sizes).__name__}")

@@ -175,6 +175,16 @@ def get_gpu_tuning(head_dim: int, page_size: int, dtype: jnp.dtype) -> GpuTuning
 # ------------------------------------------------------------------------------------------
 
 
+def gpu_kernel_supports(q: jax.Array, k_cache: jax.Array) -> bool:
+    """Whether the kernel takes these shapes / dtypes (what impl="auto" asks before picking it;
+    an explicit impl="pallas_gpu" raises the reason instead, see check_gpu_kernel_inputs)."""
+    try:
+        check_gpu_kernel_inputs(q, k_cache)
+    except ValueError:
+        return False
+    return True
+
+
 def check_gpu_kernel_inputs(q: jax.Array, k_cache: jax.Array) -> None:
     """Kernel-specific rules (the shared contract is checked by the public wrapper)."""
     if jnp.dtype(q.dtype) not in GPU_KERNEL_DTYPES:

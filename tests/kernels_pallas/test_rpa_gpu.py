@@ -317,6 +317,26 @@ def test_auto_is_reference_on_cpu_and_pallas_gpu_is_one_kernel() -> None:
     assert jaxpr("pallas_gpu").count("pallas_call[") == 1
 
 
+def test_auto_on_a_gpu_backend_picks_the_kernel_only_where_it_applies(monkeypatch) -> None:
+    """impl="auto" on a GPU backend is GPU_AUTO_IMPL (the kernel), except for shapes the kernel
+    does not take (head_dim 48: not a power of 2), which run the reference instead of failing."""
+    import importlib
+
+    # (the package re-exports the function under the module's name)
+    rpa_mod = importlib.import_module("xlaserve.kernels_pallas.ragged_paged_attention")
+
+    monkeypatch.setattr(rpa_mod, "GPU_AUTO_IMPL", "pallas_gpu")
+    monkeypatch.setattr(rpa_mod.jax, "default_backend", lambda: "gpu")
+
+    def jaxpr(d: int) -> str:
+        case = make_case(np.random.default_rng(d), [1, 3], [7, 3], page_size=8, hq=2, hkv=1, d=d)
+        fn = lambda *a: ragged_paged_attention(*a, sm_scale=0.25, impl="auto")  # noqa: E731
+        return str(jax.make_jaxpr(fn)(*case.args()))
+
+    assert "pallas_call" not in jaxpr(48)
+    assert jaxpr(32).count("pallas_call[") == 1
+
+
 def test_quantized_cache_falls_back_to_reference() -> None:
     """No in-kernel dequantization: pallas_gpu with k_scale/v_scale runs the reference."""
     rng = np.random.default_rng(8)
