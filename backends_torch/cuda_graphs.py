@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 import numpy as np
@@ -38,14 +39,21 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return out
 
 
+# Largest split-KV factor a decode graph is captured with ($XLASERVE_GRAPH_MAX_KV_SPLITS
+# overrides; a power of 2).
+GRAPH_MAX_KV_SPLITS = 16
+
+
 def graph_kv_splits(bucket: int, num_kv_heads: int, group: int, num_sms: int) -> int:
-    """Split-KV factor fixed at capture: fill ~2 programs per SM for small decode batches.
-    (Empty splits cost one early-exit program; the merge weighs them 0.)"""
+    """Split-KV factor fixed at capture: fill ~2 programs per SM for small decode batches, at
+    most GRAPH_MAX_KV_SPLITS. (Empty splits cost one early-exit program; the merge weighs them
+    0.)"""
     block_q = max(16, 1 << (group - 1).bit_length()) // group  # the decode tile's BLOCK_Q
     programs = (bucket // block_q + bucket) * num_kv_heads
     if programs >= num_sms:
         return 1
-    want = min(2 * num_sms // programs, 16)
+    cap = int(os.environ.get("XLASERVE_GRAPH_MAX_KV_SPLITS", GRAPH_MAX_KV_SPLITS))
+    want = min(2 * num_sms // programs, cap)
     return 1 << (max(want, 1).bit_length() - 1)
 
 

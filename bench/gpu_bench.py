@@ -424,6 +424,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "b1_no_pdl": ({}, "batch1"),
     "b1_no_gemv": ({}, "batch1"),
     "b1_no_act_gemv": ({}, "batch1"),
+    "b1_splits8": ({}, "batch1"),
+    "b1_act_gemv": ({}, "batch1"),
     "b1_base": ({}, "batch1"),
     # XLA attention A/B on the GPU (issue 3): the jnp reference against the Pallas GPU kernel.
     "xla_batch_ref": ({"backend": "xla"}, "batch1+offline"),
@@ -434,6 +436,8 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "b1_no_pdl": {"XLASERVE_PDL": "0"},
     "b1_no_gemv": {"XLASERVE_DENSE_GEMV": "0"},
     "b1_no_act_gemv": {"XLASERVE_FUSED_ACT_GEMV": "0"},
+    "b1_act_gemv": {"XLASERVE_FUSED_ACT_GEMV": "1"},
+    "b1_splits8": {"XLASERVE_GRAPH_MAX_KV_SPLITS": "8"},
     "b1_base": {"XLASERVE_PDL": "0", "XLASERVE_DENSE_GEMV": "0", "XLASERVE_FUSED_ROPE_KV": "0"},
     "xla_batch_ref": {"XLASERVE_RPA_IMPL": "reference"},
     "xla_batch_pallas": {"XLASERVE_RPA_IMPL": "pallas_gpu"},

@@ -26,6 +26,15 @@ def test_decode_buckets_and_splits() -> None:
     assert s >= 1 and s & (s - 1) == 0
 
 
+def test_graph_kv_splits_cap(monkeypatch) -> None:
+    from xlaserve.backends_torch.cuda_graphs import graph_kv_splits
+
+    monkeypatch.setenv("XLASERVE_GRAPH_MAX_KV_SPLITS", "8")
+    assert graph_kv_splits(1, 8, 4, 132) == 8
+    monkeypatch.setenv("XLASERVE_GRAPH_MAX_KV_SPLITS", "4")
+    assert graph_kv_splits(1, 8, 4, 132) == 4
+
+
 @pytest.mark.parametrize(
     "t,b,m,k", [(1, 1, 1, 0), (7, 3, 17, 2), (256, 256, 257, 256), (33, 5, 16, 5)]
 )
