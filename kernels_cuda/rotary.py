@@ -57,6 +57,17 @@ def _rotate_heads(
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cache_ptr, tok, stride_cache, half, BLOCK_HALF: tl.constexpr):
+    """cos, sin [BLOCK_HALF] (fp32, masked lanes 0) of token tok's position."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < half
+    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=jm, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + half + j, mask=jm, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -77,11 +88,7 @@ def _rotary_kernel(
 ):
     pdl_prologue(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    jm = j < half
-    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=jm, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + half + j, mask=jm, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, tok, stride_cache, half, BLOCK_HALF)
     _rotate_heads(q_ptr, tok * stride_qt, stride_qh, num_q_heads, cos, sin, half,
                   IS_NEOX, BLOCK_H, BLOCK_HALF)  # fmt: skip
     _rotate_heads(k_ptr, tok * stride_kt, stride_kh, num_k_heads, cos, sin, half,
@@ -105,14 +112,12 @@ def _rope_write_kv_kernel(
     # stored by the thread that loaded it (pairs x1 / x2 share a layout), so in-place stores
     # cannot race with another thread's loads.
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    jm = j < half
-    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=jm, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + half + j, mask=jm, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, tok, stride_cache, half, BLOCK_HALF)
     _rotate_heads(q_ptr, tok * stride_qt, stride_qh, num_q_heads, cos, sin, half,
                   IS_NEOX, BLOCK_H, BLOCK_HALF)  # fmt: skip
 
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < half
     slot_in = tl.load(slot_ptr + tok).to(tl.int64)  # < 0 (padding): rotate k, write nothing
     slot = tl.maximum(slot_in, 0)
     blk = slot // PAGE
