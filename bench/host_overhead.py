@@ -125,7 +125,8 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
     final_only = args.final_only and "final_only" in inspect.signature(engine.step).parameters
     if final_only:  # what LLM.generate needs: outputs of finished requests only
         step = engine.step
-        engine.step = lambda: step(final_only=True)
+        # LLM.generate may pass final_only itself (newer trees): force it either way.
+        engine.step = lambda *a, **k: step(*a, **{**k, "final_only": True})
     phases: dict[str, list[float]] = {
         k: [] for k in ("step", "schedule", "execute", "sample", "update")
     }
