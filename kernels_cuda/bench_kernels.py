@@ -363,24 +363,12 @@ def _qgemv_configs(fmt: str, m: int) -> list[tuple]:
     return list(dict.fromkeys(out))
 
 
-def _qgemv_precompile(formats: list[str], dtype: torch.dtype) -> float:
-    """Compile every (format, M, config) variant in threads, on a small weight with the same
-    integer specializations as the real shapes (N, K multiples of 16): Triton compiles take
-    ~0.5 s each and partly overlap. Best effort: failures are ignored here and recorded by the
-    timed pass, which finds the rest in Triton's cache. Returns the seconds spent."""
+def _run_precompile(tasks: list[Callable[[], Any]], start: float) -> float:
+    """Run each task once from a thread pool (Triton compiles in parallel; a failing config is
+    recorded later, when it is timed); returns seconds since start."""
     import os
     import time
     from concurrent.futures import ThreadPoolExecutor
-
-    start = time.perf_counter()
-    w = 0.02 * torch.randn(64, QGEMV_SHAPES[0][2], device="cuda")
-    tasks = []
-    for fmt in formats:
-        fn = _qgemv_fn(fmt)
-        ops = _qgemv_operands(fmt, w, copies=1)[0][0]
-        for m in QGEMV_M:
-            x = torch.randn(m, w.shape[1], device="cuda", dtype=dtype)
-            tasks += [functools.partial(fn, x, *ops, tiles=c) for c in _qgemv_configs(fmt, m)]
 
     def run(task: Callable[[], Any]) -> None:
         try:
@@ -392,6 +380,26 @@ def _qgemv_precompile(formats: list[str], dtype: torch.dtype) -> float:
         list(pool.map(run, tasks))
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def _qgemv_precompile(formats: list[str], dtype: torch.dtype) -> float:
+    """Compile every (format, M, config) variant in threads, on a small weight with the same
+    integer specializations as the real shapes (N, K multiples of 16): Triton compiles take
+    ~0.5 s each and partly overlap. Best effort: failures are ignored here and recorded by the
+    timed pass, which finds the rest in Triton's cache. Returns the seconds spent."""
+    import time
+
+    start = time.perf_counter()
+    w = 0.02 * torch.randn(64, QGEMV_SHAPES[0][2], device="cuda")
+    tasks = []
+    for fmt in formats:
+        fn = _qgemv_fn(fmt)
+        ops = _qgemv_operands(fmt, w, copies=1)[0][0]
+        for m in QGEMV_M:
+            x = torch.randn(m, w.shape[1], device="cuda", dtype=dtype)
+            tasks += [functools.partial(fn, x, *ops, tiles=c) for c in _qgemv_configs(fmt, m)]
+
+    return _run_precompile(tasks, start)
 
 
 def bench_qgemv(dtype: torch.dtype, iters: int) -> list[dict[str, Any]]:
@@ -462,9 +470,7 @@ def _dense_gemv_configs() -> list[tuple]:
 def _dense_gemv_precompile(dtype: torch.dtype) -> float:
     """Compile every config in threads on a small weight with the real shapes' integer
     specializations (N, K multiples of 16); failures are left to the timed pass."""
-    import os
     import time
-    from concurrent.futures import ThreadPoolExecutor
 
     from xlaserve.kernels_cuda.dense_gemv import dense_gemv
 
@@ -475,16 +481,7 @@ def _dense_gemv_precompile(dtype: torch.dtype) -> float:
         x = torch.randn(1, k, device="cuda", dtype=dtype)
         tasks += [functools.partial(dense_gemv, x, w, tiles=c) for c in _dense_gemv_configs()]
 
-    def run(task: Callable[[], Any]) -> None:
-        try:
-            task()
-        except Exception:
-            pass
-
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        list(pool.map(run, tasks))
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return _run_precompile(tasks, start)
 
 
 def bench_dense_gemv(dtype: torch.dtype, iters: int) -> list[dict[str, Any]]:
