@@ -17,7 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _rpa_testlib import make_case, np_attention
-from test_rpa_sweep import BATCH, MAX_KV, NUM_TOKENS, SCENARIOS, TOLERANCE, _jit_ref
+from test_rpa_sweep import (
+    BATCH,
+    MAX_KV,
+    NUM_TOKENS,
+    SCENARIOS,
+    TOLERANCE,
+    _check_all_scenarios,
+    _jit_ref,
+)
 
 from xlaserve.kernels_pallas import BlockSizes, ragged_paged_attention
 from xlaserve.kernels_pallas.ragged_paged_attention import write_kv_quant
@@ -110,38 +118,6 @@ def test_hand_decode_peaked_and_soft_capped() -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def _check_all_scenarios(
-    *,
-    page_size: int,
-    hq: int,
-    hkv: int,
-    d: int,
-    dtype: jnp.dtype,
-    block_sizes: GpuBlockSizes | None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    seed: int = 0,
-) -> None:
-    rng = np.random.default_rng(seed)
-    max_pages = -(-MAX_KV // page_size) + 1  # one spare (garbage) block-table column
-    num_pages = 5 * (max_pages - 1) + 3
-    atol, rtol = TOLERANCE[dtype]
-    kw = dict(sm_scale=d**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
-    for name, (q_lens, kv_lens) in GPU_SCENARIOS.items():
-        case = make_case(
-            rng, q_lens, kv_lens, page_size=page_size, hq=hq, hkv=hkv, d=d, dtype=dtype,
-            batch=BATCH, num_tokens=NUM_TOKENS, max_pages=max_pages, num_pages=num_pages,
-        )  # fmt: skip
-        want = np_attention(case, **kw)
-        ref = np.asarray(_jit_ref(*case.args(), **kw).astype(jnp.float32))
-        out = _attend(case, block_sizes=block_sizes, **kw)
-        n_real = sum(q_lens)
-        assert np.isfinite(out).all(), name
-        np.testing.assert_allclose(ref, want, atol=atol, rtol=rtol, err_msg=f"ref {name}")
-        np.testing.assert_allclose(out, want, atol=atol, rtol=rtol, err_msg=f"kernel {name}")
-        np.testing.assert_array_equal(out[n_real:], 0.0, err_msg=f"padding rows {name}")
-
-
 # (page_size, hq, hkv, d, dtype, block_sizes, sliding_window, soft_cap): the sweep axes are
 # covered by their pairs rather than their product (one interpret compile per line).
 CONFIGS = [
@@ -177,7 +153,8 @@ def test_kernel_matches_reference(
 ) -> None:  # noqa: ANN001
     _check_all_scenarios(
         page_size=page_size, hq=hq, hkv=hkv, d=d, dtype=dtype, block_sizes=block_sizes,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        sliding_window=sliding_window, soft_cap=soft_cap, impl="pallas_gpu",
+        scenarios=GPU_SCENARIOS,
     )  # fmt: skip
 
 

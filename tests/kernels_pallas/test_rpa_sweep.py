@@ -10,6 +10,8 @@ enumerating it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,25 +58,30 @@ def _check_all_scenarios(
     hkv: int,
     d: int,
     dtype: jnp.dtype,
-    block_sizes: BlockSizes | None = SMALL_BLOCKS,
+    block_sizes: BlockSizes | Any | None = SMALL_BLOCKS,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     seed: int = 0,
+    impl: str = "pallas_tpu",
+    scenarios: dict[str, tuple[list[int], list[int]]] | None = None,
 ) -> None:
+    """Every scenario (default SCENARIOS) through `impl` against the numpy oracle and the jnp
+    reference (which is also checked against the oracle); padding rows must be zeros. Also
+    serves the Pallas GPU kernel's sweep (impl "pallas_gpu", its own scenarios and tiles)."""
     rng = np.random.default_rng(seed)
     sm_scale = d**-0.5
     max_pages = -(-MAX_KV // page_size) + 1  # one spare (garbage) block-table column
     num_pages = 5 * (max_pages - 1) + 3
     atol, rtol = TOLERANCE[dtype]
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    for name, (q_lens, kv_lens) in SCENARIOS.items():
+    for name, (q_lens, kv_lens) in (scenarios or SCENARIOS).items():
         case = make_case(
             rng, q_lens, kv_lens, page_size=page_size, hq=hq, hkv=hkv, d=d, dtype=dtype,
             batch=BATCH, num_tokens=NUM_TOKENS, max_pages=max_pages, num_pages=num_pages,
         )  # fmt: skip
         want = np_attention(case, **kw)
         ref = np.asarray(_jit_ref(*case.args(), **kw).astype(jnp.float32))
-        out = ragged_paged_attention(*case.args(), impl="pallas_tpu", block_sizes=block_sizes, **kw)
+        out = ragged_paged_attention(*case.args(), impl=impl, block_sizes=block_sizes, **kw)
         assert out.shape == case.q.shape and out.dtype == case.q.dtype
         out = np.asarray(out.astype(jnp.float32))
         n_real = sum(q_lens)
