@@ -770,7 +770,7 @@ def _pallas_tpu_attention(
 # ------------------------------------------------------------------------------------------
 
 
-def _resolve_impl(impl: str) -> str:
+def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array) -> str:
     if impl != "auto":
         return impl
     # JAX's own backend (not current_platform): a TPU host running JAX on CPU must not pick
@@ -778,6 +778,8 @@ def _resolve_impl(impl: str) -> str:
     if jax.default_backend() == "tpu" or compat.is_interpret_forced():
         return "pallas_tpu"
     if jax.default_backend() == "gpu":
+        if GPU_AUTO_IMPL == "pallas_gpu" and not gpu_kernel_supports(q, k_cache):
+            return "reference"  # e.g. head_dim 48 or a quantized cache: the reference takes all
         return GPU_AUTO_IMPL
     return "reference"
 
@@ -825,9 +827,7 @@ def ragged_paged_attention(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sliding_window, soft_cap, impl, k_scale, v_scale,
     )  # fmt: skip
-    resolved = _resolve_impl(impl)
-    if impl == "auto" and resolved == "pallas_gpu" and not gpu_kernel_supports(q, k_cache):
-        resolved = "reference"  # e.g. head_dim 48 or a quantized cache: the reference takes all
+    resolved = _resolve_impl(impl, q, k_cache)
     if resolved == "pallas_gpu" and k_scale is None:
         if block_sizes is not None and not isinstance(block_sizes, GpuBlockSizes):
             raise ValueError(f"pallas_gpu takes GpuBlockSizes, got {type(block_sizes).__name__}")
