@@ -52,9 +52,10 @@ _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear (x [..., K] @ weight [N, K]^T + bias), except one-row float16 / bfloat16 inputs
-    (batch-1 decode) on CUDA, or on CPU under TRITON_INTERPRET=1, whose weight shape the Triton
-    dense GEMV serves (`kernels_cuda.dense_gemv.use_dense_gemv`: the DENSE_GEMV_SHAPES table, or
-    $XLASERVE_DENSE_GEMV=1 / 0). Cheap checks first: other calls never import Triton."""
+    (batch-1 decode) on CUDA, or on CPU under TRITON_INTERPRET=1, that the Triton dense GEMV
+    serves (`kernels_cuda.dense_gemv.use_dense_gemv`: every shape on CUDA by default, the
+    DENSE_GEMV_SHAPES table, or $XLASERVE_DENSE_GEMV=1 / 0). The cheap checks here mirror
+    use_dense_gemv's so that other calls never import Triton."""
     k = x.shape[-1]
     if (
         x.numel() == k
@@ -312,8 +313,8 @@ class QuantLinear(nn.Module):
     float8_e4m3fn bits, scales f32 [N]. CPU: dequantize-on-the-fly matmul (fp8: emulated).
     CUDA: Triton dequant-matmul (int8/int4; a GEMV kernel for decode-sized M, see
     `quant_matmul.use_gemv`). fp8 (cc >= 8.9): M == 1 (decode) runs weight-only through the
-    Triton fp8 GEMV (x not quantized:
-    at least as accurate, and bandwidth- rather than launch-bound); larger M uses
+    Triton fp8 GEMV (x not quantized: at least as accurate, and bandwidth- rather than
+    launch-bound); larger M uses
     torch._scaled_mm with per-token activation quantization.
     A fused layer (`MergedLinear`) keeps its `part_names` / `part_sizes` when quantized.
     """
