@@ -57,6 +57,7 @@ from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # kernels_cuda.sampling's
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -75,13 +76,14 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> torch.d
     return dtype
 
 
-def nonfinite_rows(logits: torch.Tensor, suspect: list[int] | list[bool]) -> set[int]:
+def nonfinite_rows(logits: torch.Tensor | None, suspect: list[int] | list[bool]) -> set[int]:
     """Rows of logits [R, V] holding NaN or +-inf. `suspect[r]`: row r's sum is not finite
     (a row with NaN/inf always has a non-finite sum; only suspects are checked element-wise,
-    since finite values can overflow a float32 sum)."""
+    since finite values can overflow a float32 sum). logits None: `suspect` is already exact
+    (the fused greedy kernel's element-wise flags), nothing to re-check."""
     cand = [r for r, x in enumerate(suspect) if x]
-    if not cand:
-        return set()
+    if not cand or logits is None:
+        return set(cand)
     idx = torch.tensor(cand, device=logits.device)
     ok = torch.isfinite(logits[idx]).all(dim=-1).tolist()
     return {r for r, f in zip(cand, ok, strict=True) if not f}
@@ -111,6 +113,7 @@ class _ReqState:
 # Placeholder token id: sampled by a launched step whose tokens have not reached the host yet.
 PENDING = -1
 NONFINITE_ERROR = "non-finite logits (NaN or inf) produced by the model for this request"
+ENV_FUSED_GREEDY = "XLASERVE_FUSED_GREEDY"
 
 
 @dataclass
@@ -123,7 +126,8 @@ class _Launched:
     pending: list[tuple[str, _ReqState, int, int]] = field(default_factory=list)
     host: torch.Tensor | None = None  # pinned [2R]: argmax tokens, then non-finite flags
     ready: torch.cuda.Event | None = None
-    logits: torch.Tensor | None = None  # [R, V], kept for the exact non-finite re-check
+    # [R, V], kept for the exact non-finite re-check; None when the flags are exact (fused greedy).
+    logits: torch.Tensor | None = None
     num_rows: int = 0
 
 
@@ -154,6 +158,12 @@ class TorchModelRunner:
         # The last deferred launch's argmax tokens [R] (feeds PENDING inputs of the next launch).
         self._last_argmax: torch.Tensor | None = None
         self.num_deferred_steps = 0  # steps whose tokens were left on the device by launch
+        # Greedy fast path through the fused argmax kernel (kernels_cuda.sampling: one pass over
+        # the lm_head output, no float32 copy, exact non-finite flags). By default on CUDA only:
+        # on the CPU the Triton interpreter is far too slow to serve. $XLASERVE_FUSED_GREEDY=0
+        # turns it off, =1 on anywhere (CPU tensors need TRITON_INTERPRET=1: tests).
+        fg = os.environ.get(ENV_FUSED_GREEDY, "auto")
+        self.fused_greedy = fg == "1" or (fg != "0" and self.device.type == "cuda")
         self._token_ring: PinnedRing | None = None  # pinned host slots for deferred tokens
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
         self.kv_offload = None
@@ -617,7 +627,6 @@ class TorchModelRunner:
         # A pageable torch.tensor(..., device=cuda) copy would wait for the queued forward (a
         # prefill step's whole compute), stalling async scheduling: pinned, non-blocking upload.
         h = hidden if r_total == hidden.shape[0] else hidden[to_device(row_idx, torch.long, dev)]
-        logits = self.model.compute_logits(h)  # [R, V]
         # Fast path: only plain greedy requests (sampler.is_plain_greedy; no drafts, bitmask or
         # active min_tokens masking): tokens are the argmax of the raw logits, no SamplingRows.
         # Deferred (async scheduling): every row samples on the device without host data.
@@ -636,26 +645,39 @@ class TorchModelRunner:
                 deferrable = False
             if not (fast or (defer and deferrable)):
                 break
-        # Non-finite check: NaN/inf in a row make its sum non-finite; rows whose sum is not
-        # finite are re-checked exactly (finite values can overflow a sum). One reduction
-        # instead of isfinite + all over [R, V].
-        suspect_t = ~torch.isfinite(logits.sum(dim=-1))
         argmax_l: list[int] = []
-        if defer and deferrable:
-            if fast:
-                tokens_t = logits.argmax(dim=-1)
-            else:
-                rows = [self._row(self.requests[order[b][0]]) for b in sample_b]
-                tokens_t = self.sampler.sample_tokens(logits, rows)
-            self._sample_deferred(order, sample_b, tokens_t, logits, suspect_t, launched)
-            return
-        if fast:  # tokens and flags come back in one device -> host copy
-            argmax_t = logits.argmax(dim=-1)
-            host = torch.cat([argmax_t, suspect_t.to(argmax_t.dtype)]).tolist()
-            argmax_l, suspect = host[:r_total], host[r_total:]
+        packed, logits = self._fused_greedy(h) if fast and self.fused_greedy else (None, None)
+        if packed is not None:  # [tokens; exact non-finite flags], int64 [2R]
+            if defer and deferrable:  # (fast implies deferrable)
+                self._sample_deferred(
+                    order, sample_b, packed[:r_total], None, None, launched, packed=packed
+                )
+                return
+            host = packed.tolist()  # one device -> host copy
+            argmax_l = host[:r_total]
+            bad = nonfinite_rows(None, host[r_total:])
         else:
-            suspect = suspect_t.tolist()
-        bad = nonfinite_rows(logits, suspect)
+            if logits is None:
+                logits = self.model.compute_logits(h)  # [R, V] float32
+            # Non-finite check: NaN/inf in a row make its sum non-finite; rows whose sum is not
+            # finite are re-checked exactly (finite values can overflow a sum). One reduction
+            # instead of isfinite + all over [R, V].
+            suspect_t = ~torch.isfinite(logits.sum(dim=-1))
+            if defer and deferrable:
+                if fast:
+                    tokens_t = logits.argmax(dim=-1)
+                else:
+                    rows = [self._row(self.requests[order[b][0]]) for b in sample_b]
+                    tokens_t = self.sampler.sample_tokens(logits, rows)
+                self._sample_deferred(order, sample_b, tokens_t, logits, suspect_t, launched)
+                return
+            if fast:  # tokens and flags come back in one device -> host copy
+                argmax_t = logits.argmax(dim=-1)
+                host = torch.cat([argmax_t, suspect_t.to(argmax_t.dtype)]).tolist()
+                argmax_l, suspect = host[:r_total], host[r_total:]
+            else:
+                suspect = suspect_t.tolist()
+            bad = nonfinite_rows(logits, suspect)
         good: list[int] = []  # indices into sample_b
         for j, b in enumerate(sample_b):
             r0, n = spans[j]
@@ -681,20 +703,41 @@ class TorchModelRunner:
             if lps[k] is not None:
                 out.logprobs[rid] = lps[k]
 
+    def _fused_greedy(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Argmax tokens and exact non-finite flags of the rows of h through the fused kernel:
+        (int64 [2R] = tokens then 0/1 flags, None). (None, None) when the model has no raw
+        logits (scaling / soft-cap: the float32 path keeps their exact ties); (None, float32
+        logits) in the unexpected case of raw logits the kernel does not take."""
+        raw_fn = getattr(self.model, "compute_logits_raw", None)
+        raw = raw_fn(h) if raw_fn is not None else None
+        if raw is None:
+            return None, None
+        if raw.ndim != 2 or raw.dtype not in _FUSED_DTYPES or raw.stride(-1) != 1:
+            return None, raw.float()  # == compute_logits(h) when compute_logits_raw is not None
+        from xlaserve.kernels_cuda.sampling import greedy_argmax_packed
+
+        return greedy_argmax_packed(raw), None
+
     def _sample_deferred(
         self,
         order: list[tuple[str, int]],
         sample_b: list[int],
         tokens_t: torch.Tensor,
-        logits: torch.Tensor,
-        suspect_t: torch.Tensor,
+        logits: torch.Tensor | None,
+        suspect_t: torch.Tensor | None,
         launched: _Launched,
+        packed: torch.Tensor | None = None,
     ) -> None:
         """Sampling without waiting: tokens [R] (device) and non-finite flags go to pinned host
         memory in the background; each sampling request gets a PENDING token (row r of the
-        tokens), which the next launch can feed on the device and `finish` fills in."""
+        tokens), which the next launch can feed on the device and `finish` fills in.
+        packed: the fused greedy kernel's [tokens; exact flags] (then logits and suspect_t are
+        None: nothing to re-check)."""
         self.num_deferred_steps += 1
-        flat = torch.cat([tokens_t, suspect_t.to(tokens_t.dtype)])
+        if packed is not None:
+            flat = packed
+        else:
+            flat = torch.cat([tokens_t, suspect_t.to(tokens_t.dtype)])
         if flat.is_cuda:
             if self._token_ring is None:  # 4 slots: at most 2 launches are unread at once
                 r = self.config.scheduler.max_num_seqs  # rows: one per request (no drafts)

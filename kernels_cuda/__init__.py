@@ -35,6 +35,9 @@ _EXPORTS: dict[str, str] = {
     "gelu_and_mul_ref": "activation",
     "fused_experts": "fused_moe",
     "moe_align": "fused_moe",
+    "greedy_argmax": "sampling",
+    "greedy_argmax_packed": "sampling",
+    "greedy_argmax_ref": "sampling",
 }
 
 __all__ = ["triton_available", *_EXPORTS]

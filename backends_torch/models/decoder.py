@@ -260,7 +260,8 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(CausalLMBase):
     """forward(input_ids [T], positions [T], kv_caches, md) -> hidden [T, H] (after the final norm);
-    compute_logits(hidden [B, H]) -> [B, V] float32."""
+    compute_logits(hidden [B, H]) -> [B, V] float32; compute_logits_raw: the lm_head output in the
+    model dtype, or None when scaling / soft-capping applies."""
 
     def __init__(
         self,
@@ -311,10 +312,24 @@ class DecoderForCausalLM(CausalLMBase):
         x, _ = self.norm.forward_residual(x, residual)
         return x
 
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        tied = self.spec.tie_word_embeddings
+        return self.embed_tokens.as_lm_head(hidden) if tied else self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def compute_logits_raw(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The lm_head output [B, V] in the model dtype, without compute_logits' float32 copy,
+        when compute_logits would only upcast it (logits_scaling 1, no final soft-cap): its
+        argmax and non-finite rows are then exactly those of compute_logits. None otherwise (a
+        monotone transform rounded in float32 can still merge or split ties). For the greedy
+        fast path (kernels_cuda.sampling.greedy_argmax)."""
+        if self.spec.logits_scaling != 1.0 or self.spec.final_logit_softcap:
+            return None
+        return self._lm_head(hidden)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        tied = self.spec.tie_word_embeddings
-        logits = (self.embed_tokens.as_lm_head(hidden) if tied else self.lm_head(hidden)).float()
+        logits = self._lm_head(hidden).float()
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
         if self.spec.final_logit_softcap:

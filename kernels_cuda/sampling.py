@@ -1,0 +1,223 @@
+"""Greedy sampling (Triton): the argmax of each logits row and a non-finite flag, in one pass.
+
+``greedy_argmax(logits [R, V]) -> (token_ids int64 [R], nonfinite bool [R])`` for fp16 / bf16 /
+fp32 logits whose last dim is contiguous (any row stride, e.g. a vocab slice of a padded
+all-gather). The logits are read once, in their own dtype (no float32 copy), and compared in
+float32 (an exact upcast, so the result equals that of the float32 copy):
+
+- ``token_ids[r] == torch.argmax(logits[r].float())``, bit for bit, with torch's rules (CPU and
+  CUDA alike): the FIRST index of the maximum wins ties (-0.0 == +0.0); a row holding NaN returns
+  its first NaN (NaN counts as greater than everything, +inf included); a row of -inf returns 0.
+- ``nonfinite[r]`` is True iff row r holds a NaN, +inf or -inf (an exact element test, not a sum).
+
+Two stages, deterministic: V is cut into ``C`` chunks of whole ``BLOCK`` tiles and a program per
+(row, chunk) keeps per-lane running (value, first index, any-non-finite) accumulators over its
+tiles, then reduces them to the chunk's (max, first index of it, or first NaN; flag). With C > 1
+a second small kernel (one program per row) combines the chunks' results by the same rule; since
+each chunk reports the first index of its maximum, the smallest index among the chunks that hold
+the row maximum is the row's first. C is chosen so that R * C is about ``TARGET_PROGRAMS``
+(a whole GPU busy at R = 1, where one program per row would read the 256 KB row alone), with at
+least ``MIN_CHUNK_TILES`` tiles per chunk; with C == 1 the first kernel writes the outputs itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    next_pow2,
+    pdl_kwargs,
+    pdl_prologue,
+    use_pdl,
+)
+
+BLOCK = 1024  # elements per tile (8 per thread at 4 warps: 16-byte loads of 16-bit logits)
+TARGET_PROGRAMS = 1024  # stage-1 programs aimed at (several per SM on an H200's 132 SMs)
+MIN_CHUNK_TILES = 2  # at least 2 tiles (2048 elements) per chunk
+_NO_INDEX = 2**31 - 1  # "no index yet": larger than every column index (V < 2^31 - 1)
+
+
+@triton.jit
+def _first_max(v, i, NO_INDEX: tl.constexpr):
+    """(value, index) of a vector of (value, index) candidates, torch.argmax's rule: the first
+    NaN if any (its value NaN), else the maximum and the smallest index holding it."""
+    is_nan = v != v
+    nan_i = tl.min(tl.where(is_nan, i, NO_INDEX), axis=0)
+    m = tl.max(tl.where(is_nan, float("-inf"), v), axis=0)
+    max_i = tl.min(tl.where(v == m, i, NO_INDEX), axis=0)
+    has_nan = nan_i < NO_INDEX
+    return tl.where(has_nan, float("nan"), m), tl.where(has_nan, nan_i, max_i)
+
+
+@triton.jit
+def _argmax_chunk_kernel(
+    x_ptr,
+    val_ptr,
+    idx_ptr,
+    bad_ptr,
+    tok_ptr,
+    flag_ptr,
+    stride_xr,
+    vocab,
+    num_chunks,
+    tiles_per_chunk,
+    BLOCK: tl.constexpr,
+    NO_INDEX: tl.constexpr,
+    FINAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    base = x_ptr + row.to(tl.int64) * stride_xr
+    start = chunk * tiles_per_chunk * BLOCK
+    acc_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    acc_i = tl.full([BLOCK], NO_INDEX, tl.int32)
+    acc_bad = tl.zeros([BLOCK], tl.int32)
+    for t in range(tiles_per_chunk):
+        cols = start + t * BLOCK + offs
+        mask = cols < vocab
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        x_nan = x != x
+        bad = mask & (x_nan | (tl.abs(x) == float("inf")))
+        acc_bad = tl.maximum(acc_bad, bad.to(tl.int32))
+        # Each lane sees increasing columns: a strict ">" keeps the first of equal values; a
+        # lane's first column is always taken (an all -inf lane); NaN beats any non-NaN and the
+        # first NaN stays (NaN > NaN is false).
+        take = mask & ((x > acc_v) | (acc_i == NO_INDEX) | (x_nan & (acc_v == acc_v)))
+        acc_v = tl.where(take, x, acc_v)
+        acc_i = tl.where(take, cols, acc_i)
+    best_v, best_i = _first_max(acc_v, acc_i, NO_INDEX)
+    any_bad = tl.max(acc_bad, axis=0)
+    if FINAL:
+        tl.store(tok_ptr + row, best_i.to(tl.int64))
+        tl.store(flag_ptr + row, any_bad.to(flag_ptr.dtype.element_ty))
+    else:
+        w = row * num_chunks + chunk
+        tl.store(val_ptr + w, best_v)
+        tl.store(idx_ptr + w, best_i)
+        tl.store(bad_ptr + w, any_bad.to(tl.int8))
+
+
+@triton.jit
+def _argmax_combine_kernel(
+    val_ptr,
+    idx_ptr,
+    bad_ptr,
+    tok_ptr,
+    flag_ptr,
+    num_chunks,
+    BLOCK_C: tl.constexpr,
+    NO_INDEX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < num_chunks
+    w = row * num_chunks + offs
+    v = tl.load(val_ptr + w, mask=mask, other=float("-inf"))
+    i = tl.load(idx_ptr + w, mask=mask, other=NO_INDEX)
+    bad = tl.load(bad_ptr + w, mask=mask, other=0).to(tl.int32)
+    _, best_i = _first_max(v, i, NO_INDEX)
+    tl.store(tok_ptr + row, best_i.to(tl.int64))
+    tl.store(flag_ptr + row, tl.max(bad, axis=0).to(flag_ptr.dtype.element_ty))
+
+
+def plan_chunks(rows: int, vocab: int, block: int = BLOCK) -> tuple[int, int, int]:
+    """(tile size, tiles per chunk, number of chunks) for logits [rows, vocab]: about
+    TARGET_PROGRAMS (row, chunk) programs, at least MIN_CHUNK_TILES tiles per chunk, no empty
+    chunk."""
+    block = min(block, max(16, next_pow2(vocab)))
+    tiles = triton.cdiv(vocab, block)
+    chunks = max(1, min(TARGET_PROGRAMS // max(rows, 1), tiles // MIN_CHUNK_TILES))
+    per_chunk = triton.cdiv(tiles, chunks)
+    return block, per_chunk, triton.cdiv(tiles, per_chunk)
+
+
+def _launch(
+    logits: torch.Tensor,
+    tok: torch.Tensor,
+    flag: torch.Tensor,
+    block: int | None,
+    chunks: int | None,
+) -> None:
+    r, v = logits.shape
+    if r == 0:
+        return
+    blk, per_chunk, n_chunks = plan_chunks(r, v, block or BLOCK)
+    if chunks is not None:  # a given number of chunks (tests: chunk boundaries at chosen places)
+        tiles = triton.cdiv(v, blk)
+        per_chunk = triton.cdiv(tiles, max(1, min(chunks, tiles)))
+        n_chunks = triton.cdiv(tiles, per_chunk)
+    pdl = use_pdl(logits)
+    final = n_chunks == 1
+    if final:
+        val = idx = bad = tok  # unused
+    else:
+        val = torch.empty((r, n_chunks), dtype=torch.float32, device=logits.device)
+        idx = torch.empty((r, n_chunks), dtype=torch.int32, device=logits.device)
+        bad = torch.empty((r, n_chunks), dtype=torch.int8, device=logits.device)
+    _argmax_chunk_kernel[(r, n_chunks)](
+        logits, val, idx, bad, tok, flag, logits.stride(0), v, n_chunks, per_chunk,
+        BLOCK=blk, NO_INDEX=_NO_INDEX, FINAL=final, num_warps=4, USE_PDL=pdl, **pdl_kwargs(pdl),
+    )  # fmt: skip
+    if not final:
+        _argmax_combine_kernel[(r,)](
+            val, idx, bad, tok, flag, n_chunks,
+            BLOCK_C=max(16, next_pow2(n_chunks)), NO_INDEX=_NO_INDEX, num_warps=4,
+            USE_PDL=pdl, **pdl_kwargs(pdl),
+        )  # fmt: skip
+
+
+def _check(name: str, logits: torch.Tensor) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"{name}: logits must be [R, V], got shape {tuple(logits.shape)}")
+    if logits.shape[1] == 0:
+        raise ValueError(f"{name}: V must be > 0 (argmax of an empty row)")
+    if logits.shape[1] >= _NO_INDEX:
+        raise ValueError(f"{name}: V = {logits.shape[1]} must be < 2^31 - 1")
+    check_dtype(name, logits, FLOAT_DTYPES)
+    check_device(name, logits)
+    check_last_dim_contiguous(name, logits)
+
+
+def greedy_argmax(
+    logits: torch.Tensor, *, block: int | None = None, chunks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> (token_ids int64 [R], nonfinite bool [R]); see the module docstring.
+    block / chunks override the tile size and the number of chunks per row (tests)."""
+    _check("greedy_argmax", logits)
+    r = logits.shape[0]
+    tok = torch.empty(r, dtype=torch.int64, device=logits.device)
+    flag = torch.empty(r, dtype=torch.uint8, device=logits.device)
+    _launch(logits, tok, flag, block, chunks)
+    return tok, flag.view(torch.bool)
+
+
+def greedy_argmax_packed(
+    logits: torch.Tensor, *, block: int | None = None, chunks: int | None = None
+) -> torch.Tensor:
+    """logits [R, V] -> int64 [2R]: the token ids of `greedy_argmax`, then its non-finite flags
+    as 0 / 1 (what the runner copies to the host in one transfer, without a cat or a cast)."""
+    _check("greedy_argmax_packed", logits)
+    r = logits.shape[0]
+    out = torch.empty(2 * r, dtype=torch.int64, device=logits.device)
+    _launch(logits, out[:r], out[r:], block, chunks)
+    return out
+
+
+def greedy_argmax_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`greedy_argmax`: argmax of the float32 logits (torch's tie and
+    NaN rules) and an element-wise non-finite test."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    x = logits.float()
+    return x.argmax(dim=-1), ~torch.isfinite(x).all(dim=-1)
