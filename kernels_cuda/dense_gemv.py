@@ -18,6 +18,9 @@ dense_gemv`):
     cuBLAS (`use_dense_gemv`, wired into backends_torch.layers.linear); None (the default) = all
     shapes on CUDA, as it beat cuBLAS on every shape measured. $XLASERVE_DENSE_GEMV=1 / 0 forces
     every shape on / off.
+  * GEMV_PREFETCH: each program reads its first weight tile before the PDL wait.
+  * GATE_ACT_GEMV: a gated MLP's gate_up GEMV applies act(gate) * up in its epilogue
+    (`dense_gemv_gate_act`, used by backends_torch.layers.activation.MLP at one row).
 
 No residual epilogue: the decoder adds the residual inside its fused add + RMSNorm kernel, which
 reads the residual anyway, so folding the add into o_proj / down saves no traffic or launch.
@@ -38,7 +41,6 @@ from xlaserve.kernels_cuda._common import (
     check_last_dim_contiguous,
     interpret_mode,
     pdl_kwargs,
-    pdl_prologue,
     use_pdl,
 )
 from xlaserve.kernels_cuda.activation import ACT_CODES, apply_activation
@@ -63,17 +65,22 @@ DENSE_GEMV_TILES: dict[tuple[int, int], GemvTiles] = {}
 # kernel), gate_up 28672x4096 58.0 -> 56.3, down 4096x14336 32.5 -> 30.4, lm_head 128256x4096
 # 282.9 -> 238.5: faster on every shape measured, so on by default.
 DENSE_GEMV_SHAPES: frozenset[tuple[int, int]] | None = None
-# Tiles of the act-and-mul prologue variant (`dense_gemv_act_mul`): each program recomputes
-# act(gate) * up for its K chunk, so taller row blocks (fewer programs) read the [gate | up]
-# activations from L2 fewer times; (8, 2048) matched the best plain config on the down
-# projection's shape (4096 x 14336) on the H200.
-DENSE_GEMV_ACT_TILES = GemvTiles(8, 2048, 0, 4)
-# Whether a gated MLP's batch-1 decode fuses act-and-mul into the down GEMV when both run as
-# Triton kernels; $XLASERVE_FUSED_ACT_GEMV "1" / "0" overrides. Off: measured slower on the
-# H200 (Llama-8B batch-1 decode 226.2 tok/s fused vs 233.1 with the separate act-and-mul
-# kernel, same call): each program recomputes the activation of its whole K range, and the
-# tiles were not swept for it.
-FUSED_ACT_GEMV = False
+# Whether a gated MLP's batch-1 decode computes act(gate) * up in the gate_up GEMV's epilogue
+# (`dense_gemv_gate_act`: one kernel and one launch fewer per layer than the GEMV followed by the
+# act-and-mul kernel); $XLASERVE_GATE_ACT_GEMV "1" / "0" overrides. H200, Llama-8B batch-1 decode
+# graph replay (bench/RESULTS.md, 2026-12-03 fifth session): with the prefetch below 3.881 ms on,
+# 3.888 off (a tie; on: one launch fewer); without the prefetch 4.072 on vs 3.952 off.
+GATE_ACT_GEMV = True
+# Its tiles: one gate row (and its up row) per program, like the 2-row plain config.
+DENSE_GEMV_GATE_ACT_TILES = GemvTiles(1, 1024, 1, 4)
+ENV_GATE_ACT_GEMV = "XLASERVE_GATE_ACT_GEMV"
+# Weight prefetch across the PDL wait: each program loads its first weight tile before waiting
+# for the previous kernel (the weights do not depend on it), so it streams in during that
+# kernel's tail. H200 batch-1 graph replay 3.952 -> 3.888 ms (dense GEMVs without the gate-act
+# epilogue). A second tile in flight during each step (double buffering) measured slower
+# (224.6 vs 235.1 tok/s) and was dropped. $XLASERVE_GEMV_PREFETCH "1" / "0" overrides.
+GEMV_PREFETCH = True
+ENV_GEMV_PREFETCH = "XLASERVE_GEMV_PREFETCH"
 # Activation dtypes the dispatch considers (the kernel itself also runs fp32, for tests).
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)
 ENV_DENSE_GEMV = "XLASERVE_DENSE_GEMV"
@@ -103,15 +110,16 @@ def use_dense_gemv(m: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
 
 
 @triton.jit
-def _load_x(x_ptr, idx, mask, K, ACT_MUL: tl.constexpr, ACT: tl.constexpr):
-    """x[idx] as fp32; ACT_MUL: x is [gate | up] of 2K values and the GEMV input is
-    act(gate) * up, rounded to x's dtype exactly as the act-and-mul kernel stores it."""
-    if ACT_MUL:
-        g = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + K + idx, mask=mask, other=0.0).to(tl.float32)
-        a = apply_activation(g, ACT) * u
-        return a.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+def _gemv_tile(w_rows, x_ptr, kw, n_ok, k_ok, K, X_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """One K step: (weight tile [BLOCK_N, BLOCK_K], x broadcast to it) as fp32."""
+    w = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if X_TILE:
+        xk = tl.broadcast_to(kw[None, :], (BLOCK_N, BLOCK_K))
+        xv = tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + kw, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    return w.to(tl.float32), xv
 
 
 @triton.jit
@@ -120,47 +128,86 @@ def _dense_gemv_kernel(
     N, K, K_SPLIT,
     stride_wn, stride_ys,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, X_TILE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, ACT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATE_ACT: tl.constexpr, ACT: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(USE_PDL)
     # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) over K slice pid_k, written to
     # y directly (one slice: stride_ys 0) or to fp32 workspace plane pid_k. Layouts as in
     # quant_matmul._gemv_w8_kernel: VEC elements (16 bytes) per thread along K; X_TILE loads x
     # as a broadcast [BLOCK_N, BLOCK_K] tile (same layout as w; repeated rows are L1 hits)
     # for steps narrower than one 16-byte load per thread, else as a [BLOCK_K] vector.
+    # GATE_ACT (one slice): W is [gate; up] of 2N rows; the program also reads up rows n + N
+    # and stores act(gate) * up, each rounded to y's dtype first (as the separate GEMV and
+    # act-and-mul kernels would).
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_rows + N.to(tl.int64) * stride_wn  # GATE_ACT: the up rows
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_first = k_start
+    if PREFETCH:
+        # The first step's weights do not depend on the previous kernel: read them before the
+        # PDL wait, so they stream in while that kernel's tail runs.
+        kw = tl.max_contiguous(k_start + rk, VEC)
+        k_ok = kw < k_end
+        w0 = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATE_ACT:
+            u0 = tl.load(u_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        if X_TILE:
+            xk = tl.broadcast_to(kw[None, :], (BLOCK_N, BLOCK_K))
+            xv = tl.load(x_ptr + xk, mask=xk < k_end, other=0.0).to(tl.float32)
+        else:
+            xv = tl.load(x_ptr + kw, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc += w0.to(tl.float32) * xv
+        if GATE_ACT:
+            acc_u += u0.to(tl.float32) * xv
+        k_first = k_start + BLOCK_K
+    elif USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(k_first, k_end, BLOCK_K):
         kk = k0 + rk
         k_ok = kk < K  # K_SPLIT is a multiple of BLOCK_K: only the last step of K is ragged
         kw = tl.max_contiguous(kk, VEC)
-        w = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if X_TILE:
-            xk = tl.broadcast_to(kw[None, :], (BLOCK_N, BLOCK_K))
-            xv = _load_x(x_ptr, xk, xk < K, K, ACT_MUL, ACT)
-        else:
-            xv = _load_x(x_ptr, kw, k_ok, K, ACT_MUL, ACT)[None, :]
-        acc += w.to(tl.float32) * xv
+        w, xv = _gemv_tile(w_rows, x_ptr, kw, n_ok, k_ok, K, X_TILE, BLOCK_N, BLOCK_K)
+        acc += w * xv
+        if GATE_ACT:
+            u = tl.load(u_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_u += u.to(tl.float32) * xv
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:  # added once: by the first K slice
         first = (rn * 0 + pid_k) == 0  # a tensor mask (the interpreter rejects scalar ones)
         b = tl.load(b_ptr + rn, mask=n_ok & first, other=0.0)
         out += b.to(tl.float32)
+    if GATE_ACT:
+        up = tl.sum(acc_u, axis=1)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        g = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        out = apply_activation(g, ACT) * up
     tl.store(y_ptr + pid_k * stride_ys + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def fused_act_gemv_enabled() -> bool:
-    """FUSED_ACT_GEMV unless $XLASERVE_FUSED_ACT_GEMV is "1" / "0"."""
-    env = os.environ.get("XLASERVE_FUSED_ACT_GEMV")
-    return env == "1" if env in ("0", "1") else FUSED_ACT_GEMV
+def gemv_prefetch_enabled() -> bool:
+    """GEMV_PREFETCH unless $XLASERVE_GEMV_PREFETCH is "1" / "0"."""
+    env = os.environ.get(ENV_GEMV_PREFETCH)
+    return env == "1" if env in ("0", "1") else GEMV_PREFETCH
+
+
+def gate_act_gemv_enabled() -> bool:
+    """GATE_ACT_GEMV unless $XLASERVE_GATE_ACT_GEMV is "1" / "0"."""
+    env = os.environ.get(ENV_GATE_ACT_GEMV)
+    return env == "1" if env in ("0", "1") else GATE_ACT_GEMV
 
 
 def dense_gemv_ref(
@@ -190,7 +237,7 @@ def dense_gemv(
     return _launch("dense_gemv", x, weight, bias, tiles, act=None)
 
 
-def dense_gemv_act_mul(
+def dense_gemv_gate_act(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -198,14 +245,18 @@ def dense_gemv_act_mul(
     *,
     tiles: GemvTiles | tuple | None = None,
 ) -> torch.Tensor:
-    """y [1, N] = (act(gate) * up) @ weight [N, K]^T (+ bias) for x = [gate | up] [1, 2K]: the
-    gated MLP's act-and-mul fused into the down projection's GEMV (one kernel and one launch
-    fewer per layer at batch-1 decode). Bit-identical to `silu_and_mul` (etc.) followed by
-    `dense_gemv` with the same tiles: the product is rounded to x's dtype before the FMA.
-    act: a key of kernels_cuda.activation.ACT_CODES. Default tiles DENSE_GEMV_ACT_TILES."""
+    """y [1, N] = act(gate) * up for [gate | up] = x [1, K] @ weight [2N, K]^T (+ bias [2N]):
+    a gated MLP's gate_up projection with the act-and-mul in its epilogue (batch-1 decode: one
+    kernel instead of the GEMV and the act-and-mul kernel). Bit-identical to `dense_gemv`
+    followed by `silu_and_mul` (etc.) with the same tiles: gate and up are rounded to x's dtype
+    before the activation. act: a key of kernels_cuda.activation.ACT_CODES. tiles (BLOCK_N
+    gate rows per program, each with its up row): default DENSE_GEMV_GATE_ACT_TILES; split_k
+    must be 1 (the activation needs whole sums)."""
     if act not in ACT_CODES:
-        raise ValueError(f"dense_gemv_act_mul: act must be one of {sorted(ACT_CODES)}, got {act!r}")
-    return _launch("dense_gemv_act_mul", x, weight, bias, tiles, act=act)
+        raise ValueError(
+            f"dense_gemv_gate_act: act must be one of {sorted(ACT_CODES)}, got {act!r}"
+        )
+    return _launch("dense_gemv_gate_act", x, weight, bias, tiles, act=act)
 
 
 def _launch(
@@ -218,27 +269,31 @@ def _launch(
 ) -> torch.Tensor:
     check_device(name, x, weight, *(() if bias is None else (bias,)))
     check_dtype(f"{name} x", x, FLOAT_DTYPES)
-    kx = weight.shape[1] * (2 if act is not None else 1) if weight.dim() == 2 else -1
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] != 1 or x.shape[1] != kx:
-        want = "[1, 2K] (gate | up)" if act is not None else "[1, K]"
+    gate_act = act is not None
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] != 1 or x.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"{name}: x must be {want} and weight [N, K], got {tuple(x.shape)} and "
+            f"{name}: x must be [1, K] and weight [N, K], got {tuple(x.shape)} and "
             f"{tuple(weight.shape)}"
         )
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"{name}: x, weight (and bias) must share one dtype")
-    n, k = weight.shape
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"{name}: bias must be [N={n}], got {tuple(bias.shape)}")
+    rows, k = weight.shape
+    if gate_act and rows % 2:
+        raise ValueError(f"{name}: weight must be [gate; up] with an even row count, got {rows}")
+    n = rows // 2 if gate_act else rows
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"{name}: bias must be [{rows}], got {tuple(bias.shape)}")
     check_last_dim_contiguous(f"{name} x", x)
     check_last_dim_contiguous(f"{name} weight", weight)
     if bias is not None:
         check_last_dim_contiguous(f"{name} bias", bias)
     if tiles is not None:
         tiles = _check_gemv_tiles(name, tiles)
-    elif act is not None:
-        tiles = DENSE_GEMV_ACT_TILES
+    elif gate_act:
+        tiles = DENSE_GEMV_GATE_ACT_TILES
     t = _resolve_split(tiles, n, k) if tiles is not None else dense_gemv_tiles(n, k)
+    if gate_act and t.split_k != 1:
+        raise ValueError(f"{name}: split_k must be 1 (the activation needs whole sums), got {t}")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
@@ -251,8 +306,9 @@ def _launch(
         weight.stride(0), 0 if split == 1 else n,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, VEC=vec,
         X_TILE=t.block_k < vec * 32 * t.num_warps, HAS_BIAS=bias is not None,
-        ACT_MUL=act is not None, ACT=ACT_CODES[act] if act is not None else 0,
-        num_warps=t.num_warps, USE_PDL=(pdl := use_pdl(x)), **pdl_kwargs(pdl),
+        GATE_ACT=gate_act, ACT=ACT_CODES[act] if gate_act else 0,
+        PREFETCH=gemv_prefetch_enabled(), num_warps=t.num_warps,
+        USE_PDL=(pdl := use_pdl(x)), **pdl_kwargs(pdl),
     )  # fmt: skip
     if split > 1:
         _splitk_sum_kernel[(triton.cdiv(n, _SPLITK_SUM_BLOCK),)](

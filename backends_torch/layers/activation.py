@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xlaserve.backends_torch.layers.linear import Linear, make_linear, make_merged_linear
+from xlaserve.backends_torch.layers.linear import MergedLinear, make_linear, make_merged_linear
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -70,31 +70,39 @@ class MLP(nn.Module):
             self.up_proj = make_linear(hidden, intermediate, bias, dtype, device, "column")
         self.down_proj = make_linear(intermediate, hidden, bias, dtype, device, "row")
 
-    def _act_gemv_fusable(self, gu: torch.Tensor) -> bool:
-        """Whether a one-row [gate | up] can go through `dense_gemv_act_mul`: a plain (not
-        quantized, not tensor-parallel) down projection whose shape the dense GEMV serves."""
-        from xlaserve.kernels_cuda.dense_gemv import fused_act_gemv_enabled, use_dense_gemv
+    def _gate_act_gemv(self, x: torch.Tensor) -> bool:
+        """Whether a one-row x goes through `dense_gemv_gate_act` (act-and-mul in the gate_up
+        GEMV's epilogue): Triton ops on, a plain (not quantized, not tensor-parallel) gate_up
+        layer whose shape the dense GEMV serves, an activation the kernels know."""
+        if not (self.use_triton_ops and x.numel() == x.shape[-1]):
+            return False
+        from xlaserve.kernels_cuda.activation import ACT_CODES
+        from xlaserve.kernels_cuda.dense_gemv import gate_act_gemv_enabled, use_dense_gemv
 
-        down = self.down_proj
+        gu = self.gate_up_proj
         return (
-            fused_act_gemv_enabled()  # off by default: the usual answer, found first
-            and type(down) is Linear
-            and gu.is_contiguous()
-            and down.weight.dtype == gu.dtype
-            and use_dense_gemv(1, *down.weight.shape, gu.dtype, gu.device)
+            type(gu) is MergedLinear
+            and gu.part_sizes[0] * 2 == gu.weight.shape[0]
+            and self.activation in ACT_CODES
+            and gu.weight.dtype == x.dtype
+            and gate_act_gemv_enabled()
+            and use_dense_gemv(1, *gu.weight.shape, x.dtype, x.device)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
+            if self._gate_act_gemv(x):
+                # Batch-1 decode: act(gate) * up in the gate_up GEMV's epilogue.
+                from xlaserve.kernels_cuda.dense_gemv import dense_gemv_gate_act
+
+                gu = self.gate_up_proj
+                a = dense_gemv_gate_act(
+                    x.reshape(1, -1).contiguous(), gu.weight, gu.bias, self.activation
+                )
+                return self.down_proj(a.reshape(*x.shape[:-1], -1))
             gu = self.gate_up_proj(x)  # [T, 2I] (this rank's gate | up shards under TP)
             kernel = _TRITON_GATED.get(self.activation) if self.use_triton_ops else None
             if kernel is not None and gu.dim() == 2:
-                if gu.shape[0] == 1 and self._act_gemv_fusable(gu):
-                    # Batch-1 decode: act-and-mul inside the down GEMV (one launch fewer).
-                    from xlaserve.kernels_cuda.dense_gemv import dense_gemv_act_mul
-
-                    down = self.down_proj
-                    return dense_gemv_act_mul(gu, down.weight, down.bias, self.activation)
                 from xlaserve import kernels_cuda
 
                 return self.down_proj(getattr(kernels_cuda, kernel)(gu))

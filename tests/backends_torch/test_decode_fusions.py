@@ -148,18 +148,18 @@ def test_dense_gemv_dispatch_in_bf16_decode(arch_dir, monkeypatch):  # noqa: ANN
         dg, "dense_gemv", lambda x, w, b=None: shapes.append(w.shape) or real(x, w, b)
     )
     fused: list[tuple[int, int]] = []
-    real_act = dg.dense_gemv_act_mul
+    real_act = dg.dense_gemv_gate_act
     monkeypatch.setattr(
-        dg, "dense_gemv_act_mul", lambda x, w, b, a: fused.append(w.shape) or real_act(x, w, b, a)
+        dg, "dense_gemv_gate_act", lambda x, w, b, a: fused.append(w.shape) or real_act(x, w, b, a)
     )
     monkeypatch.setenv(dg.ENV_DENSE_GEMV, "1")
     for fuse_act in ("1", "0"):
         shapes.clear()
         fused.clear()
-        monkeypatch.setenv("XLASERVE_FUSED_ACT_GEMV", fuse_act)
+        monkeypatch.setenv(dg.ENV_GATE_ACT_GEMV, fuse_act)
         _, got, _ = _prefill_and_decode(spec, model)
-        # decode only: qkv, o, gate_up, down per layer (down with act-and-mul fused in, unless
-        # switched off), plus the lm head (prefill has M > 1).
+        # decode only: qkv, o, gate_up, down per layer (gate_up with act-and-mul fused into its
+        # epilogue, unless switched off), plus the lm head (prefill has M > 1).
         n_act = spec.num_layers if fuse_act == "1" else 0
         assert len(fused) == n_act and len(shapes) == 4 * spec.num_layers + 1 - n_act
         torch.testing.assert_close(got, ref, atol=0.05 * ref.abs().max().item(), rtol=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,11 @@ def _operands(n: int, k: int, dtype: torch.dtype, bias: bool, device, seed: int 
         (20, 512, torch.bfloat16, GemvTiles(4, 64, 0, 1), False),  # auto split
     ],
 )
-def test_matches_reference(n, k, dtype, tiles, bias, device):
+@pytest.mark.parametrize("prefetch", ["1", "0"])
+def test_matches_reference(n, k, dtype, tiles, bias, prefetch, device, monkeypatch):
+    # Both loop forms: the double-buffered weight prefetch (default) and the plain loop.
+    monkeypatch.setenv(dg.ENV_GEMV_PREFETCH, prefetch)
+    assert dg.gemv_prefetch_enabled() == (prefetch == "1")
     x, w, b = _operands(n, k, dtype, bias, device)
     got = dense_gemv(x, w, b, tiles=tiles)
     assert got.shape == (1, n) and got.dtype == dtype
@@ -151,13 +157,18 @@ def test_gpu_llama8b_shapes(shape, n, k):
     w = (0.02 * torch.randn(n, k, device=dev)).to(torch.bfloat16)
     ref = dense_gemv_ref(x, w).float()
     tol = 1e-2 * ref.abs().max().item()
-    for tiles in (None, GemvTiles(4, 1024, 2, 4), GemvTiles(8, 512, 1, 4)):
-        got = dense_gemv(x, w, tiles=tiles).float()
-        torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+    for prefetch in ("1", "0"):
+        os.environ[dg.ENV_GEMV_PREFETCH] = prefetch
+        try:
+            for tiles in (None, GemvTiles(4, 1024, 2, 4), GemvTiles(8, 512, 1, 4)):
+                got = dense_gemv(x, w, tiles=tiles).float()
+                torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+        finally:
+            del os.environ[dg.ENV_GEMV_PREFETCH]
     torch.testing.assert_close(dense_gemv(x, w).float(), F.linear(x, w).float(), atol=tol, rtol=0)
 
 
-# ---- act-and-mul prologue (dense_gemv_act_mul) ------------------------------------------------
+# ---- act-and-mul epilogue (dense_gemv_gate_act) -----------------------------------------------
 
 
 def _act_mul_ref(x2: torch.Tensor, act: str) -> torch.Tensor:
@@ -169,60 +180,68 @@ def _act_mul_ref(x2: torch.Tensor, act: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "n,k,dtype,tiles,act,bias",
+    "n,k,dtype,tiles,act,bias,prefetch",
     [
-        (37, 200, torch.float32, GemvTiles(4, 64, 1, 1), "silu", False),  # ragged N and K
-        (70, 96, torch.bfloat16, GemvTiles(8, 32, 1, 1), "gelu_tanh", True),  # x as a tile
-        (33, 300, torch.float16, GemvTiles(4, 64, 3, 1), "gelu", True),  # split-K + bias
-        (24, 64, torch.bfloat16, GemvTiles(8, 256, 1, 1), "silu", False),  # x vector, ragged
-        (20, 512, torch.float16, None, "relu", False),  # default act tiles
+        (37, 200, torch.float32, GemvTiles(4, 64, 1, 1), "silu", False, "0"),  # ragged N, K
+        (70, 96, torch.bfloat16, GemvTiles(8, 32, 1, 1), "gelu_tanh", True, "1"),  # x as tile
+        (33, 300, torch.float16, GemvTiles(2, 64, 1, 1), "gelu", True, "0"),  # bias: both halves
+        (24, 64, torch.bfloat16, GemvTiles(8, 256, 1, 1), "silu", False, "1"),  # one ragged step
+        (20, 512, torch.float16, None, "relu", False, "0"),  # default tiles (one row each)
+        (9, 130, torch.bfloat16, None, "silu", True, "1"),
     ],
 )
-def test_act_mul_matches_unfused_and_reference(n, k, dtype, tiles, act, bias, device):
+def test_gate_act_matches_unfused_and_reference(
+    n, k, dtype, tiles, act, bias, prefetch, device, monkeypatch
+):
     from xlaserve import kernels_cuda
-    from xlaserve.kernels_cuda.dense_gemv import DENSE_GEMV_ACT_TILES, dense_gemv_act_mul
+    from xlaserve.kernels_cuda.dense_gemv import DENSE_GEMV_GATE_ACT_TILES, dense_gemv_gate_act
 
-    g = torch.Generator().manual_seed(n * k)
-    x2 = torch.randn(1, 2 * k, generator=g).to(dtype).to(device)
-    x, w, b = _operands(n, k, dtype, bias, device)
-    got = dense_gemv_act_mul(x2, w, b, act, tiles=tiles)
+    monkeypatch.setenv(dg.ENV_GEMV_PREFETCH, prefetch)
+    x, w, b = _operands(2 * n, k, dtype, bias, device)  # w = [gate; up], [2N, K]
+    got = dense_gemv_gate_act(x, w, b, act, tiles=tiles)
     assert got.shape == (1, n) and got.dtype == dtype
-    # Same tiles, unfused: the act-and-mul kernel (or its rounding, relu has no kernel) then the
-    # GEMV: bit-identical (the product is rounded to x's dtype in both).
+    # Same tiles, unfused: the GEMV, then the act-and-mul kernel (relu has none: its rounding
+    # in torch): bit-identical (gate and up are rounded to x's dtype in both).
+    gu = dense_gemv(x, w, b, tiles=tiles or DENSE_GEMV_GATE_ACT_TILES)
     if act == "relu":
-        a = _act_mul_ref(x2.cpu(), act).to(device)
+        a = _act_mul_ref(gu.cpu(), act).to(device)
     else:
-        a = getattr(kernels_cuda, f"{act}_and_mul")(x2)
-    assert torch.equal(got, dense_gemv(a, w, b, tiles=tiles or DENSE_GEMV_ACT_TILES))
-    ref = dense_gemv_ref(_act_mul_ref(x2.cpu(), act), w.cpu(), None if b is None else b.cpu())
+        a = getattr(kernels_cuda, f"{act}_and_mul")(gu)
+    assert torch.equal(got, a)
+    ref = _act_mul_ref(dense_gemv_ref(x.cpu(), w.cpu(), None if b is None else b.cpu()), act)
     atol, rtol = _TOL[dtype]
     torch.testing.assert_close(got.cpu().float(), ref.float(), atol=atol, rtol=rtol)
 
 
-def test_act_mul_rejects_bad_inputs(device):
-    from xlaserve.kernels_cuda.dense_gemv import dense_gemv_act_mul
+def test_gate_act_rejects_bad_inputs(device):
+    from xlaserve.kernels_cuda.dense_gemv import dense_gemv_gate_act
 
-    x2 = torch.randn(1, 64, device=device)
-    w = torch.randn(8, 64, device=device)  # K must be half of x's width
-    with pytest.raises(ValueError, match=r"\[1, 2K\]"):
-        dense_gemv_act_mul(x2, w)
+    x = torch.randn(1, 64, device=device)
+    w = torch.randn(8, 64, device=device)
+    with pytest.raises(ValueError, match="even row count"):
+        dense_gemv_gate_act(x, w[:7])
     with pytest.raises(ValueError, match="act must be one of"):
-        dense_gemv_act_mul(x2, w[:, :32], act="tanh")
+        dense_gemv_gate_act(x, w, act="tanh")
+    with pytest.raises(ValueError, match="split_k must be 1"):
+        dense_gemv_gate_act(x, w, tiles=GemvTiles(2, 16, 2, 1))
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        dense_gemv_gate_act(x, w, torch.randn(4, device=device))
 
 
 @pytest.mark.parametrize("fused", ["1", "0"])
-def test_mlp_batch1_uses_the_fused_act_gemv(fused, device, monkeypatch):
-    """A gated MLP on the Triton ops at one row: act-and-mul goes into the down GEMV (when the
-    dense GEMV serves the shape and the switch is on) with the same bits as the two kernels."""
+def test_mlp_batch1_uses_the_gate_act_gemv(fused, device, monkeypatch):
+    """A gated MLP on the Triton ops at one row: act-and-mul goes into the gate_up GEMV's
+    epilogue (when the dense GEMV serves the shape and the switch is on) with the same bits as
+    the GEMV and the act-and-mul kernel."""
     from xlaserve.backends_torch.layers.activation import MLP
     from xlaserve.kernels_cuda import dense_gemv as dgm
 
     monkeypatch.setenv(dg.ENV_DENSE_GEMV, "1")
-    monkeypatch.setenv("XLASERVE_FUSED_ACT_GEMV", fused)
+    monkeypatch.setenv(dg.ENV_GATE_ACT_GEMV, fused)
     calls: list[str] = []
-    real = dgm.dense_gemv_act_mul
+    real = dgm.dense_gemv_gate_act
     monkeypatch.setattr(
-        dgm, "dense_gemv_act_mul", lambda *a, **k: calls.append("x") or real(*a, **k)
+        dgm, "dense_gemv_gate_act", lambda *a, **k: calls.append("x") or real(*a, **k)
     )
     torch.manual_seed(0)
     mlp = MLP(64, 96, "silu", dtype=torch.bfloat16, device=device)
@@ -233,22 +252,28 @@ def test_mlp_batch1_uses_the_fused_act_gemv(fused, device, monkeypatch):
     x = torch.randn(1, 64).to(torch.bfloat16).to(device)
     got = mlp(x)
     assert calls == (["x"] if fused == "1" else [])
-    monkeypatch.setenv("XLASERVE_FUSED_ACT_GEMV", "0")
-    assert torch.equal(got, mlp(x))  # same bits as act-and-mul kernel + GEMV
+    monkeypatch.setenv(dg.ENV_GATE_ACT_GEMV, "0")
+    assert torch.equal(got, mlp(x))  # same bits as GEMV + act-and-mul kernel
     assert len(calls) == (1 if fused == "1" else 0)
+    monkeypatch.setenv(dg.ENV_GATE_ACT_GEMV, fused)
     mlp(torch.randn(3, 64).to(torch.bfloat16).to(device))  # M > 1: never fused
     assert len(calls) == (1 if fused == "1" else 0)
 
 
 @pytest.mark.gpu
-def test_gpu_act_mul_llama8b_down() -> None:
+def test_gpu_gate_act_llama8b_gate_up() -> None:
     from xlaserve import kernels_cuda
-    from xlaserve.kernels_cuda.dense_gemv import dense_gemv_act_mul
+    from xlaserve.kernels_cuda.dense_gemv import dense_gemv_gate_act
 
     dev = torch.device("cuda")
-    x2 = torch.randn(1, 2 * 14336, device=dev, dtype=torch.bfloat16)
-    w = (0.02 * torch.randn(4096, 14336, device=dev)).to(torch.bfloat16)
-    for tiles in (None, GemvTiles(2, 1024, 0, 4), GemvTiles(4, 1024, 2, 4)):
-        got = dense_gemv_act_mul(x2, w, tiles=tiles)
-        a = kernels_cuda.silu_and_mul(x2)
-        assert torch.equal(got, dense_gemv(a, w, tiles=tiles or dg.DENSE_GEMV_ACT_TILES))
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    w = (0.02 * torch.randn(2 * 14336, 4096, device=dev)).to(torch.bfloat16)
+    for prefetch in ("1", "0"):
+        os.environ[dg.ENV_GEMV_PREFETCH] = prefetch
+        try:
+            for tiles in (None, GemvTiles(2, 1024, 1, 4), GemvTiles(4, 512, 1, 4)):
+                got = dense_gemv_gate_act(x, w, tiles=tiles)
+                gu = dense_gemv(x, w, tiles=tiles or dg.DENSE_GEMV_GATE_ACT_TILES)
+                assert torch.equal(got, kernels_cuda.silu_and_mul(gu))
+        finally:
+            del os.environ[dg.ENV_GEMV_PREFETCH]
