@@ -375,6 +375,25 @@ class TorchModelRunner:
             from xlaserve.backends_torch.cuda_graphs import make_cuda_step_runner
 
             self.cuda_step = make_cuda_step_runner(self)
+        self._warm_fused_greedy()
+
+    def _warm_fused_greedy(self) -> None:
+        """Compile the fused greedy kernel's variants at start-up, not in the first steps: the
+        row counts 1 (most chunks) and max_num_seqs (fewest) cover every step's chunking."""
+        if not (self.fused_greedy and self.device.type == "cuda"):
+            return
+        h = torch.zeros((1, self.spec.hidden_size), dtype=self.dtype, device=self.device)
+        raw_fn = getattr(self.model, "compute_logits_raw", None)
+        raw = raw_fn(h) if raw_fn is not None else None
+        if raw is None or raw.dtype not in _FUSED_DTYPES:
+            return
+        from xlaserve.kernels_cuda.sampling import greedy_argmax_packed
+
+        for rows in (1, self.config.scheduler.max_num_seqs):
+            greedy_argmax_packed(
+                torch.zeros((rows, raw.shape[1]), dtype=raw.dtype, device=raw.device)
+            )
+        torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
         self.cuda_step = None  # its CUDA graphs hold the KV cache and their memory pool

@@ -55,7 +55,9 @@ def _first_max(v, i, NO_INDEX: tl.constexpr):
     return tl.where(has_nan, float("nan"), m), tl.where(has_nan, nan_i, max_i)
 
 
-@triton.jit
+# Per-call ints are not specialised: the row count of a step changes its chunking, and Triton
+# would otherwise compile a variant per "== 1" / "divisible by 16" case of them mid-serving.
+@triton.jit(do_not_specialize=["num_chunks", "tiles_per_chunk"])
 def _argmax_chunk_kernel(
     x_ptr,
     val_ptr,
@@ -106,7 +108,7 @@ def _argmax_chunk_kernel(
         tl.store(bad_ptr + w, any_bad.to(tl.int8))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_combine_kernel(
     val_ptr,
     idx_ptr,
@@ -142,6 +144,11 @@ def plan_chunks(rows: int, vocab: int, block: int = BLOCK) -> tuple[int, int, in
     return block, per_chunk, triton.cdiv(tiles, per_chunk)
 
 
+def _max_chunks(vocab: int, block: int) -> int:
+    """The most chunks `plan_chunks` gives any row count for this vocab and tile (R = 1)."""
+    return max(1, triton.cdiv(vocab, block) // MIN_CHUNK_TILES)
+
+
 def _launch(
     logits: torch.Tensor,
     tok: torch.Tensor,
@@ -172,7 +179,9 @@ def _launch(
     if not final:
         _argmax_combine_kernel[(r,)](
             val, idx, bad, tok, flag, n_chunks,
-            BLOCK_C=max(16, next_pow2(n_chunks)), NO_INDEX=_NO_INDEX, num_warps=4,
+            # Sized by the vocab's largest chunk count, not this call's: one compile per vocab.
+            BLOCK_C=max(16, next_pow2(n_chunks), next_pow2(_max_chunks(v, blk))),
+            NO_INDEX=_NO_INDEX, num_warps=4,
             USE_PDL=pdl, **pdl_kwargs(pdl),
         )  # fmt: skip
 
