@@ -103,14 +103,42 @@ class CacheConfig:
         _check(self.kv_offload_bytes >= 0, "kv_offload_bytes must be >= 0")
 
 
+# Platform defaults of (max_num_seqs, max_num_batched_tokens), as vLLM sizes them by hardware:
+# (GPUs with at least this much memory, offline `LLM`, server). Offline batches take a larger
+# step budget (throughput); the server keeps a smaller one (a long prompt's chunk delays the
+# running decodes less). H200 (2026-12-03, bench/RESULTS.md): offline 256 / 256 over 1000
+# prompts measured 14,220 / 14,961 / 14,447 output tok/s at 256 / 512 / 1024 sequences.
+GPU_BATCH_LIMITS: list[tuple[float, tuple[int, int], tuple[int, int]]] = [
+    (70.0, (512, 16384), (512, 8192)),  # H100 / H200 class
+    (0.0, (256, 8192), (256, 2048)),
+]
+# CPU and TPU (the XLA backend compiles a bucket per size up to these limits).
+HOST_BATCH_LIMITS = (64, 2048)
+
+
+def default_batch_limits(platform: Any, offline: bool, backend: str = "auto") -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) where the user sets none: by GPU memory for the
+    torch backend on CUDA / ROCm (GPU_BATCH_LIMITS), HOST_BATCH_LIMITS elsewhere (and for the
+    XLA backend, which compiles a bucket per size). `platform`: an xlaserve.platforms.Platform
+    (or its proxy); offline: the `LLM` class, else the server; backend: EngineConfig.backend."""
+    if backend == "auto":
+        backend = platform.default_backend
+    if not platform.is_gpu() or backend != "torch":
+        return HOST_BATCH_LIMITS
+    for min_gib, off, server in GPU_BATCH_LIMITS:
+        if platform.device_memory_gib >= min_gib:
+            return off if offline else server
+    return HOST_BATCH_LIMITS
+
+
 @dataclass
 class SchedulerConfig:
     """Token-budget continuous batching."""
 
-    # Most requests running at once.
-    max_num_seqs: int = 64
-    # Token budget of one step (prefill chunks + decodes).
-    max_num_batched_tokens: int = 2048
+    # Most requests running at once (default: by platform, see `default_batch_limits`).
+    max_num_seqs: int | None = None
+    # Token budget of one step, prefill chunks + decodes (default: by platform).
+    max_num_batched_tokens: int | None = None
     # "fcfs" or "priority" (lower value first, then arrival).
     policy: str = "fcfs"
     # Split long prompts over several steps.
@@ -125,9 +153,13 @@ class SchedulerConfig:
     async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
-        _check(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        # None: left to EngineConfig, which knows the platform and backend.
         _check(
-            self.max_num_batched_tokens > 0,
+            self.max_num_seqs is None or self.max_num_seqs > 0,
+            f"max_num_seqs must be positive, got {self.max_num_seqs}",
+        )
+        _check(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
             f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
         )
         _check(
@@ -146,6 +178,13 @@ class SchedulerConfig:
             self.max_num_waiting is None or self.max_num_waiting > 0,
             "max_num_waiting must be positive",
         )
+
+    def fill_limits(self, seqs: int, tokens: int) -> None:
+        """Set max_num_seqs / max_num_batched_tokens where they are None."""
+        if self.max_num_seqs is None:
+            self.max_num_seqs = seqs
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = tokens
 
 
 @dataclass
@@ -290,6 +329,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        sc = self.scheduler
+        if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:
+            from xlaserve.platforms import current_platform
+
+            sc.fill_limits(*default_batch_limits(current_platform, False, self.backend))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -6,9 +6,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from xlaserve.config import EngineConfig
+from xlaserve.config import EngineConfig, default_batch_limits
 from xlaserve.engine.llm_engine import LLMEngine, PromptType
 from xlaserve.outputs import RequestOutput
+from xlaserve.platforms import current_platform
 from xlaserve.sampling_params import SamplingParams
 from xlaserve.tokenizer import Tokenizer
 
@@ -23,6 +24,14 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        # Offline batches take the platform's larger step budget unless the caller sets one.
+        seqs, tokens = default_batch_limits(
+            current_platform, offline=True, backend=kwargs.get("backend", "auto")
+        )
+        if kwargs.get("max_num_seqs") is None:
+            kwargs["max_num_seqs"] = seqs
+        if kwargs.get("max_num_batched_tokens") is None:
+            kwargs["max_num_batched_tokens"] = tokens
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.config)
 

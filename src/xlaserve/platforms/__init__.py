@@ -17,6 +17,8 @@ class Platform:
     name: str  # "cpu" | "cuda" | "rocm" | "tpu"
     default_backend: str  # "torch" | "xla"
     device_name: str = "cpu"
+    # Memory of one accelerator (GPU: device 0), GiB; 0 when unknown (CPU, TPU, forced).
+    device_memory_gib: float = 0.0
 
     def is_cpu(self) -> bool:
         return self.name == "cpu"
@@ -56,8 +58,11 @@ def detect_platform() -> Platform:
         import torch
 
         if torch.cuda.is_available():
-            name = torch.cuda.get_device_name(0)
-            return Platform("rocm" if torch.version.hip else "cuda", "torch", name)
+            props = torch.cuda.get_device_properties(0)
+            return Platform(
+                "rocm" if torch.version.hip else "cuda", "torch", props.name,
+                props.total_memory / 2**30,
+            )  # fmt: skip
     return Platform("cpu", "torch", "cpu")
 
 
