@@ -222,6 +222,7 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
     engine.step = timed_step
     # Host-time split (where a step's wall time goes): each wrapped call's total seconds.
     parts: dict[str, float] = {}
+    sched: list[tuple[float, int, int]] = []  # (start, scheduled tokens, requests) per step
     undo = []
     for owner, name in ((engine.scheduler, "schedule"), (engine, "_process"),
                         (engine.runner, "execute"), (engine.runner, "launch"),
@@ -233,7 +234,10 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
         def wrapped(*a, _fn=fn, _name=name, **kw):  # noqa: ANN002, ANN003, ANN202
             t0 = time.perf_counter()
             try:
-                return _fn(*a, **kw)
+                so = _fn(*a, **kw)
+                if _name == "schedule" and so is not None:
+                    sched.append((t0, so.total_num_scheduled_tokens, len(so.num_scheduled_tokens)))
+                return so
             finally:
                 parts[_name] = parts.get(_name, 0.0) + time.perf_counter() - t0
 
@@ -246,6 +250,7 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
         for r in range(repeats):
             prompts = [{"prompt_token_ids": p} for p in _prompts(n, inp, vocab, 100 + r)]
             counter.update(steps=0, time=0.0)
+            sched.clear()
             prof = _cprofile_start(r == repeats - 1)
             t = time.perf_counter()
             res = llm.generate(prompts, sp, use_tqdm=False)
@@ -271,7 +276,21 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
         # ms per step inside each part (all runs): schedule, runner launch / finish (finish
         # waits for the device) or execute, engine output processing.
         "per_step_ms": {k: 1e3 * v / max(counter["steps"], 1) / repeats for k, v in parts.items()},
+        # Last run's steps (start of one schedule to the next; async: one step ahead) split
+        # into pure-decode steps (one token per request) and the rest: (count, seconds).
+        "step_split_last_run": _step_split(sched),
         "cprofile_last_run": hot,
+    }
+
+
+def _step_split(sched: list[tuple[float, int, int]]) -> dict[str, Any]:
+    gaps = [(sched[i + 1][0] - sched[i][0], t, b) for i, (_, t, b) in enumerate(sched[:-1])]
+    dec = [g for g, t, b in gaps if t == b]
+    other = [g for g, t, b in gaps if t != b]
+    return {
+        "decode_steps": (len(dec), round(sum(dec), 3)),
+        "other_steps": (len(other), round(sum(other), 3)),
+        "decode_step_ms_median": round(1e3 * _median(dec), 3) if dec else None,
     }
 
 
@@ -423,10 +442,18 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "b1": ({}, "batch1"),
     "b1_no_pdl": ({}, "batch1"),
     "b1_no_gemv": ({}, "batch1"),
-    "b1_no_act_gemv": ({}, "batch1"),
+    "b1_no_gate_act": ({}, "batch1"),
     "b1_splits8": ({}, "batch1"),
-    "b1_act_gemv": ({}, "batch1"),
     "b1_base": ({}, "batch1"),
+    "b1_no_prefetch": ({}, "batch1"),
+    "b1_no_fused_greedy": ({}, "batch1"),
+    # Offline 256 / 256 at other engine limits (max_num_seqs / max_num_batched_tokens; the
+    # stage default is 256 / 8192; "default": unset, i.e. the platform's offline defaults).
+    "offline_default": ({"max_num_seqs": None, "max_num_batched_tokens": None}, "offline"),
+    "offline_s256": ({}, "offline"),
+    "offline_s256_no_greedy": ({}, "offline"),
+    "offline_s512": ({"max_num_seqs": 512, "max_num_batched_tokens": 16384}, "offline"),
+    "offline_s1024": ({"max_num_seqs": 1024, "max_num_batched_tokens": 16384}, "offline"),
     # XLA attention A/B on the GPU (issue 3): the jnp reference against the Pallas GPU kernel.
     "xla_batch_ref": ({"backend": "xla"}, "batch1+offline"),
     "xla_batch_pallas": ({"backend": "xla"}, "batch1+offline"),
@@ -435,10 +462,18 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
 VARIANT_ENV: dict[str, dict[str, str]] = {
     "b1_no_pdl": {"XLASERVE_PDL": "0"},
     "b1_no_gemv": {"XLASERVE_DENSE_GEMV": "0"},
-    "b1_no_act_gemv": {"XLASERVE_FUSED_ACT_GEMV": "0"},
-    "b1_act_gemv": {"XLASERVE_FUSED_ACT_GEMV": "1"},
+    "b1_no_gate_act": {"XLASERVE_GATE_ACT_GEMV": "0"},
     "b1_splits8": {"XLASERVE_GRAPH_MAX_KV_SPLITS": "8"},
-    "b1_base": {"XLASERVE_PDL": "0", "XLASERVE_DENSE_GEMV": "0", "XLASERVE_FUSED_ROPE_KV": "0"},
+    "b1_no_prefetch": {"XLASERVE_GEMV_PREFETCH": "0"},
+    "b1_no_fused_greedy": {"XLASERVE_FUSED_GREEDY": "0"},
+    "offline_s256_no_greedy": {"XLASERVE_FUSED_GREEDY": "0"},
+    "b1_base": {
+        "XLASERVE_PDL": "0",
+        "XLASERVE_DENSE_GEMV": "0",
+        "XLASERVE_FUSED_ROPE_KV": "0",
+        "XLASERVE_GATE_ACT_GEMV": "0",
+        "XLASERVE_GEMV_PREFETCH": "0",
+    },
     "xla_batch_ref": {"XLASERVE_RPA_IMPL": "reference"},
     "xla_batch_pallas": {"XLASERVE_RPA_IMPL": "pallas_gpu"},
 }
@@ -492,12 +527,16 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
     }
     res["init_s"] = time.perf_counter() - t
     res["num_kv_blocks"] = llm.llm_engine.kv_manager.num_blocks
+    sc = llm.llm_engine.config.scheduler
+    res["max_num_seqs"], res["max_num_batched_tokens"] = sc.max_num_seqs, sc.max_num_batched_tokens
     _save_partial(args, res)
     vocab = _vocab(args)
     if what.startswith("batch1"):
         res["batch1"] = _batch1(llm, args.repeats, vocab)
         _save_partial(args, res)
         if kw.get("backend") != "xla":
+            # CUDA-event time of one replay per decode graph (a steadier A/B than tok/s).
+            res["graph_replay_ms"] = _graph_replay_ms(llm)
             res["kernel_profile"] = _kernel_profile(llm, buckets=(1,))
             _save_partial(args, res)
     if what == "repetitive":
@@ -624,6 +663,7 @@ def _save_partial(args: argparse.Namespace, res: dict[str, Any]) -> None:
 def _run_stage(
     name: str, stage: str, args: argparse.Namespace, extra: list[str], env: dict[str, str]
 ) -> dict[str, Any]:
+    os.makedirs(args.stage_dir or args.work_dir, exist_ok=True)
     out = os.path.join(args.stage_dir or args.work_dir, f"{name}.json")
     if os.path.exists(out):
         os.remove(out)

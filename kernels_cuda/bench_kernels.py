@@ -8,7 +8,9 @@ Self-contained: torch + triton only (the MoE and quantized-GEMV benches borrow b
 rows ("qgemv_best") print, every config's row goes to ``--output-json``. ``--only dense_gemv``
 sweeps the bf16 Triton GEMV against cuBLAS at M == 1 (`bench_dense_gemv`; "dense_gemv_best"
 rows print). ``--only decode_small`` times the batch-1 decode kernels: rotary + write_kv vs the
-fused kernel, unified_attention over num_kv_splits (`bench_decode_small`).
+fused kernel, unified_attention over num_kv_splits (`bench_decode_small`). ``--only
+decode_large`` sweeps the decode attention tile at batch 256 / 1024 (`bench_decode_large`),
+``--only prefill_short`` the prefill tile on 32 x 256-token prompts (`bench_prefill_short`).
 """
 
 from __future__ import annotations
@@ -670,6 +672,141 @@ def bench_decode_small(dtype: torch.dtype, iters: int, check: bool) -> list[dict
     return rows
 
 
+# ---- large-batch decode attention tiles (--only decode_large) -------------------------------------
+
+# (BLOCK_N, num_warps, num_stages) tried for the decode tile of head_dim 128 (BLOCK_M stays 16).
+_DECODE_LARGE_CONFIGS = [
+    (bn, w, st) for bn in (32, 64, 128) for w in (2, 4) for st in (2, 3, 4)
+] + [(16, 2, 3), (16, 4, 3), (64, 8, 3), (128, 8, 3)]
+# Calls per captured graph (each reads the whole cache: B x ~384 tokens x 4 KiB).
+_DECODE_LARGE_CALLS = 8
+
+
+def bench_decode_large(dtype: torch.dtype, iters: int, check: bool) -> list[dict[str, Any]]:
+    """Decode attention as the offline benchmark's steps see it: Llama-8B heads (32 q / 8 kv, D
+    128, page 16), B sequences of one query with context lengths drawn from [257, 512] (a 256 /
+    256 wave). Pages: "contiguous" (each sequence's blocks consecutive, as a fresh batch gets
+    them from the block manager) or "random" (scattered). Times _DECODE_LARGE_CALLS calls per
+    CUDA graph (ms per call). Sweeps the decode tile (BLOCK_N, warps, stages) at B 256 with
+    contiguous pages; then the default and the best config at B 256 random and B 1024.
+    kv_GBps = K + V bytes read / time (the bound: HBM bandwidth)."""
+    from xlaserve.kernels_cuda import paged_attention as pa
+
+    dev = torch.device("cuda")
+    hq, hkv, d, page = 32, 8, 128, 16
+    default = dict(pa.ATTENTION_CONFIGS["decode"][128])
+    rows: list[dict[str, Any]] = []
+
+    def case(b: int, pages: str, cfgs: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+        g = torch.Generator().manual_seed(b)
+        lens = torch.randint(257, 513, (b,), generator=g).tolist()
+        nblk = [-(-n // page) for n in lens]
+        total = sum(nblk)
+        q = torch.randn(b, hq, d, device=dev, dtype=dtype)
+        kc = torch.randn(total, page, hkv, d, device=dev, dtype=dtype)
+        vc = torch.randn_like(kc)
+        ids = torch.arange(total) if pages == "contiguous" else torch.randperm(total, generator=g)
+        bt = torch.zeros(b, max(nblk), dtype=torch.int32)
+        at = 0
+        for i, nb in enumerate(nblk):
+            bt[i, :nb] = ids[at : at + nb].to(torch.int32)
+            at += nb
+        args = (q, kc, vc, None, torch.arange(b + 1, dtype=torch.int32, device=dev),
+                torch.tensor(lens, dtype=torch.int32, device=dev), bt.to(dev), 1, max(lens),
+                d**-0.5)  # fmt: skip
+        kv_bytes = sum(lens) * hkv * d * 2 * kc.element_size()
+        ref = unified_attention_ref(*args).float() if check else None
+        out = []
+        for bn, w, st in cfgs:
+            row: dict[str, Any] = {"kernel": "decode_large", "B": b, "pages": pages,
+                                   "BLOCK_N": bn, "num_warps": w, "num_stages": st,
+                                   "mean_ctx": sum(lens) / b}  # fmt: skip
+            pa.ATTENTION_CONFIGS["decode"][128] = dict(default, BLOCK_N=bn, num_warps=w,
+                                                       num_stages=st)  # fmt: skip
+            call = functools.partial(unified_attention, *args, num_kv_splits=1)
+            _timed_row(row, "ms", [call] * _DECODE_LARGE_CALLS, iters)
+            if "ms" in row:
+                row["kv_GBps"] = kv_bytes / row["ms"] / 1e6
+                if check:
+                    row["max_abs_err"] = (call().float() - ref).abs().max().item()
+            out.append(row)
+        pa.ATTENTION_CONFIGS["decode"][128] = dict(default)
+        del kc, vc
+        return out
+
+    try:
+        cur = (default["BLOCK_N"], default["num_warps"], default["num_stages"])
+        r256 = case(256, "contiguous", _DECODE_LARGE_CONFIGS)
+        rows += r256
+        ok = [r for r in r256 if "ms" in r]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        rows.append({"kernel": "decode_large_best", "B": 256, "default": list(cur),
+                     "best": best})  # fmt: skip
+        more = [cur] + ([] if best is None else
+                        [(best["BLOCK_N"], best["num_warps"], best["num_stages"])])  # fmt: skip
+        more = list(dict.fromkeys(more))
+        rows += case(256, "random", more)
+        rows += case(1024, "contiguous", more)
+    finally:
+        pa.ATTENTION_CONFIGS["decode"][128] = default
+    return rows
+
+
+# ---- short-prompt prefill attention tiles (--only prefill_short) -----------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried for the prefill tile of head_dim 128.
+_PREFILL_SHORT_CONFIGS = [
+    (bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+]
+
+
+def bench_prefill_short(dtype: torch.dtype, iters: int, check: bool) -> list[dict[str, Any]]:
+    """Prefill attention as the offline benchmark's prefill steps see it: 32 sequences of 256
+    new tokens (an 8192-token step, causal, empty history) and 4 of 2048, Llama-8B heads, page
+    16, contiguous pages. Sweeps the prefill tile; ms per call inside a CUDA graph of 8 calls;
+    TFLOPs counts the causal half only."""
+    from xlaserve.kernels_cuda import paged_attention as pa
+
+    dev = torch.device("cuda")
+    hq, hkv, d, page = 32, 8, 128, 16
+    default = dict(pa.ATTENTION_CONFIGS["prefill"][128])
+    rows: list[dict[str, Any]] = []
+    try:
+        for b, length in ((32, 256), (4, 2048)):
+            nb = -(-length // page)
+            t = b * length
+            q = torch.randn(t, hq, d, device=dev, dtype=dtype)
+            kc = torch.randn(b * nb, page, hkv, d, device=dev, dtype=dtype)
+            vc = torch.randn_like(kc)
+            bt = torch.arange(b * nb, dtype=torch.int32, device=dev).reshape(b, nb)
+            qsl = torch.arange(0, t + 1, length, dtype=torch.int32, device=dev)
+            sl = torch.full((b,), length, dtype=torch.int32, device=dev)
+            args = (q, kc, vc, None, qsl, sl, bt, length, length, d**-0.5)
+            flops = b * length * (length + 1) / 2 * hq * d * 4
+            ref = unified_attention_ref(*args).float() if check else None
+            for bm, bn, w, st in _PREFILL_SHORT_CONFIGS:
+                row: dict[str, Any] = {"kernel": "prefill_short", "B": b, "len": length,
+                                       "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w,
+                                       "num_stages": st}  # fmt: skip
+                pa.ATTENTION_CONFIGS["prefill"][128] = dict(
+                    BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st
+                )
+                call = functools.partial(unified_attention, *args)
+                _timed_row(row, "ms", [call] * _DECODE_LARGE_CALLS, iters)
+                if "ms" in row:
+                    row["TFLOPs"] = flops / row["ms"] / 1e9
+                    if check:
+                        row["max_abs_err"] = (call().float() - ref).abs().max().item()
+                rows.append(row)
+            ok = [r for r in rows if r.get("B") == b and "ms" in r]
+            rows.append({"kernel": "prefill_short_best", "B": b, "default": default,
+                         "best": min(ok, key=lambda r: r["ms"]) if ok else None})  # fmt: skip
+            del kc, vc
+    finally:
+        pa.ATTENTION_CONFIGS["prefill"][128] = default
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-json", default=None)
@@ -678,7 +815,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-check", action="store_true", help="skip reference comparisons")
     parser.add_argument(
         "--only",
-        choices=["attention", "small", "moe", "qgemv", "dense_gemv", "decode_small"],
+        choices=[
+            "attention",
+            "small",
+            "moe",
+            "qgemv",
+            "dense_gemv",
+            "decode_small",
+            "decode_large",
+            "prefill_short",
+        ],
         default=None,
     )
     args = parser.parse_args(argv)
@@ -700,6 +846,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_dense_gemv(dtype, args.iters)
     if args.only in (None, "decode_small"):
         rows += bench_decode_small(dtype, args.iters, not args.no_check)
+    if args.only == "decode_large":  # a tile sweep: only on request
+        rows += bench_decode_large(dtype, args.iters, not args.no_check)
+    if args.only == "prefill_short":  # a tile sweep: only on request
+        rows += bench_prefill_short(dtype, args.iters, not args.no_check)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     try:
         import triton
