@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from test_torch_runner import MiniScheduler, _runner
+from test_torch_runner import MiniScheduler, _runner, nan_prefix_step
 
 from xlaserve.backends_torch.runner import ENV_FUSED_GREEDY, NONFINITE_ERROR
 from xlaserve.kernels_cuda import sampling
@@ -70,15 +70,7 @@ def test_nan_logits_fail_only_that_request(deferred: bool, hf_model_dir, kernel_
     runner.fused_greedy = True
     if deferred:
         runner.execute = lambda so: runner.finish(runner.launch(so))
-    sched = MiniScheduler(runner, budget=32)
-    bad_block = sched.free.pop()
-    for k, v in runner.kv_caches:  # a "cached prefix" block full of NaN
-        k[bad_block].fill_(float("nan"))
-        v[bad_block].fill_(float("nan"))
-    bad = sched.add("bad", list(range(3, 10)), SamplingParams(temperature=0.0), max_tokens=3)
-    bad.blocks, bad.num_computed = [bad_block], 4
-    sched.add("ok", list(range(3, 10)), SamplingParams(temperature=0.0), max_tokens=3)
-    out = sched.step()
+    sched, out = nan_prefix_step(runner)
     assert kernel_calls
     assert out.errors["bad"] == NONFINITE_ERROR
     assert out.sampled_token_ids["bad"] == []

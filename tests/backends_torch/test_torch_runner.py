@@ -208,9 +208,9 @@ def test_logprobs_and_chunked_prompt_logprobs_match_hf(hf_model_dir) -> None:
         assert e.token_ids[1:] == row.topk(3).indices.tolist()
 
 
-def test_nan_logits_fail_only_that_request(hf_model_dir) -> None:
-    d = hf_model_dir("llama")
-    runner = _runner(d)
+def nan_prefix_step(runner):  # noqa: ANN001, ANN201
+    """One step of two greedy requests, "bad" on a cached-prefix block full of NaN and "ok":
+    (the scheduler, the runner's output)."""
     sched = MiniScheduler(runner, budget=32)
     bad_block = sched.free.pop()
     for k, v in runner.kv_caches:  # a "cached prefix" block full of NaN
@@ -219,7 +219,13 @@ def test_nan_logits_fail_only_that_request(hf_model_dir) -> None:
     bad = sched.add("bad", list(range(3, 10)), SamplingParams(temperature=0.0), max_tokens=3)
     bad.blocks, bad.num_computed = [bad_block], 4
     sched.add("ok", list(range(3, 10)), SamplingParams(temperature=0.0), max_tokens=3)
-    out = sched.step()
+    return sched, sched.step()
+
+
+def test_nan_logits_fail_only_that_request(hf_model_dir) -> None:
+    d = hf_model_dir("llama")
+    runner = _runner(d)
+    sched, out = nan_prefix_step(runner)
     assert "non-finite" in out.errors["bad"]
     assert out.sampled_token_ids["bad"] == []
     assert "ok" not in out.errors and len(out.sampled_token_ids["ok"]) == 1
