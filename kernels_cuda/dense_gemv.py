@@ -110,16 +110,19 @@ def use_dense_gemv(m: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
 
 
 @triton.jit
-def _gemv_tile(w_rows, x_ptr, kw, n_ok, k_ok, K, X_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
-    """One K step: (weight tile [BLOCK_N, BLOCK_K], x broadcast to it) as fp32."""
-    w = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+def _w_tile(rows, kw, n_ok, k_ok):
+    """Weight tile [BLOCK_N, BLOCK_K] of `rows` at columns kw, as fp32."""
+    return tl.load(rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _x_tile(x_ptr, kw, k_ok, K, X_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr):  # fmt: skip
+    """x at columns kw as fp32, broadcastable against a weight tile."""
     if X_TILE:
         xk = tl.broadcast_to(kw[None, :], (BLOCK_N, BLOCK_K))
-        xv = tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
-    else:
-        xv = tl.load(x_ptr + kw, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    return w.to(tl.float32), xv
+        return tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
+    return tl.load(x_ptr + kw, mask=k_ok, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -157,32 +160,27 @@ def _dense_gemv_kernel(
         # The first step's weights do not depend on the previous kernel: read them before the
         # PDL wait, so they stream in while that kernel's tail runs.
         kw = tl.max_contiguous(k_start + rk, VEC)
-        k_ok = kw < k_end
-        w0 = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        k_ok = kw < K  # K_SPLIT is a multiple of BLOCK_K: only the last step of K is ragged
+        w = _w_tile(w_rows, kw, n_ok, k_ok)
         if GATE_ACT:
-            u0 = tl.load(u_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            u = _w_tile(u_rows, kw, n_ok, k_ok)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
-        if X_TILE:
-            xk = tl.broadcast_to(kw[None, :], (BLOCK_N, BLOCK_K))
-            xv = tl.load(x_ptr + xk, mask=xk < k_end, other=0.0).to(tl.float32)
-        else:
-            xv = tl.load(x_ptr + kw, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc += w0.to(tl.float32) * xv
+        xv = _x_tile(x_ptr, kw, k_ok, K, X_TILE, BLOCK_N, BLOCK_K)
+        acc += w * xv
         if GATE_ACT:
-            acc_u += u0.to(tl.float32) * xv
+            acc_u += u * xv
         k_first = k_start + BLOCK_K
     elif USE_PDL:
         tl.extra.cuda.gdc_wait()
     for k0 in range(k_first, k_end, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K  # K_SPLIT is a multiple of BLOCK_K: only the last step of K is ragged
-        kw = tl.max_contiguous(kk, VEC)
-        w, xv = _gemv_tile(w_rows, x_ptr, kw, n_ok, k_ok, K, X_TILE, BLOCK_N, BLOCK_K)
+        kw = tl.max_contiguous(k0 + rk, VEC)
+        k_ok = kw < K
+        w = _w_tile(w_rows, kw, n_ok, k_ok)
+        xv = _x_tile(x_ptr, kw, k_ok, K, X_TILE, BLOCK_N, BLOCK_K)
         acc += w * xv
         if GATE_ACT:
-            u = tl.load(u_rows + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_u += u.to(tl.float32) * xv
+            acc_u += _w_tile(u_rows, kw, n_ok, k_ok) * xv
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:  # added once: by the first K slice
         first = (rn * 0 + pid_k) == 0  # a tensor mask (the interpreter rejects scalar ones)
