@@ -57,7 +57,6 @@ from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # kernels_cuda.sampling's
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -382,17 +381,9 @@ class TorchModelRunner:
         row counts 1 (most chunks) and max_num_seqs (fewest) cover every step's chunking."""
         if not (self.fused_greedy and self.device.type == "cuda"):
             return
-        h = torch.zeros((1, self.spec.hidden_size), dtype=self.dtype, device=self.device)
-        raw_fn = getattr(self.model, "compute_logits_raw", None)
-        raw = raw_fn(h) if raw_fn is not None else None
-        if raw is None or raw.dtype not in _FUSED_DTYPES:
-            return
-        from xlaserve.kernels_cuda.sampling import greedy_argmax_packed
-
         for rows in (1, self.config.scheduler.max_num_seqs):
-            greedy_argmax_packed(
-                torch.zeros((rows, raw.shape[1]), dtype=raw.dtype, device=raw.device)
-            )
+            h = torch.zeros((rows, self.spec.hidden_size), dtype=self.dtype, device=self.device)
+            self._fused_greedy(h)
         torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
@@ -665,19 +656,16 @@ class TorchModelRunner:
             if not (fast or (defer and deferrable)):
                 break
         argmax_l: list[int] = []
-        packed, logits = self._fused_greedy(h) if fast and self.fused_greedy else (None, None)
+        packed = self._fused_greedy(h) if fast and self.fused_greedy else None
         if packed is not None:  # [tokens; exact non-finite flags], int64 [2R]
             if defer and deferrable:  # (fast implies deferrable)
-                self._sample_deferred(
-                    order, sample_b, packed[:r_total], None, None, launched, packed=packed
-                )
+                self._sample_deferred(order, sample_b, packed, None, launched)
                 return
             host = packed.tolist()  # one device -> host copy
             argmax_l = host[:r_total]
             bad = nonfinite_rows(None, host[r_total:])
         else:
-            if logits is None:
-                logits = self.model.compute_logits(h)  # [R, V] float32
+            logits = self.model.compute_logits(h)  # [R, V] float32
             # Non-finite check: NaN/inf in a row make its sum non-finite; rows whose sum is not
             # finite are re-checked exactly (finite values can overflow a sum). One reduction
             # instead of isfinite + all over [R, V].
@@ -688,7 +676,8 @@ class TorchModelRunner:
                 else:
                     rows = [self._row(self.requests[order[b][0]]) for b in sample_b]
                     tokens_t = self.sampler.sample_tokens(logits, rows)
-                self._sample_deferred(order, sample_b, tokens_t, logits, suspect_t, launched)
+                flat = torch.cat([tokens_t, suspect_t.to(tokens_t.dtype)])
+                self._sample_deferred(order, sample_b, flat, logits, launched)
                 return
             if fast:  # tokens and flags come back in one device -> host copy
                 argmax_t = logits.argmax(dim=-1)
@@ -722,41 +711,32 @@ class TorchModelRunner:
             if lps[k] is not None:
                 out.logprobs[rid] = lps[k]
 
-    def _fused_greedy(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _fused_greedy(self, h: torch.Tensor) -> torch.Tensor | None:
         """Argmax tokens and exact non-finite flags of the rows of h through the fused kernel:
-        (int64 [2R] = tokens then 0/1 flags, None). (None, None) when the model has no raw
-        logits (scaling / soft-cap: the float32 path keeps their exact ties); (None, float32
-        logits) in the unexpected case of raw logits the kernel does not take."""
+        int64 [2R], tokens then 0/1 flags. None when the model has no raw logits (scaling /
+        soft-cap: the float32 path keeps their exact ties)."""
         raw_fn = getattr(self.model, "compute_logits_raw", None)
         raw = raw_fn(h) if raw_fn is not None else None
         if raw is None:
-            return None, None
-        if raw.ndim != 2 or raw.dtype not in _FUSED_DTYPES or raw.stride(-1) != 1:
-            return None, raw.float()  # == compute_logits(h) when compute_logits_raw is not None
+            return None
         from xlaserve.kernels_cuda.sampling import greedy_argmax_packed
 
-        return greedy_argmax_packed(raw), None
+        return greedy_argmax_packed(raw)
 
     def _sample_deferred(
         self,
         order: list[tuple[str, int]],
         sample_b: list[int],
-        tokens_t: torch.Tensor,
+        flat: torch.Tensor,
         logits: torch.Tensor | None,
-        suspect_t: torch.Tensor | None,
         launched: _Launched,
-        packed: torch.Tensor | None = None,
     ) -> None:
-        """Sampling without waiting: tokens [R] (device) and non-finite flags go to pinned host
-        memory in the background; each sampling request gets a PENDING token (row r of the
-        tokens), which the next launch can feed on the device and `finish` fills in.
-        packed: the fused greedy kernel's [tokens; exact flags] (then logits and suspect_t are
-        None: nothing to re-check)."""
+        """Sampling without waiting: flat = [tokens; non-finite flags] (int64 [2R], device) goes
+        to pinned host memory in the background; each sampling request gets a PENDING token (row
+        r of the tokens), which the next launch can feed on the device and `finish` fills in.
+        The flags are exact when logits is None (the fused greedy kernel), else suspects that
+        `finish` re-checks against logits [R, V]."""
         self.num_deferred_steps += 1
-        if packed is not None:
-            flat = packed
-        else:
-            flat = torch.cat([tokens_t, suspect_t.to(tokens_t.dtype)])
         if flat.is_cuda:
             if self._token_ring is None:  # 4 slots: at most 2 launches are unread at once
                 r = self.config.scheduler.max_num_seqs  # rows: one per request (no drafts)
@@ -767,7 +747,7 @@ class TorchModelRunner:
         else:
             host = flat
         launched.host, launched.logits, launched.num_rows = host, logits, len(sample_b)
-        self._last_argmax = tokens_t
+        self._last_argmax = flat[: len(sample_b)]
         for row, b in enumerate(sample_b):  # one row per request (no drafts on this path)
             rid = order[b][0]
             st = self.requests[rid]
