@@ -682,6 +682,34 @@ _DECODE_LARGE_CONFIGS = [
 _DECODE_LARGE_CALLS = 8
 
 
+def _attention_tile_row(
+    row: dict[str, Any],
+    kind: str,
+    cfg: dict[str, int],
+    call: Callable[[], torch.Tensor],
+    ref: torch.Tensor | None,
+    iters: int,
+    rate_key: str,
+    amount_per_ms: float,
+) -> dict[str, Any]:
+    """Time `call` with ATTENTION_CONFIGS[kind][128] = cfg (restored after): row["ms"] per call
+    in a CUDA graph of _DECODE_LARGE_CALLS calls, row[rate_key] = amount_per_ms / ms, and
+    row["max_abs_err"] against ref when given."""
+    from xlaserve.kernels_cuda import paged_attention as pa
+
+    saved = pa.ATTENTION_CONFIGS[kind][128]
+    pa.ATTENTION_CONFIGS[kind][128] = cfg
+    try:
+        _timed_row(row, "ms", [call] * _DECODE_LARGE_CALLS, iters)
+        if "ms" in row:
+            row[rate_key] = amount_per_ms / row["ms"]
+            if ref is not None:
+                row["max_abs_err"] = (call().float() - ref).abs().max().item()
+    finally:
+        pa.ATTENTION_CONFIGS[kind][128] = saved
+    return row
+
+
 def bench_decode_large(dtype: torch.dtype, iters: int, check: bool) -> list[dict[str, Any]]:
     """Decode attention as the offline benchmark's steps see it: Llama-8B heads (32 q / 8 kv, D
     128, page 16), B sequences of one query with context lengths drawn from [257, 512] (a 256 /
@@ -716,39 +744,29 @@ def bench_decode_large(dtype: torch.dtype, iters: int, check: bool) -> list[dict
                 d**-0.5)  # fmt: skip
         kv_bytes = sum(lens) * hkv * d * 2 * kc.element_size()
         ref = unified_attention_ref(*args).float() if check else None
+        call = functools.partial(unified_attention, *args, num_kv_splits=1)
         out = []
         for bn, w, st in cfgs:
             row: dict[str, Any] = {"kernel": "decode_large", "B": b, "pages": pages,
                                    "BLOCK_N": bn, "num_warps": w, "num_stages": st,
                                    "mean_ctx": sum(lens) / b}  # fmt: skip
-            pa.ATTENTION_CONFIGS["decode"][128] = dict(default, BLOCK_N=bn, num_warps=w,
-                                                       num_stages=st)  # fmt: skip
-            call = functools.partial(unified_attention, *args, num_kv_splits=1)
-            _timed_row(row, "ms", [call] * _DECODE_LARGE_CALLS, iters)
-            if "ms" in row:
-                row["kv_GBps"] = kv_bytes / row["ms"] / 1e6
-                if check:
-                    row["max_abs_err"] = (call().float() - ref).abs().max().item()
-            out.append(row)
-        pa.ATTENTION_CONFIGS["decode"][128] = dict(default)
+            cfg = dict(default, BLOCK_N=bn, num_warps=w, num_stages=st)
+            out.append(_attention_tile_row(row, "decode", cfg, call, ref, iters, "kv_GBps",
+                                           kv_bytes / 1e6))  # fmt: skip
         del kc, vc
         return out
 
-    try:
-        cur = (default["BLOCK_N"], default["num_warps"], default["num_stages"])
-        r256 = case(256, "contiguous", _DECODE_LARGE_CONFIGS)
-        rows += r256
-        ok = [r for r in r256 if "ms" in r]
-        best = min(ok, key=lambda r: r["ms"]) if ok else None
-        rows.append({"kernel": "decode_large_best", "B": 256, "default": list(cur),
-                     "best": best})  # fmt: skip
-        more = [cur] + ([] if best is None else
-                        [(best["BLOCK_N"], best["num_warps"], best["num_stages"])])  # fmt: skip
-        more = list(dict.fromkeys(more))
-        rows += case(256, "random", more)
-        rows += case(1024, "contiguous", more)
-    finally:
-        pa.ATTENTION_CONFIGS["decode"][128] = default
+    cur = (default["BLOCK_N"], default["num_warps"], default["num_stages"])
+    r256 = case(256, "contiguous", _DECODE_LARGE_CONFIGS)
+    rows += r256
+    ok = [r for r in r256 if "ms" in r]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    rows.append({"kernel": "decode_large_best", "B": 256, "default": list(cur), "best": best})
+    more = [cur] + ([] if best is None else
+                    [(best["BLOCK_N"], best["num_warps"], best["num_stages"])])  # fmt: skip
+    more = list(dict.fromkeys(more))
+    rows += case(256, "random", more)
+    rows += case(1024, "contiguous", more)
     return rows
 
 
@@ -771,39 +789,30 @@ def bench_prefill_short(dtype: torch.dtype, iters: int, check: bool) -> list[dic
     hq, hkv, d, page = 32, 8, 128, 16
     default = dict(pa.ATTENTION_CONFIGS["prefill"][128])
     rows: list[dict[str, Any]] = []
-    try:
-        for b, length in ((32, 256), (4, 2048)):
-            nb = -(-length // page)
-            t = b * length
-            q = torch.randn(t, hq, d, device=dev, dtype=dtype)
-            kc = torch.randn(b * nb, page, hkv, d, device=dev, dtype=dtype)
-            vc = torch.randn_like(kc)
-            bt = torch.arange(b * nb, dtype=torch.int32, device=dev).reshape(b, nb)
-            qsl = torch.arange(0, t + 1, length, dtype=torch.int32, device=dev)
-            sl = torch.full((b,), length, dtype=torch.int32, device=dev)
-            args = (q, kc, vc, None, qsl, sl, bt, length, length, d**-0.5)
-            flops = b * length * (length + 1) / 2 * hq * d * 4
-            ref = unified_attention_ref(*args).float() if check else None
-            for bm, bn, w, st in _PREFILL_SHORT_CONFIGS:
-                row: dict[str, Any] = {"kernel": "prefill_short", "B": b, "len": length,
-                                       "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w,
-                                       "num_stages": st}  # fmt: skip
-                pa.ATTENTION_CONFIGS["prefill"][128] = dict(
-                    BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st
-                )
-                call = functools.partial(unified_attention, *args)
-                _timed_row(row, "ms", [call] * _DECODE_LARGE_CALLS, iters)
-                if "ms" in row:
-                    row["TFLOPs"] = flops / row["ms"] / 1e9
-                    if check:
-                        row["max_abs_err"] = (call().float() - ref).abs().max().item()
-                rows.append(row)
-            ok = [r for r in rows if r.get("B") == b and "ms" in r]
-            rows.append({"kernel": "prefill_short_best", "B": b, "default": default,
-                         "best": min(ok, key=lambda r: r["ms"]) if ok else None})  # fmt: skip
-            del kc, vc
-    finally:
-        pa.ATTENTION_CONFIGS["prefill"][128] = default
+    for b, length in ((32, 256), (4, 2048)):
+        nb = -(-length // page)
+        t = b * length
+        q = torch.randn(t, hq, d, device=dev, dtype=dtype)
+        kc = torch.randn(b * nb, page, hkv, d, device=dev, dtype=dtype)
+        vc = torch.randn_like(kc)
+        bt = torch.arange(b * nb, dtype=torch.int32, device=dev).reshape(b, nb)
+        qsl = torch.arange(0, t + 1, length, dtype=torch.int32, device=dev)
+        sl = torch.full((b,), length, dtype=torch.int32, device=dev)
+        args = (q, kc, vc, None, qsl, sl, bt, length, length, d**-0.5)
+        flops = b * length * (length + 1) / 2 * hq * d * 4
+        ref = unified_attention_ref(*args).float() if check else None
+        call = functools.partial(unified_attention, *args)
+        for bm, bn, w, st in _PREFILL_SHORT_CONFIGS:
+            row: dict[str, Any] = {"kernel": "prefill_short", "B": b, "len": length,
+                                   "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w,
+                                   "num_stages": st}  # fmt: skip
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+            rows.append(_attention_tile_row(row, "prefill", cfg, call, ref, iters, "TFLOPs",
+                                            flops / 1e9))  # fmt: skip
+        ok = [r for r in rows if r.get("B") == b and "ms" in r]
+        rows.append({"kernel": "prefill_short_best", "B": b, "default": default,
+                     "best": min(ok, key=lambda r: r["ms"]) if ok else None})  # fmt: skip
+        del kc, vc
     return rows
 
 
