@@ -547,6 +547,18 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def kernel_rows(prof: Any, reps: int, width: int) -> list[tuple[float, float, str]]:
+    """(GPU us per rep, calls per rep, kernel name[:width]) per kernel of a torch.profiler run
+    over `reps` repetitions, largest first."""
+    rows = []
+    for e in prof.key_averages():
+        t_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t_us:
+            rows.append((t_us / reps, e.count / reps, e.key[:width]))
+    rows.sort(reverse=True)
+    return rows
+
+
 def _kernel_profile(llm: Any, buckets: tuple[int, ...] = (1, 256), top: int = 12) -> dict[str, Any]:
     """Per-kernel GPU time inside one decode graph replay (torch.profiler, CUPTI), top kernels."""
     import torch
@@ -565,12 +577,7 @@ def _kernel_profile(llm: Any, buckets: tuple[int, ...] = (1, 256), top: int = 12
             for _ in range(reps):
                 g.replay()
             torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            t_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if t_us:
-                rows.append((t_us / reps, e.count // reps, e.key[:90]))
-        rows.sort(reverse=True)
+        rows = [(u, int(c), k) for u, c, k in kernel_rows(prof, reps, 90)]
         out[str(b)] = {
             "total_us": sum(r[0] for r in rows),
             "kernels": len(rows),

@@ -31,17 +31,6 @@ PROFILED_STEPS = 8
 FIRST_PROFILED_DECODE = 128
 
 
-def _kernel_rows(prof: Any, steps: int) -> list[tuple[float, float, str]]:
-    """(GPU us per step, calls per step, kernel name) per kernel, largest first."""
-    rows = []
-    for e in prof.key_averages():
-        t_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t_us:
-            rows.append((t_us / steps, e.count / steps, e.key[:100]))
-    rows.sort(reverse=True)
-    return rows
-
-
 def main() -> None:
     from xlaserve import LLM
 
@@ -92,7 +81,7 @@ def main() -> None:
     res["offline_256_256"] = r
     prof = state["prof"]
     if prof is not None and "wall" in state:
-        rows = _kernel_rows(prof, PROFILED_STEPS)
+        rows = gb.kernel_rows(prof, PROFILED_STEPS, 100)
         res["profile"] = {
             "steps": PROFILED_STEPS,
             "batch": state["batch"],
@@ -104,7 +93,7 @@ def main() -> None:
         }
     pprof = state.get("pprof")
     if pprof is not None and "pwall" in state:
-        rows = _kernel_rows(pprof, 2)
+        rows = gb.kernel_rows(pprof, 2, 100)
         res["prefill_profile"] = {
             "steps": 2,
             "tokens_per_step": tokens,
