@@ -1,0 +1,252 @@
+"""Per-step profile of decode: wall time against device time, split into the engine's parts.
+
+For each backend (each in its own subprocess) and each batch size: B requests of 128 random prompt
+tokens are prefilled, then `--steps` decode steps are timed. Per step:
+
+- ``wall_ms``: `LLMEngine.step()` wall time (median over the timed steps);
+- ``host_ms``: inclusive wall time of the engine's and the runner's parts, found by name (a part
+  missing in this version of the code is left out): scheduling, the runner's state update, input
+  preparation, host -> device puts, forward dispatch, sampling-tensor building, waits for device
+  results (`jax.device_get` / `.tolist()`), output processing;
+- ``device_ms`` (XLA): time of each compiled program on the device, read from a `jax.profiler`
+  trace of the timed steps ("XLA Modules" lines of the GPU / TPU planes), summed by program name
+  (forward, sampler, ...); ``device_busy_ms`` is their sum per step.
+
+The step is host-bound where wall_ms is well above device_busy_ms.
+
+Run on a GPU: ``python -m xlaserve.bench.step_profile --output-json out.json``; on a CPU with
+``--tiny`` (an 8B-shaped config with tiny sizes) to smoke-test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from xlaserve.bench.gpu_bench import LLAMA_8B, TINY, write_model_dir
+
+# (owner attribute path from the engine, method name, label). Inclusive times; nested parts are
+# reported as they are (e.g. "runner.prepare" is inside "runner.launch").
+_PARTS: list[tuple[str, str, str]] = [
+    ("scheduler", "schedule", "schedule"),
+    ("scheduler", "update_from_output", "scheduler.update"),
+    ("", "_process", "engine.process"),
+    ("runner", "launch", "runner.launch"),
+    ("runner", "finish", "runner.finish"),
+    ("runner", "execute", "runner.execute"),
+    ("runner", "_update_states", "runner.update_states"),
+    ("runner", "_prepare", "runner.prepare"),
+    ("runner", "_device_inputs", "runner.device_inputs"),
+    ("runner", "_forward", "runner.forward_dispatch"),
+    ("runner", "_sampling_tensors", "runner.sampling_tensors"),
+    ("runner", "_emit", "runner.emit"),
+]
+
+
+class _Timers:
+    """Accumulates inclusive wall time per label while `on` is set."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = collections.defaultdict(float)
+        self.count: dict[str, int] = collections.defaultdict(int)
+        self.on = False
+
+    def wrap(self, fn: Callable, label: str) -> Callable:
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:  # noqa: ANN401
+            if not self.on:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total[label] += time.perf_counter() - t0
+                self.count[label] += 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.total.clear()
+        self.count.clear()
+
+
+def _instrument(engine: Any, timers: _Timers, backend: str) -> list[str]:  # noqa: ANN401
+    found = []
+    for owner_path, name, label in _PARTS:
+        owner = getattr(engine, owner_path) if owner_path else engine
+        fn = getattr(owner, name, None)
+        if callable(fn):
+            setattr(owner, name, timers.wrap(fn, label))
+            found.append(label)
+    if backend == "xla":
+        import jax
+
+        jax.device_get = timers.wrap(jax.device_get, "wait.device_get")
+        found.append("wait.device_get")
+    return found
+
+
+def _device_modules(trace_dir: str) -> dict[str, float]:
+    """Summed duration (ms) per XLA module name on the accelerator planes of a jax trace."""
+    from jax.profiler import ProfileData
+
+    out: dict[str, float] = collections.defaultdict(float)
+    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+        data = ProfileData.from_file(path)
+        for plane in data.planes:
+            if not any(k in plane.name for k in ("GPU", "TPU")):
+                continue
+            for line in plane.lines:
+                if line.name != "XLA Modules":
+                    continue
+                for ev in line.events:
+                    # "jit_forward(12345)" -> "jit_forward"
+                    out[ev.name.split("(")[0]] += ev.duration_ns / 1e6
+    return dict(out)
+
+
+def stage(args: argparse.Namespace) -> dict[str, Any]:
+    """One backend: prefill B prompts, time `steps` decode steps per batch size."""
+    import numpy as np
+
+    from xlaserve import LLM, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    kw: dict[str, Any] = {
+        "model": args.model_dir,
+        "backend": args.backend,
+        "load_format": "dummy",
+        "dtype": "bfloat16" if not args.tiny else "float32",
+        "max_model_len": 2048,
+        "max_num_seqs": max(batches),
+    }
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    result: dict[str, Any] = {"backend": args.backend, "init_s": time.perf_counter() - t0}
+    engine = llm.llm_engine
+    timers = _Timers()
+    result["parts"] = _instrument(engine, timers, args.backend)
+    vocab = TINY["vocab_size"] if args.tiny else LLAMA_8B["vocab_size"]
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=2048 - args.prompt_len - 1, ignore_eos=True)
+    for b in batches:
+        ids = []
+        for _ in range(b):
+            rid = engine.new_request_id()
+            prompt = rng.integers(2, vocab, size=args.prompt_len).tolist()
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            ids.append(rid)
+        # Prefill (chunked) until every request has decoded a few tokens.
+        sched = engine.scheduler
+        for _ in range(10_000):
+            engine.step()
+            reqs = list(sched.requests.values())
+            if len(reqs) >= b and all(r.num_output_tokens >= 3 for r in reqs):
+                break
+        for _ in range(args.warmup):
+            engine.step()
+        trace_dir = tempfile.mkdtemp(prefix="xla_trace_") if args.backend == "xla" else None
+        walls = []
+        timers.reset()
+        timers.on = True
+        ctx = None
+        if trace_dir:
+            import jax
+
+            ctx = jax.profiler.trace(trace_dir)
+            ctx.__enter__()
+        try:
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                engine.step()
+                walls.append(time.perf_counter() - t)
+        finally:
+            timers.on = False
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        row: dict[str, Any] = {
+            "batch": b,
+            "steps": args.steps,
+            "wall_ms_median": 1e3 * statistics.median(walls),
+            "wall_ms_mean": 1e3 * statistics.mean(walls),
+            "tok_s": b / statistics.median(walls),
+            "host_ms": {k: 1e3 * v / args.steps for k, v in sorted(timers.total.items())},
+            "calls_per_step": {k: v / args.steps for k, v in sorted(timers.count.items())},
+        }
+        if trace_dir:
+            mods = _device_modules(trace_dir)
+            row["device_ms"] = {k: v / args.steps for k, v in sorted(mods.items())}
+            row["device_busy_ms"] = sum(row["device_ms"].values())
+        result[f"batch{b}"] = row
+        engine.abort_request(ids)
+        for _ in range(4):  # let aborts reach the runner
+            engine.step()
+        print(json.dumps(row, indent=1), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backends", default="xla,torch")
+    p.add_argument("--batches", default="1,256")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--output-json", default="")
+    p.add_argument("--timeout", type=int, default=600)
+    # internal: one backend's stage
+    p.add_argument("--backend", default="")
+    p.add_argument("--model-dir", default="")
+    p.add_argument("--stage-out", default="")
+    args = p.parse_args(argv)
+    if args.backend:
+        res = stage(args)
+        with open(args.stage_out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    model_dir = write_model_dir(
+        tempfile.mkdtemp(prefix="xls_prof_"), num_layers=args.num_layers, tiny=args.tiny
+    )
+    results: dict[str, Any] = {"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M")}
+    for backend in args.backends.split(","):
+        out = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, "-m", "xlaserve.bench.step_profile", "--backend", backend]
+        cmd += ["--model-dir", model_dir, "--stage-out", out, "--batches", args.batches]
+        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += ["--prompt-len", str(args.prompt_len)]
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.tiny:
+            cmd.append("--tiny")
+        try:
+            rc = subprocess.run(cmd, timeout=args.timeout).returncode
+            if rc == 0:
+                with open(out) as f:
+                    results[backend] = json.load(f)
+            else:
+                results[backend] = {"error": f"exit {rc}"}
+        except subprocess.TimeoutExpired:
+            results[backend] = {"error": "timeout"}
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
