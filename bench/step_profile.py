@@ -81,7 +81,12 @@ class _Timers:
         self.count.clear()
 
 
-def _instrument(engine: Any, timers: _Timers, backend: str) -> list[str]:  # noqa: ANN401
+def _instrument(
+    engine: Any,
+    timers: _Timers,
+    backend: str,
+    sync_programs: bool = False,  # noqa: ANN401
+) -> list[str]:
     found = []
     for owner_path, name, label in _PARTS:
         owner = getattr(engine, owner_path) if owner_path else engine
@@ -94,17 +99,45 @@ def _instrument(engine: Any, timers: _Timers, backend: str) -> list[str]:  # noq
 
         jax.device_get = timers.wrap(jax.device_get, "wait.device_get")
         found.append("wait.device_get")
+        if sync_programs:  # each compiled program waited for: dispatch + device time
+            found += _sync_programs(engine.runner, timers)
     return found
 
 
-def _device_modules(trace_dir: str) -> dict[str, float]:
-    """Summed duration (ms) per XLA module name on the accelerator planes of a jax trace."""
+def _sync_programs(runner: Any, timers: _Timers) -> list[str]:  # noqa: ANN401
+    """Wrap the XLA runner's program lookup (`_program(kind, n)`, wherever the runner keeps it)
+    so that each call blocks until its results are ready and is timed as "program.<kind>"."""
+    import jax
+
+    owner = next(
+        (o for o in (runner, getattr(runner, "programs", None)) if hasattr(o, "_program")), None
+    )
+    if owner is None:
+        return []
+    lookup = owner._program
+
+    def program(kind: str, n: int, *a: Any, **k: Any) -> Any:  # noqa: ANN401
+        prog = lookup(kind, n, *a, **k)
+
+        def call(*args: Any, **kw: Any) -> Any:  # noqa: ANN401
+            return jax.block_until_ready(prog(*args, **kw))
+
+        return timers.wrap(call, f"program.{kind}")
+
+    owner._program = program
+    return ["program.*"]
+
+
+def _device_modules(trace_dir: str, seen: list[str]) -> dict[str, float]:
+    """Summed duration (ms) per XLA module name on the accelerator planes of a jax trace; the
+    plane / line names found go to `seen` (a trace without device planes has no device timer)."""
     from jax.profiler import ProfileData
 
     out: dict[str, float] = collections.defaultdict(float)
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         data = ProfileData.from_file(path)
         for plane in data.planes:
+            seen.append(f"{plane.name}: {[ln.name for ln in plane.lines][:6]}")
             if not any(k in plane.name for k in ("GPU", "TPU")):
                 continue
             for line in plane.lines:
@@ -138,7 +171,7 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"backend": args.backend, "init_s": time.perf_counter() - t0}
     engine = llm.llm_engine
     timers = _Timers()
-    result["parts"] = _instrument(engine, timers, args.backend)
+    result["parts"] = _instrument(engine, timers, args.backend, args.sync_programs)
     vocab = TINY["vocab_size"] if args.tiny else LLAMA_8B["vocab_size"]
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=2048 - args.prompt_len - 1, ignore_eos=True)
@@ -187,7 +220,9 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
             "calls_per_step": {k: v / args.steps for k, v in sorted(timers.count.items())},
         }
         if trace_dir:
-            mods = _device_modules(trace_dir)
+            seen: list[str] = []
+            mods = _device_modules(trace_dir, seen)
+            row["trace_planes"] = seen
             row["device_ms"] = {k: v / args.steps for k, v in sorted(mods.items())}
             row["device_busy_ms"] = sum(row["device_ms"].values())
         result[f"batch{b}"] = row
@@ -208,6 +243,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=32)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument(
+        "--sync-programs",
+        action="store_true",
+        help="XLA: block on each compiled program (its time = dispatch + device; no overlap)",
+    )
     p.add_argument("--output-json", default="")
     p.add_argument("--timeout", type=int, default=600)
     # internal: one backend's stage
@@ -233,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.tiny:
             cmd.append("--tiny")
+        if args.sync_programs:
+            cmd.append("--sync-programs")
         try:
             rc = subprocess.run(cmd, timeout=args.timeout).returncode
             if rc == 0:
