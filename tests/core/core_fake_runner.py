@@ -3,8 +3,12 @@
 It keeps per-request state from SchedulerOutput exactly as a real runner must (persistent batch,
 new/cached requests, finished ids) and asserts the contract on every step: the state it holds
 matches what the scheduler says, the block table covers every scheduled position, and every
-position a step attends to holds the right token in the (simulated) KV cache. A prefix-cache hit
-on a wrong block, a block handed to two requests, or a lost block-table update fails loudly.
+position a step attends to holds the right KV in the (simulated) cache. A prefix-cache hit on a
+wrong block, a block handed to two requests, or a lost block-table update fails loudly.
+
+The simulated KV of position p is the whole prefix tokens[: p + 1], as a real model's K/V at p
+depends on every token before it (causal attention): a block holding the right token ids but
+computed after a different prefix (an unchained prefix-cache hash) is wrong KV, and is caught.
 """
 
 from __future__ import annotations
@@ -58,8 +62,10 @@ class FakeRunner:
     state: dict[str, _ReqState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # kv[block][slot] = token id whose "KV" is stored there.
-        self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(self.num_blocks)]
+        # kv[block][slot] = the prefix (tokens[: p + 1]) whose "KV" at position p is stored there.
+        self.kv: list[list[tuple[int, ...] | None]] = [
+            [None] * self.block_size for _ in range(self.num_blocks)
+        ]
 
     def _slot(self, st: _ReqState, pos: int) -> tuple[int, int]:
         return st.block_ids[pos // self.block_size], pos % self.block_size
@@ -93,12 +99,12 @@ class FakeRunner:
             assert n > 0 and c + n <= len(seq)
             assert not drafts or c + n == len(seq), "drafts scheduled but not all positions"
             assert len(st.block_ids) * self.block_size >= c + n, "block table too short"
-            for pos in range(c):  # attended KV must hold this request's tokens
+            for pos in range(c):  # attended KV must be that of this request's prefix
                 b, s = self._slot(st, pos)
-                assert self.kv[b][s] == seq[pos], f"{rid}: wrong KV at position {pos}"
+                assert self.kv[b][s] == tuple(seq[: pos + 1]), f"{rid}: wrong KV at position {pos}"
             for pos in range(c, c + n):
                 b, s = self._slot(st, pos)
-                self.kv[b][s] = seq[pos]
+                self.kv[b][s] = tuple(seq[: pos + 1])
             if c + n < len(st.tokens):  # partial prefill chunk
                 st.num_computed = c + n
                 out.sampled_token_ids[rid] = []
@@ -122,3 +128,4 @@ def step(sched: Scheduler, runner: FakeRunner):  # noqa: ANN201
     ro = runner.execute(so)
     results = sched.update_from_output(so, ro)
     return so, {req.request_id: toks for req, toks in results}
+
