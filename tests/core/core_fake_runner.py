@@ -129,3 +129,59 @@ def step(sched: Scheduler, runner: FakeRunner):  # noqa: ANN201
     results = sched.update_from_output(so, ro)
     return so, {req.request_id: toks for req, toks in results}
 
+
+class ThreadedFakeRunner:
+    """A ModelRunner (the `xlaserve.runner` protocol) over FakeRunner whose steps really overlap
+    the engine: `launch` queues the step on a worker thread (the "device", one step at a time,
+    in launch order) that sleeps `LAUNCH_DELAY_S` and then runs it; `finish` waits for it. So the
+    engine schedules and launches step N+1 while step N is still running, as on a GPU or TPU,
+    and the worker reads each SchedulerOutput only when it runs the step.
+
+    Tokens are `mix_token` of the sequence (ids 1..97: any tokenizer of >= 98 ids decodes them);
+    register it with `register_backend(name, "core_fake_runner:ThreadedFakeRunner")`.
+    """
+
+    LAUNCH_DELAY_S = 0.005
+    async_by_default = True
+
+    def __init__(self, config, spec) -> None:  # noqa: ANN001 - EngineConfig, ModelSpec
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.config = config
+        self.fake: FakeRunner | None = None
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
+        self._last = None  # the newest launched step's future
+        self.num_launches = 0
+        # Launches issued while the previous step was still running on the worker.
+        self.num_overlapped_launches = 0
+
+    def load_model(self) -> None:
+        pass
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.config.cache.num_kv_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.fake = FakeRunner(num_blocks, self.config.cache.block_size)
+
+    def _run(self, so: SchedulerOutput) -> RunnerOutput:
+        import time
+
+        time.sleep(self.LAUNCH_DELAY_S)
+        return self.fake.execute(so)
+
+    def launch(self, so: SchedulerOutput):  # noqa: ANN201 - a Future of the RunnerOutput
+        if self._last is not None and not self._last.done():
+            self.num_overlapped_launches += 1
+        self.num_launches += 1
+        self._last = self._device.submit(self._run, so)
+        return self._last
+
+    def finish(self, handle) -> RunnerOutput:  # noqa: ANN001
+        return handle.result(timeout=60)  # a failed check on the worker raises here
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        return self.finish(self.launch(so))
+
+    def shutdown(self) -> None:
+        self._device.shutdown(wait=True)
