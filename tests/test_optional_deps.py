@@ -54,5 +54,3 @@ def test_broken_jax_fails_xla_backend_detection(tmp_path) -> None:  # noqa: ANN0
     (fake / "__init__.py").write_text("raise ImportError('jaxlib version mismatch')\n")
     out = _run("import optional_deps; print(optional_deps.backend_available('xla'))", str(tmp_path))
     assert out.returncode != 0 and "jaxlib version mismatch" in out.stderr
-    out = _run("import optional_deps; print(optional_deps.backend_available('torch'))", "")
-    assert out.returncode == 0 and out.stdout.strip() == "True"

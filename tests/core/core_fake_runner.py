@@ -13,7 +13,9 @@ computed after a different prefix (an unchained prefix-cache hash) is wrong KV, 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from xlaserve.core.scheduler import Scheduler
@@ -145,12 +147,10 @@ class ThreadedFakeRunner:
     async_by_default = True
 
     def __init__(self, config, spec) -> None:  # noqa: ANN001 - EngineConfig, ModelSpec
-        from concurrent.futures import ThreadPoolExecutor
-
         self.config = config
         self.fake: FakeRunner | None = None
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
-        self._last = None  # the newest launched step's future
+        self._last: Future | None = None  # the newest launched step
         self.num_launches = 0
         # Launches issued while the previous step was still running on the worker.
         self.num_overlapped_launches = 0
@@ -165,19 +165,17 @@ class ThreadedFakeRunner:
         self.fake = FakeRunner(num_blocks, self.config.cache.block_size)
 
     def _run(self, so: SchedulerOutput) -> RunnerOutput:
-        import time
-
         time.sleep(self.LAUNCH_DELAY_S)
         return self.fake.execute(so)
 
-    def launch(self, so: SchedulerOutput):  # noqa: ANN201 - a Future of the RunnerOutput
+    def launch(self, so: SchedulerOutput) -> Future:
         if self._last is not None and not self._last.done():
             self.num_overlapped_launches += 1
         self.num_launches += 1
         self._last = self._device.submit(self._run, so)
         return self._last
 
-    def finish(self, handle) -> RunnerOutput:  # noqa: ANN001
+    def finish(self, handle: Future) -> RunnerOutput:
         return handle.result(timeout=60)  # a failed check on the worker raises here
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
