@@ -24,12 +24,13 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 
 def _has_cuda() -> bool:
-    try:
-        import torch
+    from optional_deps import is_installed
 
-        return torch.cuda.is_available()
-    except ImportError:
+    if not is_installed("torch"):
         return False
+    import torch  # installed but broken: fail loudly rather than skip every GPU test
+
+    return torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

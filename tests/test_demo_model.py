@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from optional_deps import import_or_skip
 
 from xlaserve.demo import (
     DEMO_DRAFT_DIR,
@@ -22,8 +23,8 @@ from xlaserve.demo import (
     demo_model_path,
 )
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = import_or_skip("torch")
+transformers = import_or_skip("transformers")
 
 DIRS = {"main": DEMO_MODEL_DIR, "draft": DEMO_DRAFT_DIR}
 HF_FILES = [

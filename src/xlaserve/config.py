@@ -328,7 +328,10 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        from xlaserve.runner import registered_backends  # no torch/jax: names only
+
+        names = tuple(dict.fromkeys(BACKENDS + registered_backends()))
+        _check(self.backend in names, f"backend must be one of {names}, got {self.backend!r}")
         sc = self.scheduler
         if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:
             from xlaserve.platforms import current_platform

@@ -153,8 +153,14 @@ _BACKENDS: dict[str, str] = {
 
 
 def register_backend(name: str, target: str) -> None:
-    """Register a backend as "package.module:ClassName" (imported lazily)."""
+    """Register a backend as "package.module:ClassName" (imported lazily); EngineConfig then
+    accepts `backend=name`."""
     _BACKENDS[name] = target
+
+
+def registered_backends() -> tuple[str, ...]:
+    """Names `get_runner_class` knows: the built-in "torch" and "xla", then registered ones."""
+    return tuple(_BACKENDS)
 
 
 def get_runner_class(name: str) -> type:

@@ -70,6 +70,15 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
+    """Stop strings (`stop`): checked after every generated token (also with speculative
+    decoding, where one step appends several). Among the stop strings found complete in the text
+    at that point, the one that STARTS EARLIEST in the text wins, whatever the list order; on a
+    tie (same start, e.g. "the" and "there" completed by one token) the first listed wins. The
+    text is cut before the winner (after it with `include_stop_str_in_output`) and the winner is
+    the output's `stop_reason`. A stop string completed by an earlier token always wins over one
+    completed later. (vLLM takes the first LISTED stop string found in the newly added text; the
+    two differ only when one token completes several stop strings.)"""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0

@@ -4,9 +4,9 @@ prefill + decode steps and padded batches."""
 
 from __future__ import annotations
 
-import pytest
+from optional_deps import import_or_skip
 
-pytest.importorskip("jax")
+import_or_skip("jax")
 
 
 def _generate(impl: str, model_dir: str, monkeypatch) -> list[list[int]]:  # noqa: ANN001

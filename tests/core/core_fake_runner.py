@@ -3,13 +3,19 @@
 It keeps per-request state from SchedulerOutput exactly as a real runner must (persistent batch,
 new/cached requests, finished ids) and asserts the contract on every step: the state it holds
 matches what the scheduler says, the block table covers every scheduled position, and every
-position a step attends to holds the right token in the (simulated) KV cache. A prefix-cache hit
-on a wrong block, a block handed to two requests, or a lost block-table update fails loudly.
+position a step attends to holds the right KV in the (simulated) cache. A prefix-cache hit on a
+wrong block, a block handed to two requests, or a lost block-table update fails loudly.
+
+The simulated KV of position p is the whole prefix tokens[: p + 1], as a real model's K/V at p
+depends on every token before it (causal attention): a block holding the right token ids but
+computed after a different prefix (an unchained prefix-cache hash) is wrong KV, and is caught.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from xlaserve.core.scheduler import Scheduler
@@ -58,8 +64,10 @@ class FakeRunner:
     state: dict[str, _ReqState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # kv[block][slot] = token id whose "KV" is stored there.
-        self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(self.num_blocks)]
+        # kv[block][slot] = the prefix (tokens[: p + 1]) whose "KV" at position p is stored there.
+        self.kv: list[list[tuple[int, ...] | None]] = [
+            [None] * self.block_size for _ in range(self.num_blocks)
+        ]
 
     def _slot(self, st: _ReqState, pos: int) -> tuple[int, int]:
         return st.block_ids[pos // self.block_size], pos % self.block_size
@@ -93,12 +101,12 @@ class FakeRunner:
             assert n > 0 and c + n <= len(seq)
             assert not drafts or c + n == len(seq), "drafts scheduled but not all positions"
             assert len(st.block_ids) * self.block_size >= c + n, "block table too short"
-            for pos in range(c):  # attended KV must hold this request's tokens
+            for pos in range(c):  # attended KV must be that of this request's prefix
                 b, s = self._slot(st, pos)
-                assert self.kv[b][s] == seq[pos], f"{rid}: wrong KV at position {pos}"
+                assert self.kv[b][s] == tuple(seq[: pos + 1]), f"{rid}: wrong KV at position {pos}"
             for pos in range(c, c + n):
                 b, s = self._slot(st, pos)
-                self.kv[b][s] = seq[pos]
+                self.kv[b][s] = tuple(seq[: pos + 1])
             if c + n < len(st.tokens):  # partial prefill chunk
                 st.num_computed = c + n
                 out.sampled_token_ids[rid] = []
@@ -122,3 +130,56 @@ def step(sched: Scheduler, runner: FakeRunner):  # noqa: ANN201
     ro = runner.execute(so)
     results = sched.update_from_output(so, ro)
     return so, {req.request_id: toks for req, toks in results}
+
+
+class ThreadedFakeRunner:
+    """A ModelRunner (the `xlaserve.runner` protocol) over FakeRunner whose steps really overlap
+    the engine: `launch` queues the step on a worker thread (the "device", one step at a time,
+    in launch order) that sleeps `LAUNCH_DELAY_S` and then runs it; `finish` waits for it. So the
+    engine schedules and launches step N+1 while step N is still running, as on a GPU or TPU,
+    and the worker reads each SchedulerOutput only when it runs the step.
+
+    Tokens are `mix_token` of the sequence (ids 1..97: any tokenizer of >= 98 ids decodes them);
+    register it with `register_backend(name, "core_fake_runner:ThreadedFakeRunner")`.
+    """
+
+    LAUNCH_DELAY_S = 0.005
+    async_by_default = True
+
+    def __init__(self, config, spec) -> None:  # noqa: ANN001 - EngineConfig, ModelSpec
+        self.config = config
+        self.fake: FakeRunner | None = None
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-device")
+        self._last: Future | None = None  # the newest launched step
+        self.num_launches = 0
+        # Launches issued while the previous step was still running on the worker.
+        self.num_overlapped_launches = 0
+
+    def load_model(self) -> None:
+        pass
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.config.cache.num_kv_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.fake = FakeRunner(num_blocks, self.config.cache.block_size)
+
+    def _run(self, so: SchedulerOutput) -> RunnerOutput:
+        time.sleep(self.LAUNCH_DELAY_S)
+        return self.fake.execute(so)
+
+    def launch(self, so: SchedulerOutput) -> Future:
+        if self._last is not None and not self._last.done():
+            self.num_overlapped_launches += 1
+        self.num_launches += 1
+        self._last = self._device.submit(self._run, so)
+        return self._last
+
+    def finish(self, handle: Future) -> RunnerOutput:
+        return handle.result(timeout=60)  # a failed check on the worker raises here
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        return self.finish(self.launch(so))
+
+    def shutdown(self) -> None:
+        self._device.shutdown(wait=True)

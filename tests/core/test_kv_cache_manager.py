@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import random
+import subprocess
+import sys
+
 from xlaserve.core.kv_cache_manager import KVCacheManager, hash_block
 from xlaserve.core.request import Request
 from xlaserve.sampling_params import SamplingParams
@@ -23,9 +28,47 @@ def test_hash_block_chained_and_deterministic() -> None:
     h1 = hash_block(h0, (5, 6, 7, 8))
     assert h1 != hash_block(None, (5, 6, 7, 8))
     assert h1 != hash_block(h0 + 1, (5, 6, 7, 8))
-    # Stable across processes: a fixed value, not Python's salted hash().
-    assert hash_block(None, (1,)) == hash_block(None, (1,))
     assert isinstance(h0, int) and h0 >= 0
+
+
+# (parent, tokens, extra keys) cases for the cross-process check: ints, a salt string, a chain.
+_HASH_CASES = "[(None, (1, 2, 3, 4), ()), (None, (7,), ('tenant',)), (12345, (9, 9), ())]"
+
+
+def test_hash_block_is_stable_across_processes() -> None:
+    """The host/disk offload tier keys on block hashes, so they must not depend on the process:
+    two interpreters with different hash seeds (PYTHONHASHSEED salts str/bytes `hash()`) and
+    this one agree on every value."""
+    code = (
+        "from xlaserve.core.kv_cache_manager import hash_block\n"
+        f"print([hash_block(p, t, e) for p, t, e in {_HASH_CASES}])"
+    )
+    here = [hash_block(p, t, e) for p, t, e in eval(_HASH_CASES)]  # noqa: S307 - a literal
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert eval(out.stdout) == here, f"PYTHONHASHSEED={seed}"  # noqa: S307
+
+
+def test_hash_block_is_wide_and_collision_free() -> None:
+    """A collision serves another prompt's KV silently, so the hash must be wide (sha256, not a
+    32/64-bit `hash()`): values use more than 64 bits, and 50k near-identical blocks (one token
+    changed, chained on near-identical parents) never collide."""
+    rng = random.Random(0)
+    base = [rng.randrange(32000) for _ in range(16)]
+    seen: dict[int, tuple] = {}
+    parents = [None, hash_block(None, base)]
+    for i in range(50_000):
+        tokens = list(base)
+        tokens[i % 16] = i // 16
+        key = (parents[i % 2], tuple(tokens))
+        h = hash_block(*key)
+        assert seen.setdefault(h, key) == key, f"collision: {key} and {seen[h]}"
+    assert max(h.bit_length() for h in seen) > 64
+    assert len({h >> 192 for h in seen}) > 1000  # the top bits vary too (not a zero-padded int)
 
 
 def test_fresh_pool_is_in_id_order() -> None:

@@ -218,6 +218,57 @@ def test_preempted_request_resumes_from_its_cached_prefix() -> None:
     assert_idle(sched)
 
 
+def test_preempted_request_goes_back_to_the_front_of_the_waiting_queue() -> None:
+    """fcfs: a preempted request resumes before requests that arrived after it (no starvation)."""
+    sched, runner = make(num_blocks=5, budget=32, max_num_seqs=2, prefix=False, max_model_len=20)
+    a = req("a", prompt(1, 8), max_tokens=6, arrival=0.0)
+    b = req("b", prompt(50, 8), max_tokens=6, arrival=1.0)
+    c = req("c", prompt(70, 3), max_tokens=2, arrival=2.0)
+    d = req("d", prompt(80, 3), max_tokens=2, arrival=3.0)
+    for r in (a, b, c, d):
+        sched.add_request(r)
+    so, _ = step(sched, runner)  # a, b fill 4 of 5 blocks; c, d wait for a seat (max_num_seqs)
+    assert list(so.num_scheduled_tokens) == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c", "d"]
+    step(sched, runner)  # a takes the last block; b (the newest running) is preempted
+    assert b.status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in sched.waiting] == ["b", "c", "d"]
+    # The seat b left is not given to c: a step that preempts admits nobody, and b (9 tokens,
+    # 3 blocks) waits at the head until a frees its blocks; c and d queue behind it.
+    admitted = []
+    while sched.has_unfinished_requests():
+        so, _ = step(sched, runner)
+        admitted += [n.req_id for n in so.new_requests]
+    assert admitted == ["b", "c", "d"]
+    for r in (a, b, c, d):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.max_tokens)
+    assert_idle(sched)
+
+
+def test_prefix_hit_needs_the_whole_prefix_not_just_the_block() -> None:
+    """A = [X, U], C = [Z, T], then B = [X, T]: B may reuse X (same prefix) but not T, whose
+    KV was computed after Z. The fake runner's KV is the whole prefix, so reusing T is caught."""
+    sched, runner = make(num_blocks=32, budget=32)
+    x, u, z, t = prompt(1, BS), prompt(10, BS), prompt(20, BS), prompt(30, BS)
+    reqs = {
+        "A": req("A", x + u + [90], max_tokens=3),
+        "C": req("C", z + t + [91], max_tokens=3),
+        "B": req("B", x + t + [92], max_tokens=3),
+    }
+    hits = {}
+    for rid, r in reqs.items():  # one after another: every block stays cached
+        sched.add_request(r)
+        so, _ = step(sched, runner)
+        hits[rid] = so.new_requests[0].num_computed_tokens
+        while sched.has_unfinished_requests():
+            step(sched, runner)
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 3), rid
+    assert hits == {"A": 0, "C": 0, "B": BS}  # only X hits for B
+    assert reqs["B"].block_hashes[0] == reqs["A"].block_hashes[0]
+    assert reqs["B"].block_hashes[1] != reqs["C"].block_hashes[1]
+    assert_idle(sched)
+
+
 def test_priority_policy_order_and_victim() -> None:
     sched, runner = make(budget=100, max_num_seqs=1, policy="priority")
     sched.add_request(

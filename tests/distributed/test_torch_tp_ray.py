@@ -5,14 +5,14 @@ reason, when Ray is not installed."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
+from optional_deps import import_or_skip
 from test_torch_tp import _config, _greedy
 
 from xlaserve.engine.llm_engine import LLMEngine
 
 
 def test_ray_tp2_matches_tp1(tiny_model_dir) -> None:  # noqa: ANN001
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
+    ray = import_or_skip("ray")
     from xlaserve.backends_torch.distributed import parallel_state as ps
     from xlaserve.backends_torch.distributed.executor import RayExecutor
 

@@ -195,3 +195,83 @@ def test_async_matches_sync_on_cuda_graphs(tiny_model_dir) -> None:  # noqa: ANN
         llm.llm_engine.shutdown()
         torch.cuda.empty_cache()
     assert got["auto"] == got["off"]
+
+
+# ----- real overlap on the CPU: a runner whose steps finish on another thread, after a delay --
+
+
+def _overlap_llm(tiny_model_dir, **kw: object) -> LLM:  # noqa: ANN001
+    """An LLM whose runner is core_fake_runner.ThreadedFakeRunner (the tiny model's tokenizer
+    and config; no weights): launches really run ahead of the engine."""
+    from xlaserve.runner import register_backend
+
+    register_backend("threaded-fake", "core_fake_runner:ThreadedFakeRunner")
+    return LLM(
+        model=tiny_model_dir("llama"),
+        backend="threaded-fake",
+        async_scheduling="on",
+        **{**dict(block_size=4, max_model_len=64, max_num_seqs=8), **kw},
+    )
+
+
+def test_async_overlapping_launches_tokens_and_blocks(tiny_model_dir) -> None:  # noqa: ANN001
+    """Each step finishes on the worker thread while the engine schedules the next: every
+    request still gets exactly the unbatched reference tokens (the fake runner also checks every
+    block table and the KV of every attended position), through chunked prefill, preemption,
+    stop tokens and n=2, and every block comes back."""
+    import random
+
+    from core_fake_runner import reference_output
+
+    rng = random.Random(0)
+    prompts, params = [], []
+    for i in range(14):
+        p = [rng.randrange(1, 98) for _ in range(rng.randint(2, 20))]
+        stop = [rng.randrange(1, 98)] if i % 3 == 0 else None
+        prompts.append(p)
+        params.append(
+            SamplingParams(
+                temperature=0.0, max_tokens=rng.randint(1, 64 - len(p)), ignore_eos=True,
+                stop_token_ids=stop, n=2 if i % 5 == 0 else 1,
+            )
+        )  # fmt: skip
+    llm = _overlap_llm(tiny_model_dir, num_kv_blocks=24, max_num_batched_tokens=16)
+    eng: LLMEngine = llm.llm_engine
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, sp, o in zip(prompts, params, outs, strict=True):
+        want = reference_output(p, sp.max_tokens, set(sp.stop_token_ids))
+        assert [c.token_ids for c in o.outputs] == [want] * sp.n
+        reason = "stop" if want[-1] in sp.stop_token_ids else "length"
+        assert [c.finish_reason for c in o.outputs] == [reason] * sp.n
+    runner = eng.runner
+    assert runner.num_overlapped_launches > 20  # steps really ran while the next was launched
+    assert eng.num_overlapped_steps > 20 and eng.scheduler.num_preemptions_total > 0
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks == 24
+    assert not eng.scheduler.requests
+
+
+def test_async_overlapping_launches_abort_mid_flight(tiny_model_dir) -> None:  # noqa: ANN001
+    """Aborts (and an aborted id reused) while a step holding them runs on the worker."""
+    from core_fake_runner import reference_output
+
+    llm = _overlap_llm(tiny_model_dir, num_kv_blocks=40, max_num_batched_tokens=24)
+    eng: LLMEngine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = {f"r{i}": [10 * i + j + 1 for j in range(5 + i)] for i in range(5)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    for _ in range(6):
+        eng.step()
+    assert eng._inflight is not None  # a step holding r1 and r3 is launched, not read back
+    eng.abort_request(["r1", "r3"])
+    eng.add_request("r3", {"prompt_token_ids": prompts["r3"]}, sp)  # id reused mid-flight
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert sorted(done) == ["r0", "r2", "r3", "r4"]
+    for rid, toks in done.items():
+        assert toks == reference_output(prompts[rid], 30), rid
+    assert eng.runner.num_overlapped_launches > 10
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks

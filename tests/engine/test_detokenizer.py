@@ -62,6 +62,41 @@ def test_stop_string_included(tok: Tokenizer) -> None:
     assert d.output_text(finished=True) == "And God said"
 
 
+def _stop_at(tok: Tokenizer, text: str, stop: list[str], include: bool = False) -> tuple:
+    """(stop string matched, finished text) feeding `text`'s tokens one call at a time."""
+    d = IncrementalDetokenizer(tok, [], stop=stop, include_stop_str_in_output=include)
+    for i in tok.encode(text, add_special_tokens=False):
+        if d.add_tokens([i]):
+            break
+    return d.stop_reason, d.output_text(finished=True)
+
+
+def test_stop_precedence_earliest_in_text_not_first_listed(tok: Tokenizer) -> None:
+    """Two stop strings completed by the same token: the one starting earlier in the text wins,
+    whatever the list order (SamplingParams docstring)."""
+    text = "And God said, Let there be light"
+    for stop in (["there", "Let there"], ["Let there", "there"]):
+        assert _stop_at(tok, text, stop) == ("Let there", "And God said, ")
+        assert _stop_at(tok, text, stop, include=True) == ("Let there", "And God said, Let there")
+    # All tokens in one call (a multi-token step, e.g. speculative decoding): the same.
+    d = IncrementalDetokenizer(tok, [], stop=["there", "Let there"])
+    assert d.add_tokens(tok.encode(text, add_special_tokens=False)) == "Let there"
+    # A stop string completed by an earlier token wins even though a later one starts earlier.
+    assert _stop_at(tok, text, ["said, Let there", "God"]) == ("God", "And ")
+
+
+def test_stop_precedence_tie_goes_to_the_first_listed(tok: Tokenizer) -> None:
+    text = "And God said, Let there be light"
+    ids = tok.encode(text, add_special_tokens=False)
+    # Precondition: one token holds all of "there", so "the" and "there" complete together.
+    assert any("there" in tok.decode([i]) for i in ids)
+    assert _stop_at(tok, text, ["there", "the"], include=True) == (
+        "there",
+        "And God said, Let there",
+    )
+    assert _stop_at(tok, text, ["the", "there"], include=True) == ("the", "And God said, Let the")
+
+
 def test_chat_template(tok: Tokenizer) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = tok.apply_chat_template(msgs)

@@ -199,6 +199,26 @@ def test_finish_reasons_and_stop_strings(llm: LLM) -> None:
     assert out.token_ids == o.token_ids[: o.token_ids.index(sid) + 1]
 
 
+def test_stop_string_precedence_is_earliest_in_text(llm: LLM) -> None:
+    """Stop strings s_long = text[i:j] and s_short = text[i+1:j] end at the same character, so
+    one token completes both: s_long (which starts earlier) wins in either list order."""
+    params = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    full = llm.generate(["And God said"], SamplingParams(**params), use_tqdm=False)[0]
+    text = full.outputs[0].text
+    i, j = next(
+        (i, i + 4)
+        for i in range(1, len(text) - 4)
+        if text.find(text[i + 1 : i + 4]) == i + 1
+        and all(c.isascii() and c.isprintable() for c in text[i : i + 4])
+    )
+    s_long, s_short = text[i:j], text[i + 1 : j]
+    for stop in ([s_short, s_long], [s_long, s_short]):
+        out = llm.generate(["And God said"], SamplingParams(**params, stop=stop), use_tqdm=False)[
+            0
+        ].outputs[0]
+        assert (out.finish_reason, out.stop_reason, out.text) == ("stop", s_long, text[:i]), stop
+
+
 def test_eos_and_min_tokens(llm: LLM) -> None:
     # Bias EOS (id 0) to be certain: stops at once, unless min_tokens holds it back.
     bias = {0: 100.0}

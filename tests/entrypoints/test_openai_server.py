@@ -1,4 +1,7 @@
-"""The OpenAI-compatible server end to end: real aiohttp server, real engine, official client."""
+"""The OpenAI-compatible server end to end: real aiohttp server, real engine, official client.
+
+Tests taking `served` run against `xlaserve serve` subprocesses, once per backend (torch, xla);
+the others against the in-process torch server (`server`)."""
 
 from __future__ import annotations
 
@@ -36,14 +39,14 @@ def _metrics(server) -> str:  # noqa: ANN001
     return body.decode()
 
 
-def test_completion_stream_matches_non_stream(server) -> None:  # noqa: ANN001
-    c = client(server)
+def test_completion_stream_matches_non_stream(served) -> None:  # noqa: ANN001
+    c = client(served)
     for prompt in PROMPTS[:2]:
-        full = greedy(server, prompt, max_tokens=10)
+        full = greedy(served, prompt, max_tokens=10)
         choice = full.choices[0]
         assert choice.finish_reason == "length"
         assert full.usage.completion_tokens == 10
-        n_prompt = json.loads(http("POST", server.base_url + "/tokenize", {"prompt": prompt})[2])[
+        n_prompt = json.loads(http("POST", served.base_url + "/tokenize", {"prompt": prompt})[2])[
             "count"
         ]
         assert full.usage.prompt_tokens == n_prompt
@@ -67,8 +70,8 @@ def test_completion_stream_matches_non_stream(server) -> None:  # noqa: ANN001
         assert len(chunks) > 2  # really streamed, not one blob
 
 
-def test_chat_stream_matches_non_stream(server) -> None:  # noqa: ANN001
-    c = client(server)
+def test_chat_stream_matches_non_stream(served) -> None:  # noqa: ANN001
+    c = client(served)
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hello there"}]},
@@ -83,7 +86,7 @@ def test_chat_stream_matches_non_stream(server) -> None:  # noqa: ANN001
     msg = full.choices[0].message
     assert msg.role == "assistant" and full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 8
-    tok = json.loads(http("POST", server.base_url + "/tokenize", {"messages": messages})[2])
+    tok = json.loads(http("POST", served.base_url + "/tokenize", {"messages": messages})[2])
     assert full.usage.prompt_tokens == tok["count"]
     stream = c.chat.completions.create(
         model=MODEL_NAME,
@@ -314,9 +317,9 @@ def test_concurrent_streaming_clients(server) -> None:  # noqa: ANN001
     assert metric(m, "xlaserve:generation_tokens_total") >= 64 * 6 * 2
 
 
-def test_disconnect_mid_stream_frees_blocks(server) -> None:  # noqa: ANN001
+def test_disconnect_mid_stream_frees_blocks(served) -> None:  # noqa: ANN001
     def aborted() -> float:
-        for line in _metrics(server).splitlines():
+        for line in _metrics(served).splitlines():
             if (
                 line.startswith("xlaserve:request_success_total{")
                 and 'finished_reason="abort"' in line
@@ -337,7 +340,7 @@ def test_disconnect_mid_stream_frees_blocks(server) -> None:  # noqa: ANN001
                     "ignore_eos": True,
                     "stream": True,
                 }
-                r = await s.post(server.base_url + "/v1/completions", json=body)
+                r = await s.post(served.base_url + "/v1/completions", json=body)
                 assert r.status == 200
                 n = 0
                 async for line in r.content:  # read a few events, then hang up
@@ -346,16 +349,69 @@ def test_disconnect_mid_stream_frees_blocks(server) -> None:  # noqa: ANN001
                         if n == 3:
                             break
                 resps.append(r)
-            usage = metric(_metrics(server), "xlaserve:kv_cache_usage_perc")
+            usage = metric(_metrics(served), "xlaserve:kv_cache_usage_perc")
             assert usage > 0.0  # the 4 requests hold blocks while connected
             for r in resps:
                 r.close()
 
     asyncio.run(main())
     assert wait_until(lambda: aborted() - before == 4, timeout=15)
-    assert wait_until(lambda: metric(_metrics(server), "xlaserve:kv_cache_usage_perc") == 0.0)
-    assert metric(_metrics(server), "xlaserve:num_requests_running") == 0
-    assert greedy(server, PROMPTS[0], 3).choices[0].finish_reason == "length"  # still serving
+    assert wait_until(lambda: metric(_metrics(served), "xlaserve:kv_cache_usage_perc") == 0.0)
+    assert metric(_metrics(served), "xlaserve:num_requests_running") == 0
+    assert greedy(served, PROMPTS[0], 3).choices[0].finish_reason == "length"  # still serving
+
+
+def _finished(served, reason: str) -> float:  # noqa: ANN001
+    """xlaserve:request_success_total{finished_reason=reason} (0 before the first such request)."""
+    for line in _metrics(served).splitlines():
+        if (
+            line.startswith("xlaserve:request_success_total{")
+            and f'finished_reason="{reason}"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_disconnect_non_streaming_frees_blocks(served) -> None:  # noqa: ANN001
+    """A non-streaming client that hangs up while its request runs: the server's handler is
+    cancelled (aiohttp handler_cancellation in run_server), which aborts the request and frees
+    its KV blocks (seen from /metrics), instead of generating on for nobody."""
+    n_req, max_tokens = 4, 230  # near max_model_len (256): far from done when we hang up
+    before = {r: _finished(served, r) for r in ("abort", "length")}
+    gen_before = metric(_metrics(served), "xlaserve:generation_tokens_total")
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL_NAME, "max_tokens": max_tokens, "ignore_eos": True}
+            tasks = [
+                asyncio.create_task(
+                    s.post(served.base_url + "/v1/completions", json={**body, "prompt": f"{p} {i}"})
+                )
+                for i, p in enumerate(PROMPTS[:n_req])
+            ]
+            for _ in range(600):  # until all are running (each holds blocks), 30 s at most
+                m = _metrics(served)
+                if metric(m, "xlaserve:num_requests_running") == n_req:
+                    break
+                await asyncio.sleep(0.05)
+            assert metric(m, "xlaserve:num_requests_running") == n_req
+            assert metric(m, "xlaserve:kv_cache_usage_perc") > 0.0
+            for t in tasks:  # hang up: the connections close with the session
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    assert wait_until(lambda: metric(_metrics(served), "xlaserve:num_requests_running") == 0, 60)
+    m = _metrics(served)
+    assert metric(m, "xlaserve:kv_cache_usage_perc") == 0.0
+    aborted = _finished(served, "abort") - before["abort"]
+    finished = _finished(served, "length") - before["length"]
+    # Every request ended; those still running when the client left were aborted (all of them,
+    # unless the machine outran the hang-up), so fewer tokens than asked were generated.
+    assert aborted + finished == n_req and aborted >= 1, (aborted, finished)
+    generated = metric(m, "xlaserve:generation_tokens_total") - gen_before
+    assert generated < n_req * max_tokens
+    assert greedy(served, PROMPTS[0], 3).choices[0].finish_reason == "length"  # still serving
 
 
 BAD = [

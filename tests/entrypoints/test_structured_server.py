@@ -17,8 +17,9 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:  # noqa: ANN001
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+def client(served) -> openai.OpenAI:  # noqa: ANN001
+    """An `xlaserve serve` subprocess per backend (torch, xla)."""
+    return openai.OpenAI(base_url=served.base_url + "/v1", api_key="none", max_retries=0)
 
 
 def test_chat_json_schema(client: openai.OpenAI, model_path: str) -> None:

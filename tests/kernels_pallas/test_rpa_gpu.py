@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _rpa_testlib import make_case, np_attention
+from optional_deps import import_or_skip
 from test_rpa_sweep import (
     BATCH,
     MAX_KV,
@@ -209,7 +210,7 @@ def test_num_seqs_below_batch_ignores_later_sequences() -> None:
     ids=["gqa4-window-cap", "g3-split"],
 )
 def test_lowers_to_triton(hq, block_sizes, kw) -> None:  # noqa: ANN001
-    export = pytest.importorskip("jax.export")
+    export = import_or_skip("jax.export")
     case = make_case(
         np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=hq, hkv=8, d=128,
         dtype=jnp.bfloat16, batch=4, num_tokens=32,
@@ -250,7 +251,7 @@ def test_compiles_to_ptx_with_triton(tmp_path, monkeypatch) -> None:  # noqa: AN
     PTX/cubin: catches Triton shape/layout failures without a GPU. Skipped without Triton or
     when its MLIR cannot read JAX's Triton dialect (version drift); a compile error fails."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    triton = pytest.importorskip("triton")
+    triton = import_or_skip("triton")
     from triton.backends.compiler import GPUTarget
 
     case = make_case(

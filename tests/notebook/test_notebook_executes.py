@@ -6,11 +6,12 @@ import os
 import sys
 
 import pytest
+from optional_deps import import_or_skip
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
-pytest.importorskip("matplotlib")
+nbformat = import_or_skip("nbformat")
+nbclient = import_or_skip("nbclient")
+import_or_skip("ipykernel")
+import_or_skip("matplotlib")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOK = os.path.join(ROOT, "examples", "batch_inference.ipynb")

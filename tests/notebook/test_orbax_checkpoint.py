@@ -15,9 +15,10 @@ import textwrap
 
 import numpy as np
 import pytest
+from optional_deps import import_or_skip
 
-jax = pytest.importorskip("jax")
-pytest.importorskip("orbax.checkpoint")
+jax = import_or_skip("jax")
+import_or_skip("orbax.checkpoint")
 
 from click.testing import CliRunner  # noqa: E402
 from flax import nnx  # noqa: E402

@@ -26,8 +26,9 @@ import math
 
 import numpy as np
 import pytest
+from optional_deps import import_or_skip
 
-torch = pytest.importorskip("torch")
+torch = import_or_skip("torch")
 
 from quant_testlib import perplexity, runner_logits  # noqa: E402
 

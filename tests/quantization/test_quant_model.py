@@ -23,9 +23,10 @@ import shutil
 
 import numpy as np
 import pytest
+from optional_deps import import_or_skip
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = import_or_skip("torch")
+import_or_skip("transformers")
 
 from quant_testlib import LINEAR_RE, perplexity, runner_logits, write_prequantized  # noqa: E402
 

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from optional_deps import import_or_skip
 
-jax = pytest.importorskip("jax")
+jax = import_or_skip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from xlaserve.quantization import (  # noqa: E402

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from optional_deps import import_or_skip
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+torch = import_or_skip("torch")
+import_or_skip("triton")
 
 from xlaserve.quantization import quantize_int4, quantize_int8  # noqa: E402
 

@@ -20,10 +20,11 @@ import shutil
 
 import numpy as np
 import pytest
+from optional_deps import import_or_skip
 
-jax = pytest.importorskip("jax")
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+jax = import_or_skip("jax")
+import_or_skip("torch")
+import_or_skip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
 from quant_testlib import perplexity, runner_logits, write_prequantized  # noqa: E402

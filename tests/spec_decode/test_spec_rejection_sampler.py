@@ -141,3 +141,53 @@ def test_numpy_reference_is_lossless_and_matches_greedy_rule() -> None:
     assert chi_square_pvalue(firsts, p[0]) > 1e-3
     with pytest.raises(ValueError):
         verify_reference(p, [0, 1], rng)
+
+
+def peaked_rows(mains: list[int], seconds: list[int], v: int = V) -> torch.Tensor:
+    """Logits [R, v]: row r has p(mains[r]) ~ 1 (1 - 2e-9, which is 1.0 in float32), p(seconds[r])
+    ~ 2e-9 and the rest ~ 1e-26. A draft equal to the main token is always accepted; any other
+    draft is always rejected, and the residual (p without the draft) is then ~ one-hot at the
+    main token, or at the second one when the draft was the main token of a DIFFERENT row.
+    So a multi-draft verification has exactly one outcome, whatever the random numbers."""
+    x = torch.full((len(mains), v), -60.0)
+    for r, (m, s) in enumerate(zip(mains, seconds, strict=True)):
+        x[r, s] = -20.0
+        x[r, m] = 0.0
+    return x
+
+
+# Rows 0..3: main tokens 2, 4, 3, 6; second tokens 7, 6, 0, 1 (so each row's residual differs).
+MAINS, SECONDS = [2, 4, 3, 6], [7, 6, 0, 1]
+# (drafts, expected tokens): a rejection at draft k must resample from row k's residual.
+MULTI_DRAFT_CASES = [
+    ([2, 5], [2, 4]),  # 2nd draft rejected: row 1's residual (4), not row 0's (7)
+    ([2, 4], [2, 4, 3]),  # both accepted: bonus from row 2
+    ([2, 4, 1], [2, 4, 3]),  # 3rd draft rejected: row 2's residual (3)
+    ([2, 4, 3], [2, 4, 3, 6]),  # all accepted: bonus from row 3
+    ([2, 3, 3], [2, 4]),  # 2nd rejected (3 is row 2's main, not row 1's): stop there
+    ([5, 4, 3], [2]),  # 1st rejected
+]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_multi_draft_rejection_resamples_at_the_rejected_row(with_q: bool) -> None:
+    """Sampled verification with 2 and 3 drafts has exact outcomes on peaked rows (above); all
+    cases in ONE call (spans 3, 3, 4, 4, 4, 4 rows), under several seeds."""
+    params = SamplingParams(temperature=1.0)
+    logits, rows, drafts, qs = [], [], [], []
+    for ds, _ in MULTI_DRAFT_CASES:
+        logits.append(peaked_rows(MAINS[: len(ds) + 1], SECONDS[: len(ds) + 1]))
+        drafts.append(ds)
+        # q: the drafts came from a distribution with mass 0.6 on the draft and 0.4 on token 0;
+        # residual max(0, p - q) is then still ~ one-hot at the row's main token (or second).
+        q = torch.zeros(len(ds), V)
+        for i, t in enumerate(ds):
+            q[i, 0] += 0.4
+            q[i, t] += 0.6
+        qs.append(q)
+    for seed in range(5):
+        s = Sampler(seed=seed)
+        gen = s.make_generator(seed)
+        rows = [r for ds in drafts for r in _rows(params, ds, gen=gen)]
+        res = s.verify(torch.cat(logits), rows, drafts, draft_probs=qs if with_q else None)
+        assert res.token_ids == [want for _, want in MULTI_DRAFT_CASES], f"seed {seed}"

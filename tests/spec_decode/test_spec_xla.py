@@ -169,3 +169,31 @@ def test_verify_sampled_is_lossless() -> None:
     assert chi_square_pvalue(first, p[0]) > 1e-3
     bonus = np.bincount(toks[n == 2, 1], minlength=v)
     assert chi_square_pvalue(bonus, p[1]) > 1e-3
+
+
+def test_verify_multi_draft_resamples_at_the_rejected_row() -> None:
+    """2 and 3 drafts, sampled, on peaked rows with exact outcomes (the torch sampler's cases,
+    test_spec_rejection_sampler.MULTI_DRAFT_CASES): a rejection at draft k resamples from row
+    k's residual, an all-accepted run takes its bonus token from row d. All cases in one call
+    (each eager `verify` call traces and compiles its conds again: few calls)."""
+    from test_spec_rejection_sampler import MAINS, MULTI_DRAFT_CASES, SECONDS, V, peaked_rows
+
+    from xlaserve.backends_xla.sampler import verify
+
+    k = 3
+    b = len(MULTI_DRAFT_CASES)
+    lg = np.zeros((b, k + 1, V), np.float32)
+    drafts = np.zeros((b, k), np.int32)
+    for i, (ds, _) in enumerate(MULTI_DRAFT_CASES):
+        rows = peaked_rows(MAINS[: len(ds) + 1], SECONDS[: len(ds) + 1]).numpy()
+        lg[i, : len(ds) + 1] = rows
+        lg[i, len(ds) + 1 :] = rows[-1]  # padding rows copy row d (the contract)
+        drafts[i, : len(ds)] = ds
+    nd = jnp.asarray([len(ds) for ds, _ in MULTI_DRAFT_CASES], jnp.int32)
+    for seed in range(2):
+        st = _tensors(b * (k + 1), V, 1.0)
+        st = type(st)(**{**st.__dict__, "seeds": st.seeds + seed})
+        out = verify(jnp.asarray(lg.reshape(-1, V)), st, jnp.asarray(drafts), nd)
+        n = np.asarray(out.num_tokens)
+        got = [np.asarray(out.token_ids)[i, : n[i]].tolist() for i in range(b)]
+        assert got == [want for _, want in MULTI_DRAFT_CASES], f"seed {seed}"

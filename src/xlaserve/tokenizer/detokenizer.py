@@ -4,9 +4,11 @@ Decoding token by token breaks multi-byte UTF-8 characters and byte-level BPE me
 decoded over a sliding window: `decode(ids[prefix:])` minus `decode(ids[prefix:read])`; when the
 new tail ends in U+FFFD (an incomplete character) it is held back until more tokens arrive.
 
-Stop strings: the finished text is cut before the first stop string (or after it when
-`include_stop_str_in_output`); while running, the last `max(len(stop)) - 1` characters are held
-back from `output_text` because they may still become part of a stop string.
+Stop strings (precedence: the `SamplingParams` docstring): after each token, of the stop strings
+complete in the text the one that starts earliest wins (ties: the first listed); the finished
+text is cut before it (or after it when `include_stop_str_in_output`); while running, the last
+`max(len(stop)) - 1` characters are held back from `output_text` because they may still become
+part of a stop string.
 """
 
 from __future__ import annotations
