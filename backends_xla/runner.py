@@ -28,9 +28,7 @@ persistent batch): the scheduler sends only what changed.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import jax
@@ -39,18 +37,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
 
 from xlaserve.backends_xla.multihost import init_multihost
+from xlaserve.backends_xla.programs import (
+    FORWARD,
+    PROMPT_LOGPROBS,
+    SAMPLE,
+    VERIFY,
+    compile_programs,
+    lower_program,
+    make_jitted,
+    peak_activation_bytes,
+)
 from xlaserve.backends_xla.sampler import (
     SamplerOutput,
     SamplingTensors,
     VerifyOutput,
-    host_tensors,
+    needs_extras,
     neutral_extras,
-    sample,
-    token_logprobs,
-    verify,
+    sampling_host,
+    verify_rows,
 )
 from xlaserve.backends_xla.utils import (
     make_buckets,
@@ -63,31 +69,27 @@ from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.attention import AttentionMetadata
 from xlaserve.models_flax.loader import kv_heads_sharded, load_model, xla_quant_scheme
-from xlaserve.runner import RunnerOutput, SchedulerOutput, TokenLogprobs
-from xlaserve.sampling_params import SamplingParams
+from xlaserve.runner import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
+from xlaserve.runner_core import (
+    LaunchedStep,
+    ReqState,
+    RunnerCore,
+    ragged_inputs,
+    to_token_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
 SMALLEST_TOKEN_BUCKET = 16
-PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, V] logits materialized at once for prompt logprobs
-FORWARD, SAMPLE, PROMPT_LOGPROBS, VERIFY = "forward", "sample", "prompt_logprobs", "verify"
 
 
 @dataclass
-class _ReqState:
-    token_ids: list[int]  # prompt + sampled tokens
-    num_prompt: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed: int
-    seed: int  # uint32 sampling seed: the request's own or drawn once by the runner
+class _ReqState(ReqState):
+    """The persistent batch's request (runner_core.ReqState) + the XLA sampler's state."""
+
+    seed: int = 0  # uint32 sampling seed: the request's own or drawn once by the runner
     output_counts: np.ndarray | None = None  # i32 [V], kept only when penalties are on
     prompt_mask: np.ndarray | None = None  # bool [V], kept only when penalties are on
-    pending_row: int = -1  # row of the last launch's tokens holding this request's PENDING one
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
 
 
 @dataclass
@@ -115,25 +117,19 @@ class _Batch:
     drafts: list[list[int]] = field(default_factory=list)  # speculative drafts per request
 
 
-# Placeholder token id (async scheduling): sampled by a launched step not read back yet.
-PENDING = -1
-NAN_ERROR = "the model produced NaN logits"
-
-
 @dataclass
-class _Launched:
-    """A launched step: its output so far; for a deferred SAMPLE step, the device results and
-    (request id, state, index of its PENDING token, batch row) for `finish` to fill in."""
+class _Launched(LaunchedStep):
+    """A launched step: for a deferred SAMPLE step, the results `finish` reads (pending rows:
+    batch rows)."""
 
-    out: RunnerOutput
     res: SamplerOutput | None = None
-    pending: list[tuple[str, _ReqState, int, int]] = field(default_factory=list)
 
 
-class XlaModelRunner:
+class XlaModelRunner(RunnerCore):
     """See the module docstring. Constructed as `XlaModelRunner(config, spec)`."""
 
     def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
+        super().__init__()  # the persistent batch: self.requests (runner_core.py)
         # Multi-host (nnodes > 1): join jax.distributed before any JAX backend starts (multihost.py).
         self.multihost = init_multihost(config)
         # Quantized KV cache (int8 / fp8 codes + a float32 scale per token and KV head).
@@ -171,7 +167,6 @@ class XlaModelRunner:
         self.seq_buckets = make_buckets(1, sched.max_num_seqs)
         self.vocab = spec.vocab_size
         self.num_rows = self.max_num_seqs * (1 + self.num_spec_tokens)  # forward's gathered rows
-        self.requests: dict[str, _ReqState] = {}
         self._seed_rng = np.random.default_rng(config.model.seed)
         self._replicated = NamedSharding(self.mesh, P())
         # The last SAMPLE program's tokens, padded to max_num_seqs (async scheduling feeds them
@@ -208,57 +203,10 @@ class XlaModelRunner:
             self.spec, self.dtype, self.mesh, self.config.load.load_format, self.config.model.seed,
             quant=self.quant_scheme, expert_parallel=self.config.parallel.enable_expert_parallel,
         )  # fmt: skip
-        graphdef, rep = self.graphdef, self._replicated
-
-        def forward(state, kv_caches, input_ids, positions, md, logits_indices, feed):  # noqa: ANN001, ANN202
-            prev, dst, src = feed  # async scheduling: inputs still on the device
-            input_ids = input_ids.at[dst].set(prev[src], mode="drop")
-            model = nnx.merge(graphdef, state)
-            hidden, kv_caches = model(input_ids, positions, kv_caches, md)
-            # Pin shardings so the donated cache and the next programs' inputs always match.
-            kv_caches = [
-                tuple(
-                    jax.lax.with_sharding_constraint(c, sh)
-                    for c, sh in zip(kv, self._kv_layer_shardings, strict=True)
-                )
-                for kv in kv_caches
-            ]
-            hidden = jax.lax.with_sharding_constraint(hidden, rep)
-            return hidden[logits_indices], hidden, kv_caches
-
-        def logits_and_sample(state, rows, st):  # noqa: ANN001, ANN202
-            b = st.temperature.shape[0]  # the request bucket; rows is [R, H]
-            res = sample(nnx.merge(graphdef, state).compute_logits(rows[:b]), st)
-            # The tokens padded to R rows: the next forward's `feed` (one shape for every b).
-            return res, jnp.pad(res.token_ids.astype(jnp.int32), (0, self.max_num_seqs - b))
-
-        r, k = self.max_num_seqs, self.num_spec_tokens
-
-        def logits_and_verify(state, rows, st, drafts, num_drafts):  # noqa: ANN001, ANN202
-            b = drafts.shape[0]  # the request bucket; rows is [R * (1 + K), H]
-            h = rows.shape[-1]
-            pre = rows[r : r + b * k].reshape(b, k, h)
-            full = jnp.concatenate([pre, rows[:b, None]], axis=1).reshape(b * (k + 1), h)
-            return verify(nnx.merge(graphdef, state).compute_logits(full), st, drafts, num_drafts)
-
-        def prompt_logprobs(state, hidden, targets):  # noqa: ANN001, ANN202
-            model = nnx.merge(graphdef, state)
-            t, c = hidden.shape[0], PROMPT_LOGPROBS_CHUNK
-            if t <= c or t % c:
-                return token_logprobs(model.compute_logits(hidden), targets)
-            # Chunks of rows keep the [rows, V] logits small for big buckets and vocabularies.
-            out = jax.lax.map(
-                lambda ht: token_logprobs(model.compute_logits(ht[0]), ht[1]),
-                (hidden.reshape(t // c, c, -1), targets.reshape(t // c, c)),
-            )
-            return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
-
-        self._jitted = {
-            FORWARD: jax.jit(forward, donate_argnums=(1,)),
-            SAMPLE: jax.jit(logits_and_sample),
-            PROMPT_LOGPROBS: jax.jit(prompt_logprobs),
-            VERIFY: jax.jit(logits_and_verify),
-        }
+        self._jitted = make_jitted(
+            self.graphdef, self._kv_layer_shardings, self._replicated, self.max_num_seqs,
+            self.num_spec_tokens,
+        )  # fmt: skip
         if self.draft is not None:
             self.draft.load()
 
@@ -301,25 +249,12 @@ class XlaModelRunner:
                 - d.memory_stats()["bytes_in_use"]
                 for d in self.mesh.local_devices  # this host's (multi-host: the others' are remote)
             )
-            n = int((free - self._peak_activation_bytes()) // block_bytes)
+            n = int((free - peak_activation_bytes(self)) // block_bytes)
         if n < 1:
             raise ValueError(
                 "no memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization"
             )
         return int(n) if self.multihost is None else self.multihost.min_over_hosts(int(n))
-
-    def _peak_activation_bytes(self) -> int:
-        """Temporary memory of the largest forward + sampler, from XLA's memory analysis."""
-        t, b = self.token_buckets[-1], self.seq_buckets[-1]
-        sampler_bytes = 6 * b * self.vocab * 4
-        kv = [self._kv_layer_structs(1)] * self.spec.num_layers
-        args = self._device_inputs(self._dummy_batch(t))
-        try:
-            stats = self._jitted[FORWARD].lower(self.state, kv, *args).compile().memory_analysis()
-            return int(stats.temp_size_in_bytes + stats.output_size_in_bytes) + sampler_bytes
-        except Exception:  # noqa: BLE001 - memory analysis is optional on some backends
-            h, i = self.spec.hidden_size, self.spec.intermediate_size
-            return 4 * t * (6 * h + 3 * i + 2 * self.vocab) + sampler_bytes
 
     def init_kv_cache(self, num_blocks: int) -> None:
         if self.state is None:
@@ -353,53 +288,12 @@ class XlaModelRunner:
         return progs
 
     def _lower(self, kind: str, n: int) -> jax.stages.Lowered:
-        """Trace and lower one program for bucket n (T for FORWARD/PROMPT_LOGPROBS, B for
-        SAMPLE/VERIFY)."""
-        if self.draft is not None and kind.startswith("draft_"):
-            return self.draft.lower(kind, n)
-        fn = self._jitted[kind]
-        if kind == FORWARD:
-            lowered = fn.lower(
-                self.state, self.kv_caches, *self._device_inputs(self._dummy_batch(n))
-            )
-            self._hidden_dtype = lowered.out_info[1].dtype
-            return lowered
-        h = self.spec.hidden_size
-        if kind in (SAMPLE, VERIFY):
-            rows = jax.ShapeDtypeStruct(
-                (self.num_rows, h), self._hidden_dtype, sharding=self._replicated
-            )
-            if kind == SAMPLE:
-                st = self._put_sampling(host_tensors(n, self.vocab, False), n)
-                return fn.lower(self.state, rows, st)
-            m = n * (1 + self.num_spec_tokens)
-            st = self._put_sampling(host_tensors(m, self.vocab, False), m)
-            drafts = self._put(np.zeros((n, self.num_spec_tokens), np.int32))
-            return fn.lower(self.state, rows, st, drafts, self._put(np.zeros(n, np.int32)))
-        hidden = jax.ShapeDtypeStruct((n, h), self._hidden_dtype, sharding=self._replicated)
-        targets = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated)
-        return fn.lower(self.state, hidden, targets)  # fmt: skip
+        """Trace and lower one program for bucket n (programs.py)."""
+        return lower_program(self, kind, n)
 
     def compile_all(self, programs: list[tuple[str, int]] | None = None) -> None:
-        """Compile `programs` (default: every start-up program), lowering one by one (tracing
-        holds the GIL) and compiling in threads (XLA releases it), with a progress bar."""
-        todo = [p for p in (programs or self.startup_programs()) if p not in self.programs]
-        lowered = {p: self._lower(*p) for p in todo}
-        workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
-        with (
-            ThreadPoolExecutor(workers) as pool,
-            tqdm(
-                total=len(todo), desc="Compiling XLA programs", unit="program", leave=False
-            ) as bar,
-        ):
-            futures = {pool.submit(low.compile): p for p, low in lowered.items()}
-            for fut in as_completed(futures):
-                self.programs[futures[fut]] = fut.result()
-                bar.update()
-        logger.info(
-            "compiled %d XLA programs (%d token buckets %s, %d request buckets %s)",
-            len(todo), len(self.token_buckets), self.token_buckets, len(self.seq_buckets), self.seq_buckets,
-        )  # fmt: skip
+        """Compile `programs` (default: every start-up program), programs.py."""
+        compile_programs(self, programs or self.startup_programs())
 
     def _program(self, kind: str, n: int) -> jax.stages.Compiled:
         prog = self.programs.get((kind, n))
@@ -436,32 +330,23 @@ class XlaModelRunner:
         """Dispatch one step; a plain SAMPLE step's tokens are read by `finish` (runner.py)."""
         return self._launch(scheduler_output, defer=self.multihost is None)
 
-    def finish(self, launched: _Launched) -> RunnerOutput:
-        """Read a deferred step's tokens back; fill its PENDING placeholders."""
-        h, out = launched, launched.out
-        if not h.pending:
-            return out
-        res = jax.device_get(h.res)
-        for rid, r, idx, i in h.pending:
-            if res.has_nan[i]:
-                out.errors[rid] = NAN_ERROR
-                continue
-            tok = int(res.token_ids[i])
-            if self.requests.get(rid) is r:  # else finished/preempted since: nothing to fill
-                r.token_ids[idx] = tok
-            out.sampled_token_ids[rid] = [tok]
-            if r.params.logprobs is not None:
-                out.logprobs[rid] = self._logprobs(res, r, i, 1)
-        h.pending, h.res = [], None
-        return out
+    def _read_pending(self, launched: _Launched) -> tuple[list[int], set[int]]:
+        """`finish` (runner_core.py): read a deferred step's results back to the host."""
+        launched.res = res = jax.device_get(launched.res)
+        return res.token_ids.tolist(), set(np.flatnonzero(res.has_nan).tolist())
+
+    def _pending_logprobs(
+        self, launched: _Launched, st: _ReqState, row: int
+    ) -> list[TokenLogprobs] | None:
+        if st.params.logprobs is None:
+            return None
+        return self._logprobs(launched.res, st, row, 1)
 
     def _launch(self, scheduler_output: SchedulerOutput, defer: bool) -> _Launched:
         so = scheduler_output
         if self.multihost is not None:  # host 0: the followers run this step too
             self.multihost.before_execute(so)
-        stray = [r for r, d in so.spec_token_ids.items() if d and r not in so.num_scheduled_tokens]
-        if stray:
-            raise ValueError(f"speculative drafts for requests not scheduled this step: {stray}")
+        self._check_drafts(so)
         if any(so.spec_token_ids.values()) and not self.num_spec_tokens:
             raise ValueError("speculative drafts scheduled but no speculative_config was set")
         if so.has_kv_copies:  # before the forward, in the order runner.py documents
@@ -488,7 +373,8 @@ class XlaModelRunner:
         ]
         rows += [None] * (b - len(rows))
         extras = any(
-            self._needs_extras(r, rid, so) for r, rid in zip(rows, batch.req_ids, strict=False)
+            needs_extras(r, rid, so.grammar_bitmask)
+            for r, rid in zip(rows, batch.req_ids, strict=False)
         )
         with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
         st = self._sampling_tensors(rows, batch.req_ids, b, extras, with_lp, so.grammar_bitmask)
@@ -520,107 +406,59 @@ class XlaModelRunner:
         launched.res = res
         for i, rid in enumerate(batch.req_ids):
             r = self.requests[rid]
-            r.num_computed += batch.counts[i]
+            r.num_computed_tokens += batch.counts[i]
             if not batch.sampling[i]:
                 launched.out.sampled_token_ids[rid] = []
                 continue
-            launched.pending.append((rid, r, len(r.token_ids), i))
-            r.token_ids.append(PENDING)
-            r.num_computed = len(r.token_ids) - 1
-            r.pending_row = i
+            self._defer_token(launched, rid, r, i)
 
     def _propose_drafts(self, batch: _Batch, out: RunnerOutput) -> None:
         """With a draft model: its catch-up and proposals for the next step (draft.py)."""
         if self.draft is not None:
             out.spec_token_ids = self.draft.propose(batch, out)
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
-        for nr in so.new_requests:
-            p = nr.sampling_params
-            seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**32))
-            r = _ReqState(list(nr.token_ids), nr.num_prompt_tokens, p, list(nr.block_ids), nr.num_computed_tokens,
-                          seed & 0xFFFFFFFF)  # fmt: skip
-            if p.needs_penalties:
-                r.prompt_mask = np.zeros(self.vocab, bool)
-                r.prompt_mask[[t for t in r.token_ids[: r.num_prompt] if t < self.vocab]] = True
-                r.output_counts = np.bincount(
-                    [t for t in r.token_ids[r.num_prompt :] if t < self.vocab], minlength=self.vocab
-                ).astype(np.int32)
-            self.requests[nr.req_id] = r
-        for cr in so.cached_requests:
-            r = self.requests.get(cr.req_id)
-            if r is None:
-                raise KeyError(
-                    f"cached request {cr.req_id!r} unknown to the runner (never sent as new)"
-                )
-            r.block_ids.extend(cr.new_block_ids)
-            if cr.num_computed_tokens != r.num_computed:
-                logger.debug(
-                    "%s: num_computed_tokens %d (runner had %d)",
-                    cr.req_id,
-                    cr.num_computed_tokens,
-                    r.num_computed,
-                )
-                r.num_computed = cr.num_computed_tokens
+    def _new_state(self, nr: NewRequestData) -> _ReqState:
+        p = nr.sampling_params
+        seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**32))
+        r = _ReqState(list(nr.token_ids), nr.num_prompt_tokens, p, list(nr.block_ids),
+                      nr.num_computed_tokens, seed=seed & 0xFFFFFFFF)  # fmt: skip
+        if p.needs_penalties:
+            n = r.num_prompt_tokens
+            r.prompt_mask = np.zeros(self.vocab, bool)
+            r.prompt_mask[[t for t in r.token_ids[:n] if t < self.vocab]] = True
+            r.output_counts = np.bincount(
+                [t for t in r.token_ids[n:] if t < self.vocab], minlength=self.vocab
+            ).astype(np.int32)
+        return r
 
-    def _append(self, r: _ReqState, tok: int) -> None:
+    def _append_token(self, r: _ReqState, tok: int) -> None:
         r.token_ids.append(tok)
         if r.output_counts is not None and tok < self.vocab:
             r.output_counts[tok] += 1
 
     def _prepare(self, so: SchedulerOutput) -> _Batch:
-        items = list(so.num_scheduled_tokens.items())
-        total = sum(n for _, n in items)
-        if len(items) > self.max_num_seqs:
-            raise ValueError(
-                f"{len(items)} requests in one step exceed max_num_seqs {self.max_num_seqs}"
-            )
-        batch = self._dummy_batch(pick_bucket(self.token_buckets, total))
-        s, off, num_feeds = self.block_size, 0, 0
-        for i, (rid, n) in enumerate(items):
-            r = self.requests[rid]
-            c = r.num_computed
-            ds = list(so.spec_token_ids.get(rid, ()))
-            if len(ds) > self.num_spec_tokens:
-                raise ValueError(
-                    f"{rid}: {len(ds)} drafts exceed num_speculative_tokens {self.num_spec_tokens}"
-                )
-            known = r.token_ids + ds if ds else r.token_ids
-            if c + n > len(known):
-                raise ValueError(
-                    f"{rid}: {n} tokens scheduled from {c} but only {len(known)} are known"
-                )
-            if ds and c + n != len(known):
-                raise ValueError(f"{rid}: {len(ds)} drafts scheduled but the chunk ends at {c + n}")
-            blocks = np.asarray(r.block_ids, np.int32)
-            if len(blocks) * s < c + n or len(blocks) > self.max_blocks_per_seq:
-                raise ValueError(
-                    f"{rid}: {len(blocks)} blocks cannot hold {c + n} tokens (max_model_len {self.max_model_len})"
-                )
-            pos = np.arange(c, c + n, dtype=np.int32)
-            batch.input_ids[off : off + n] = known[c : c + n]
-            if known[c + n - 1] == PENDING:  # sampled by the launch still in flight
-                batch.feed_dst[num_feeds] = off + n - 1
-                batch.feed_src[num_feeds] = r.pending_row
-                num_feeds += 1
-            batch.positions[off : off + n] = pos
-            batch.slot_mapping[off : off + n] = blocks[pos // s] * s + pos % s
-            batch.kv_lens[i] = c + n
-            batch.block_tables[i, : len(blocks)] = blocks
-            off += n
-            batch.cu_q_lens[i + 1 :] = off
-            batch.logits_indices[i] = off - 1
-            k, d = self.num_spec_tokens, len(ds)
-            for j in range(k):  # draft positions j < d score row off-1-d+j; padding: the last
-                batch.logits_indices[self.max_num_seqs + i * k + j] = off - 1 - d + min(j, d)
-            batch.req_ids.append(rid)
-            batch.starts.append(c)
-            batch.counts.append(n)
-            batch.sampling.append(c + n == len(known))
-            batch.drafts.append(ds)
-        batch.num_seqs[0] = len(items)
+        """The step's validated chunks (runner_core.py) padded into the bucket's host arrays."""
+        k, r = self.num_spec_tokens, self.max_num_seqs
+        plan = self._plan_step(so, k, self.max_blocks_per_seq, r)
+        x = ragged_inputs(plan.chunks(), self.block_size)
+        t, b = len(x.input_ids), len(plan.req_ids)
+        batch = self._dummy_batch(pick_bucket(self.token_buckets, t))
+        batch.input_ids[:t], batch.positions[:t] = x.input_ids, x.positions
+        batch.slot_mapping[:t] = x.slot_mapping
+        batch.kv_lens[:b] = x.seq_lens
+        batch.block_tables[:b, : x.block_tables.shape[1]] = x.block_tables
+        batch.cu_q_lens[1 : b + 1], batch.cu_q_lens[b + 1 :] = x.query_start_loc[1:], t
+        ends = x.query_start_loc[1:]
+        batch.logits_indices[:b] = ends - 1
+        for i, ds in enumerate(plan.drafts):  # draft position j < d scores row end-1-d+j;
+            d = len(ds)  # padding: the last
+            for j in range(k):
+                batch.logits_indices[r + i * k + j] = ends[i] - 1 - d + min(j, d)
+        nf = len(plan.feed_dst)  # PENDING inputs, fed from the previous launch's tokens
+        batch.feed_dst[:nf], batch.feed_src[:nf] = plan.feed_dst, plan.feed_src
+        batch.num_seqs[0] = b
+        batch.req_ids, batch.starts, batch.counts = plan.req_ids, plan.starts, plan.counts
+        batch.sampling, batch.drafts = plan.sampling, plan.drafts
         return batch
 
     def _dummy_batch(self, t: int) -> _Batch:
@@ -650,17 +488,6 @@ class XlaModelRunner:
         return rows, hidden
 
     # ---------------------------------------------------------------- sampling inputs
-    def _needs_extras(self, r: _ReqState | None, rid: str, so: SchedulerOutput) -> bool:
-        if r is None:
-            return False
-        p = r.params
-        return bool(
-            p.logit_bias
-            or p.needs_penalties
-            or rid in so.grammar_bitmask
-            or p.masks_stop_tokens(r.num_output)
-        )
-
     def _put_sampling(self, host: dict[str, np.ndarray], b: int) -> SamplingTensors:
         """Host fields -> SamplingTensors on the device; dense fields missing from `host` are
         the bucket's device-resident neutral ones (copied once)."""
@@ -682,52 +509,8 @@ class XlaModelRunner:
         """Padded per-row parameters; rows that do not sample this step (None) are greedy.
         bitmasks: req_id -> i32 [positions, W] (row 0 is this step's). With speculation, row i
         scores position positions[i] after the drafts prefixes[i] (counts, steps, bitmask row)."""
-        v = self.vocab
-        h = host_tensors(b, v, extras)
-        h["use_extras"], h["want_logprobs"] = np.asarray(extras), np.asarray(with_logprobs)
-        for i, r in enumerate(rows):
-            if r is None:
-                continue
-            p = r.params
-            j = positions[i] if positions is not None else 0
-            n_out = r.num_output + j
-            h["temperature"][i], h["top_k"][i], h["top_p"][i] = p.temperature, p.top_k, p.top_p
-            h["min_p"][i], h["seeds"][i], h["steps"][i] = p.min_p, r.seed, n_out
-            h["repetition_penalty"][i] = p.repetition_penalty
-            h["frequency_penalty"][i] = p.frequency_penalty
-            h["presence_penalty"][i] = p.presence_penalty
-            if not extras:
-                continue
-            for tok, val in (p.logit_bias or {}).items():
-                if 0 <= tok < v:
-                    h["bias"][i, tok] += val
-            if n_out < p.min_tokens:
-                stop = [t for t in p.all_stop_token_ids() if 0 <= t < v]
-                h["bias"][i, stop] = -np.inf
-            if req_ids[i] in bitmasks:
-                w = h["bitmask"].shape[1]
-                mask = np.asarray(bitmasks[req_ids[i]], np.int32).reshape(-1, w)
-                if mask.shape[0] <= j:
-                    raise ValueError(
-                        f"{req_ids[i]}: grammar bitmask has {mask.shape[0]} rows, position {j} scored"
-                    )
-                h["bitmask"][i] = mask[j]
-            if r.output_counts is not None:
-                h["output_counts"][i], h["prompt_mask"][i] = r.output_counts, r.prompt_mask
-                for tok in prefixes[i] if prefixes is not None else ():
-                    if 0 <= tok < v:
-                        h["output_counts"][i, tok] += 1
-        if extras:  # copy only the dense fields some row uses; the others stay device-resident
-            live = [(i, r) for i, r in enumerate(rows) if r is not None]
-            if not any(req_ids[i] in bitmasks for i, _ in live):
-                del h["bitmask"]
-            if not any(r.output_counts is not None for _, r in live):
-                del h["output_counts"], h["prompt_mask"]
-            pos = positions if positions is not None else [0] * len(rows)
-            if not any(
-                r.params.logit_bias or r.num_output + pos[i] < r.params.min_tokens for i, r in live
-            ):
-                del h["bias"]
+        h = sampling_host(rows, req_ids, b, self.vocab, extras, with_logprobs, bitmasks,
+                          positions, prefixes)  # fmt: skip
         return self._put_sampling(h, b)
 
     def _verify_step(
@@ -741,24 +524,16 @@ class XlaModelRunner:
         """A step with drafts: one verify program over 1 + K rows per request (padded)."""
         k = self.num_spec_tokens
         b = pick_bucket(self.seq_buckets, len(batch.req_ids))
-        reqs: list[_ReqState | None] = []
-        rids: list[str] = []
-        positions: list[int] = []
-        prefixes: list[list[int]] = []
-        drafts = np.zeros((b, k), np.int32)
-        num_drafts = np.zeros(b, np.int32)
-        for i in range(b):
-            live = i < len(batch.req_ids) and batch.sampling[i]
-            r = self.requests[batch.req_ids[i]] if live else None
-            ds = batch.drafts[i] if live else []
-            drafts[i, : len(ds)], num_drafts[i] = ds, len(ds)
-            for j in range(k + 1):
-                jj = min(j, len(ds))  # padding rows repeat the last real position
-                reqs.append(r)
-                rids.append(batch.req_ids[i] if live else "")
-                positions.append(jj)
-                prefixes.append(ds[:jj])
-        extras = any(self._needs_extras(r, rid, so) for r, rid in zip(reqs, rids, strict=True))
+        reqs = [
+            self.requests[rid] if s else None
+            for rid, s in zip(batch.req_ids, batch.sampling, strict=True)
+        ]
+        reqs, rids, positions, prefixes, drafts, num_drafts = verify_rows(
+            reqs, batch.req_ids, batch.drafts, b, k
+        )
+        extras = any(
+            needs_extras(r, rid, so.grammar_bitmask) for r, rid in zip(reqs, rids, strict=True)
+        )
         with_lp = any(r is not None and r.params.logprobs is not None for r in reqs)
         st = self._sampling_tensors(
             reqs, rids, len(reqs), extras, with_lp, so.grammar_bitmask, positions, prefixes
@@ -790,19 +565,15 @@ class XlaModelRunner:
         logprobs sit in rows first_row(i), first_row(i) + 1, ... of `res`."""
         for i, rid in enumerate(batch.req_ids):
             r = self.requests[rid]
-            r.num_computed += batch.counts[i]
+            r.num_computed_tokens += batch.counts[i]
             if not batch.sampling[i]:
                 out.sampled_token_ids[rid] = []
                 continue
             if res.has_nan[i]:
-                out.errors[rid] = NAN_ERROR
+                self._fail(out, rid)
                 continue
             toks = tokens(i)
-            for tok in toks:
-                self._append(r, tok)
-            # KV is valid up to the last accepted token; the new last token is computed next.
-            r.num_computed = len(r.token_ids) - 1
-            out.sampled_token_ids[rid] = toks
+            self._accept(out, rid, r, toks)
             if r.params.logprobs is not None:
                 out.logprobs[rid] = self._logprobs(res, r, first_row(i), len(toks))
 
@@ -811,13 +582,8 @@ class XlaModelRunner:
         res: SamplerOutput | VerifyOutput, r: _ReqState, lo: int, n: int
     ) -> list[TokenLogprobs]:
         """The request's TokenLogprobs of result rows lo .. lo + n - 1 (host arrays)."""
-        m = 1 + r.params.logprobs
-        return [
-            TokenLogprobs(
-                res.logprob_ids[j, :m].tolist(), res.logprobs[j, :m].tolist(), int(res.ranks[j])
-            )
-            for j in range(lo, lo + n)
-        ]
+        rows = range(lo, lo + n)
+        return to_token_logprobs(res.logprob_ids, res.logprobs, res.ranks, rows, r.params.logprobs)
 
     def _prompt_logprobs(self, batch: _Batch, hidden: jax.Array, out: RunnerOutput) -> None:
         """Logprobs of prompt tokens whose preceding position was computed this step."""
@@ -826,7 +592,7 @@ class XlaModelRunner:
         off = 0
         for rid, c, n in zip(batch.req_ids, batch.starts, batch.counts, strict=True):
             r = self.requests[rid]
-            lo, hi = c + 1, min(c + n + 1, r.num_prompt)
+            lo, hi = c + 1, min(c + n + 1, r.num_prompt_tokens)
             if r.params.prompt_logprobs is not None and hi > lo:
                 wanted.append((rid, off - c, lo, hi))  # row of target position p: off - c + p - 1
             off += n
@@ -841,6 +607,4 @@ class XlaModelRunner:
         for rid, base, lo, hi in wanted:
             k = 1 + self.requests[rid].params.prompt_logprobs
             rows = range(base + lo - 1, base + hi - 1)
-            out.prompt_logprobs[rid] = [
-                TokenLogprobs(ids[j, :k].tolist(), lps[j, :k].tolist(), int(ranks[j])) for j in rows
-            ]
+            out.prompt_logprobs[rid] = to_token_logprobs(ids, lps, ranks, rows, k - 1)
