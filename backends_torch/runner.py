@@ -1,20 +1,16 @@
 """TorchModelRunner: the Torch backend's ModelRunner (CPU path; the GPU path builds on it).
 
-The persistent batch, step validation, numpy step inputs and output bookkeeping live in
-xlaserve/runner_core.py (shared with the XLA runner); this file does the device work: inputs to
-tensors and attention metadata, the forward, sampling for requests whose scheduled chunk reaches
-the end of their known tokens, CUDA graphs (cuda_graphs.py).
+The persistent batch, step validation, numpy step inputs and output bookkeeping are
+xlaserve/runner_core.py's (shared with the XLA runner); this file does the device work: inputs to
+tensors and attention metadata, the forward, sampling of requests whose chunk reaches the end of
+their known tokens, CUDA graphs (cuda_graphs.py). Speculative decoding: a request with d drafts
+has its last 1 + d positions verified by `Sampler.verify` (greedy / lossless rejection sampling);
+drafts come from the engine (n-gram), a draft model (draft.py) or an EAGLE head (eagle.py).
 
-Speculative decoding: a request with d drafts in `spec_token_ids` has its last 1 + d positions
-scored and verified by `Sampler.verify` (greedy / lossless rejection sampling); the runner keeps
-only the accepted drafts + 1 token. Drafts come from a second, small model (`method="draft_model"`,
-backends_torch/draft.py) or an EAGLE head (backends_torch/eagle.py) run here after each step.
-
-Async scheduling (xlaserve.runner, `launch` / `finish`): `launch` issues a step's GPU work and
-returns without waiting when every sampling request takes the greedy fast path; its tokens are
-appended as placeholders (PENDING) and copied to pinned host memory in the background. A request
-scheduled again before `finish` has a PENDING last token: its input id is fed on the device from
-the previous launch's argmax tensor, so the GPU never waits for the host.
+Async scheduling (xlaserve.runner, `launch` / `finish`): `launch` returns without waiting when
+every sampling request takes the greedy fast path; its tokens are PENDING placeholders copied to
+pinned host memory in the background. A request scheduled again before `finish` has its PENDING
+last input fed on the device from the previous launch's argmax tensor: the GPU never waits.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -54,7 +51,16 @@ from xlaserve.backends_torch.sampler import (
 from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.platforms import current_platform
-from xlaserve.runner import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
+from xlaserve.quantization.kv_quant import KV_CACHE_DTYPES
+from xlaserve.quantization.scheme import METHODS as QUANT_METHODS
+from xlaserve.runner import (
+    ModelRunner,
+    NewRequestData,
+    RunnerCapabilities,
+    RunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from xlaserve.runner_core import (
     NONFINITE_ERROR,
     PENDING,
@@ -96,6 +102,21 @@ class _Launched(LaunchedStep):
 
 class TorchModelRunner(RunnerCore):
     """Implements `xlaserve.runner.ModelRunner` with Torch models. Constructed as cls(config, spec)."""
+
+    capabilities: ClassVar[RunnerCapabilities] = RunnerCapabilities(
+        tensor_parallel=True, speculative_methods=("ngram", "draft_model", "eagle"),
+        kv_offload=True, quantization=QUANT_METHODS, kv_cache_dtypes=KV_CACHE_DTYPES,
+        async_scheduling=True,
+    )  # fmt: skip
+
+    @classmethod
+    def create(cls, config: EngineConfig, spec: ModelSpec) -> ModelRunner:
+        """tensor_parallel_size > 1: an executor over one runner per rank (distributed/)."""
+        if config.parallel.tensor_parallel_size > 1:
+            from xlaserve.backends_torch.distributed.executor import make_executor
+
+            return make_executor(config, spec)
+        return cls(config, spec)
 
     def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
         super().__init__()  # the persistent batch: self.requests (runner_core.py)

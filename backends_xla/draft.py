@@ -45,7 +45,8 @@ from xlaserve.runner import RunnerOutput
 from xlaserve.runner_core import draft_quota
 
 if TYPE_CHECKING:
-    from xlaserve.backends_xla.runner import XlaModelRunner, _Batch, _ReqState
+    from xlaserve.backends_xla.programs import StepBatch
+    from xlaserve.backends_xla.runner import XlaModelRunner, _ReqState
 
 DRAFT_PREFILL, DRAFT_DECODE = "draft_prefill", "draft_decode"
 DRAFT_KINDS = (DRAFT_PREFILL, DRAFT_DECODE)
@@ -233,7 +234,7 @@ class XlaDraftModel:
         return draft_quota(st, self.k, self.runner.max_model_len)
 
     # ---------------------------------------------------------------- one step
-    def propose(self, batch: _Batch, out: RunnerOutput) -> dict[str, list[int]]:
+    def propose(self, batch: StepBatch, out: RunnerOutput) -> dict[str, list[int]]:
         """After the target's step: catch the draft up, then propose up to K tokens for each
         request that sampled. Returns req id -> drafts (requests with quota 0 left out)."""
         r = self.runner

@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import jax
@@ -30,6 +31,39 @@ logger = logging.getLogger(__name__)
 
 FORWARD, SAMPLE, PROMPT_LOGPROBS, VERIFY = "forward", "sample", "prompt_logprobs", "verify"
 PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, V] logits materialized at once for prompt logprobs
+
+
+@dataclass
+class StepBatch:
+    """Host arrays of one padded step (T tokens, R = max_num_seqs request rows)."""
+
+    input_ids: np.ndarray  # i32 [T]
+    positions: np.ndarray  # i32 [T]
+    slot_mapping: np.ndarray  # i32 [T], -1 = padding
+    kv_lens: np.ndarray  # i32 [R]
+    block_tables: np.ndarray  # i32 [R, M]
+    cu_q_lens: np.ndarray  # i32 [R+1]
+    num_seqs: np.ndarray  # i32 [1]
+    # i32 [R * (1 + K)]: rows [0, R) = last token of each request in T; with speculation
+    # (K drafts max) rows R + i*K + j = draft position j of request i (padding: its last token).
+    logits_indices: np.ndarray
+    # i32 [R] each (async scheduling): input_ids[feed_dst[k]] = previous launch's tokens
+    # [feed_src[k]] on the device; feed_dst = T (out of range) for unused entries.
+    feed_dst: np.ndarray
+    feed_src: np.ndarray
+    req_ids: list[str] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # first position computed this step
+    counts: list[int] = field(default_factory=list)  # tokens computed this step
+    sampling: list[bool] = field(default_factory=list)  # chunk reaches the end of known tokens
+    drafts: list[list[int]] = field(default_factory=list)  # speculative drafts per request
+
+
+def dummy_batch(t: int, r: int, max_blocks: int, num_rows: int) -> StepBatch:
+    """An all-padding batch of token bucket t: no cache writes, no real request."""
+    z = np.zeros
+    return StepBatch(z(t, np.int32), z(t, np.int32), np.full(t, -1, np.int32), z(r, np.int32),
+                  z((r, max_blocks), np.int32), z(r + 1, np.int32), z(1, np.int32),
+                  z(num_rows, np.int32), np.full(r, t, np.int32), z(r, np.int32))  # fmt: skip
 
 
 def make_jitted(
@@ -123,7 +157,7 @@ def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None
     """Compile `programs` (default: every start-up program), lowering one by one (tracing
     holds the GIL) and compiling in threads (XLA releases it), with a progress bar."""
     todo = [p for p in programs if p not in r.programs]
-    lowered = {p: r._lower(*p) for p in todo}
+    lowered = {p: lower_program(r, *p) for p in todo}
     workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
     with (
         ThreadPoolExecutor(workers) as pool,
@@ -143,7 +177,7 @@ def peak_activation_bytes(r: XlaModelRunner) -> int:
     """Temporary memory of the largest forward + sampler, from XLA's memory analysis."""
     t, b = r.token_buckets[-1], r.seq_buckets[-1]
     sampler_bytes = 6 * b * r.vocab * 4
-    kv = [r._kv_layer_structs(1)] * r.spec.num_layers
+    kv = [kv_layer_structs(r, 1)] * r.spec.num_layers
     args = r._device_inputs(r._dummy_batch(t))
     try:
         stats = r._jitted[FORWARD].lower(r.state, kv, *args).compile().memory_analysis()
@@ -151,3 +185,21 @@ def peak_activation_bytes(r: XlaModelRunner) -> int:
     except Exception:  # noqa: BLE001 - memory analysis is optional on some backends
         h, i = r.spec.hidden_size, r.spec.intermediate_size
         return 4 * t * (6 * h + 3 * i + 2 * r.vocab) + sampler_bytes
+
+
+def kv_layer_structs(r: XlaModelRunner, num_blocks: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shapes, dtypes and shardings of one layer's cache tuple: (k, v) [N, S, Hkv, D] in the
+    model dtype, or (k codes, v codes) int8 / float8_e4m3fn + (k scales, v scales) float32
+    [N, S, Hkv] for a quantized cache (xlaserve.quantization.kv_quant)."""
+    shape = (num_blocks, r.block_size, r.spec.num_kv_heads, r.spec.head_dim)
+    if r.kv_cache_dtype == "auto":
+        dtypes, shapes = (r.kv_dtype,) * 2, (shape,) * 2
+    else:
+        from xlaserve.kernels_pallas.kv_cache_quant import code_dtype
+
+        dtypes = (code_dtype(r.kv_cache_dtype),) * 2 + (jnp.dtype(jnp.float32),) * 2
+        shapes = (shape,) * 2 + (shape[:3],) * 2
+    return tuple(
+        jax.ShapeDtypeStruct(sh, dt, sharding=sd)
+        for sh, dt, sd in zip(shapes, dtypes, r._kv_layer_shardings, strict=True)
+    )

@@ -4,9 +4,8 @@ One step = two compiled programs with static shapes, compiled apart so their cou
 instead of multiplying:
 
 - the forward, one per token bucket T: tokens padded to T; the per-request metadata (kv_lens,
-  block tables, query offsets, last-token rows) padded to a FIXED R = max_num_seqs rows, which
-  costs a few KB; the KV cache donated and updated in place. It returns the hidden rows of the
-  last token of each request [R, H] (and all hidden states [T, H]).
+  block tables, query offsets, last-token rows) padded to a FIXED R = max_num_seqs rows; the KV
+  cache donated and updated in place. It returns the last tokens' hidden rows [R, H] (and [T, H]).
 - "logits + sample", one per request bucket B: the first B of those rows -> logits [B, V] ->
   one sampler program that handles every SamplingParams feature with arrays (sampler.py).
 
@@ -20,16 +19,18 @@ K-step proposal program per request bucket, also compiled at start-up.
 Prompt logprobs (rare) use a third program per token bucket, compiled the first time a step asks
 for them (`lazy_compiles` records it). Everything else is compiled ahead of time at
 `init_kv_cache` (unless `enforce_eager`: then each program is compiled at first use), as
-`jax.stages.Compiled` executables, which cannot silently recompile while serving; JAX's persistent
-compilation cache makes the next start-up fast. Per-request state persists across steps (a
-persistent batch): the scheduler sends only what changed.
+`jax.stages.Compiled` executables (programs.py), which cannot silently recompile while serving;
+JAX's persistent compilation cache makes the next start-up fast. The persistent batch, step
+validation, numpy step inputs and output bookkeeping are xlaserve/runner_core.py's (shared with
+the torch runner); this file pads them into buckets and does the device work.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,10 @@ from xlaserve.backends_xla.programs import (
     PROMPT_LOGPROBS,
     SAMPLE,
     VERIFY,
+    StepBatch,
     compile_programs,
+    dummy_batch,
+    kv_layer_structs,
     lower_program,
     make_jitted,
     peak_activation_bytes,
@@ -69,7 +73,15 @@ from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.attention import AttentionMetadata
 from xlaserve.models_flax.loader import kv_heads_sharded, load_model, xla_quant_scheme
-from xlaserve.runner import NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
+from xlaserve.quantization.kv_quant import KV_CACHE_DTYPES
+from xlaserve.quantization.scheme import METHODS as QUANT_METHODS
+from xlaserve.runner import (
+    NewRequestData,
+    RunnerCapabilities,
+    RunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from xlaserve.runner_core import (
     LaunchedStep,
     ReqState,
@@ -93,31 +105,6 @@ class _ReqState(ReqState):
 
 
 @dataclass
-class _Batch:
-    """Host arrays of one padded step (T tokens, R = max_num_seqs request rows)."""
-
-    input_ids: np.ndarray  # i32 [T]
-    positions: np.ndarray  # i32 [T]
-    slot_mapping: np.ndarray  # i32 [T], -1 = padding
-    kv_lens: np.ndarray  # i32 [R]
-    block_tables: np.ndarray  # i32 [R, M]
-    cu_q_lens: np.ndarray  # i32 [R+1]
-    num_seqs: np.ndarray  # i32 [1]
-    # i32 [R * (1 + K)]: rows [0, R) = last token of each request in T; with speculation
-    # (K drafts max) rows R + i*K + j = draft position j of request i (padding: its last token).
-    logits_indices: np.ndarray
-    # i32 [R] each (async scheduling): input_ids[feed_dst[k]] = previous launch's tokens
-    # [feed_src[k]] on the device; feed_dst = T (out of range) for unused entries.
-    feed_dst: np.ndarray
-    feed_src: np.ndarray
-    req_ids: list[str] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # first position computed this step
-    counts: list[int] = field(default_factory=list)  # tokens computed this step
-    sampling: list[bool] = field(default_factory=list)  # chunk reaches the end of known tokens
-    drafts: list[list[int]] = field(default_factory=list)  # speculative drafts per request
-
-
-@dataclass
 class _Launched(LaunchedStep):
     """A launched step: for a deferred SAMPLE step, the results `finish` reads (pending rows:
     batch rows)."""
@@ -127,6 +114,22 @@ class _Launched(LaunchedStep):
 
 class XlaModelRunner(RunnerCore):
     """See the module docstring. Constructed as `XlaModelRunner(config, spec)`."""
+
+    capabilities: ClassVar[RunnerCapabilities] = RunnerCapabilities(
+        tensor_parallel=True, data_parallel_with_tensor_parallel=True, expert_parallel=True,
+        multi_host=True, speculative_methods=("ngram", "draft_model"), kv_offload=True,
+        quantization=QUANT_METHODS, kv_cache_dtypes=KV_CACHE_DTYPES,
+        checkpoint_formats=("safetensors", "orbax"), async_scheduling=True,
+    )  # fmt: skip
+
+    @staticmethod
+    def convert_checkpoint(model: str | None, out: str, fmt: str, tp: int, dtype: str) -> dict:
+        """`xlaserve convert --to orbax` through the runner registry (orbax_io.py)."""
+        if fmt != "orbax":
+            raise ValueError(f"backend 'xla' writes orbax checkpoints, not {fmt!r}")
+        from xlaserve.backends_xla.orbax_io import convert_to_orbax
+
+        return convert_to_orbax(model, out, tp, dtype)
 
     def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
         super().__init__()  # the persistent batch: self.requests (runner_core.py)
@@ -216,23 +219,6 @@ class XlaModelRunner(RunnerCore):
         per_token = self.spec.kv_bytes_per_token(self.kv_dtype.itemsize, self.kv_cache_dtype)
         return self.block_size * per_token // shards
 
-    def _kv_layer_structs(self, num_blocks: int) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """Shapes, dtypes and shardings of one layer's cache tuple: (k, v) [N, S, Hkv, D] in the
-        model dtype, or (k codes, v codes) int8 / float8_e4m3fn + (k scales, v scales) float32
-        [N, S, Hkv] for a quantized cache (xlaserve.quantization.kv_quant)."""
-        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        if self.kv_cache_dtype == "auto":
-            dtypes, shapes = (self.kv_dtype,) * 2, (shape,) * 2
-        else:
-            from xlaserve.kernels_pallas.kv_cache_quant import code_dtype
-
-            dtypes = (code_dtype(self.kv_cache_dtype),) * 2 + (jnp.dtype(jnp.float32),) * 2
-            shapes = (shape,) * 2 + (shape[:3],) * 2
-        return tuple(
-            jax.ShapeDtypeStruct(sh, dt, sharding=sd)
-            for sh, dt, sd in zip(shapes, dtypes, self._kv_layer_shardings, strict=True)
-        )
-
     def determine_num_kv_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
@@ -259,7 +245,7 @@ class XlaModelRunner(RunnerCore):
     def init_kv_cache(self, num_blocks: int) -> None:
         if self.state is None:
             raise RuntimeError("call load_model() before init_kv_cache()")
-        structs = self._kv_layer_structs(num_blocks)
+        structs = kv_layer_structs(self, num_blocks)
         layers = self.spec.num_layers
         alloc = jax.jit(
             lambda: [tuple(jnp.zeros(x.shape, x.dtype) for x in structs) for _ in range(layers)],
@@ -287,10 +273,6 @@ class XlaModelRunner(RunnerCore):
             progs += self.draft.startup_programs()
         return progs
 
-    def _lower(self, kind: str, n: int) -> jax.stages.Lowered:
-        """Trace and lower one program for bucket n (programs.py)."""
-        return lower_program(self, kind, n)
-
     def compile_all(self, programs: list[tuple[str, int]] | None = None) -> None:
         """Compile `programs` (default: every start-up program), programs.py."""
         compile_programs(self, programs or self.startup_programs())
@@ -301,7 +283,7 @@ class XlaModelRunner(RunnerCore):
             if kind != PROMPT_LOGPROBS and not self.config.enforce_eager:
                 logger.warning("compiling %s program for bucket %d while serving", kind, n)
             self.lazy_compiles.append((kind, n))
-            prog = self.programs[(kind, n)] = self._lower(kind, n).compile()
+            prog = self.programs[(kind, n)] = lower_program(self, kind, n).compile()
         return prog
 
     def shutdown(self) -> None:
@@ -400,7 +382,7 @@ class XlaModelRunner(RunnerCore):
                 return False
         return True
 
-    def _defer(self, batch: _Batch, res: SamplerOutput, launched: _Launched) -> None:
+    def _defer(self, batch: StepBatch, res: SamplerOutput, launched: _Launched) -> None:
         """Bookkeeping of `_emit` without the tokens: each sampling request gets a PENDING token
         (row i of this launch's tokens), fed to the next launch on the device."""
         launched.res = res
@@ -412,7 +394,7 @@ class XlaModelRunner(RunnerCore):
                 continue
             self._defer_token(launched, rid, r, i)
 
-    def _propose_drafts(self, batch: _Batch, out: RunnerOutput) -> None:
+    def _propose_drafts(self, batch: StepBatch, out: RunnerOutput) -> None:
         """With a draft model: its catch-up and proposals for the next step (draft.py)."""
         if self.draft is not None:
             out.spec_token_ids = self.draft.propose(batch, out)
@@ -436,7 +418,7 @@ class XlaModelRunner(RunnerCore):
         if r.output_counts is not None and tok < self.vocab:
             r.output_counts[tok] += 1
 
-    def _prepare(self, so: SchedulerOutput) -> _Batch:
+    def _prepare(self, so: SchedulerOutput) -> StepBatch:
         """The step's validated chunks (runner_core.py) padded into the bucket's host arrays."""
         k, r = self.num_spec_tokens, self.max_num_seqs
         plan = self._plan_step(so, k, self.max_blocks_per_seq, r)
@@ -461,18 +443,15 @@ class XlaModelRunner(RunnerCore):
         batch.sampling, batch.drafts = plan.sampling, plan.drafts
         return batch
 
-    def _dummy_batch(self, t: int) -> _Batch:
-        """An all-padding batch of token bucket t: no cache writes, no real request."""
-        z, r = np.zeros, self.max_num_seqs
-        return _Batch(z(t, np.int32), z(t, np.int32), np.full(t, -1, np.int32), z(r, np.int32),
-                      z((r, self.max_blocks_per_seq), np.int32), z(r + 1, np.int32), z(1, np.int32),
-                      z(self.num_rows, np.int32), np.full(r, t, np.int32), z(r, np.int32))  # fmt: skip
+    def _dummy_batch(self, t: int) -> StepBatch:
+        """An all-padding batch of token bucket t (programs.py)."""
+        return dummy_batch(t, self.max_num_seqs, self.max_blocks_per_seq, self.num_rows)
 
     def _put(self, tree):  # noqa: ANN001, ANN202
         """Host arrays -> replicated device arrays (one sharding always, as compiled)."""
         return jax.device_put(tree, self._replicated)
 
-    def _device_inputs(self, batch: _Batch) -> tuple:
+    def _device_inputs(self, batch: StepBatch) -> tuple:
         ids, pos, slots, kv_lens, tables, cu, ns, li, dst, src = self._put(
             (batch.input_ids, batch.positions, batch.slot_mapping, batch.kv_lens, batch.block_tables,
              batch.cu_q_lens, batch.num_seqs, batch.logits_indices, batch.feed_dst, batch.feed_src)
@@ -480,7 +459,7 @@ class XlaModelRunner(RunnerCore):
         md = AttentionMetadata(slots, kv_lens, tables, cu, ns, mesh=self.mesh)
         return ids, pos, md, li, (self._last_tokens, dst, src)
 
-    def _forward(self, batch: _Batch) -> tuple[jax.Array, jax.Array]:
+    def _forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
         """Run the model; keeps the (donated) cache; returns last-token rows [R, H], hidden [T, H]."""
         rows, hidden, self.kv_caches = self._program(FORWARD, len(batch.input_ids))(
             self.state, self.kv_caches, *self._device_inputs(batch)
@@ -516,7 +495,7 @@ class XlaModelRunner(RunnerCore):
     def _verify_step(
         self,
         so: SchedulerOutput,
-        batch: _Batch,
+        batch: StepBatch,
         rows_h: jax.Array,
         hidden: jax.Array,
         out: RunnerOutput,
@@ -554,7 +533,7 @@ class XlaModelRunner(RunnerCore):
 
     def _emit(
         self,
-        batch: _Batch,
+        batch: StepBatch,
         res: SamplerOutput | VerifyOutput,
         out: RunnerOutput,
         tokens: Callable[[int], list[int]],
@@ -585,7 +564,7 @@ class XlaModelRunner(RunnerCore):
         rows = range(lo, lo + n)
         return to_token_logprobs(res.logprob_ids, res.logprobs, res.ranks, rows, r.params.logprobs)
 
-    def _prompt_logprobs(self, batch: _Batch, hidden: jax.Array, out: RunnerOutput) -> None:
+    def _prompt_logprobs(self, batch: StepBatch, hidden: jax.Array, out: RunnerOutput) -> None:
         """Logprobs of prompt tokens whose preceding position was computed this step."""
         # (rid, row of the chunk's first token in T, first position computed, target positions [lo, hi))
         wanted = []
