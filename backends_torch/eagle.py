@@ -38,6 +38,7 @@ from xlaserve.backends_torch.layers.attention import AttentionBackend, Attention
 from xlaserve.backends_torch.models.base import CausalLMBase
 from xlaserve.backends_torch.models.decoder import DecoderLayer
 from xlaserve.model_loader.spec import ModelSpec
+from xlaserve.runner_core import draft_quota
 from xlaserve.spec_decode.eagle import build_eagle_spec
 
 _NEXT = "eagle_next"
@@ -174,7 +175,7 @@ class EagleProposer:
             chunks.append(
                 (st.token_ids[lo : last + 1], lo, r._draft_table(st.block_ids, len(chunks)))
             )
-            quota = r._draft_quota(st) if rid in sampled_ok else 0
+            quota = draft_quota(st, r.num_spec_tokens, r.max_model_len) if rid in sampled_ok else 0
             if quota > 0:
                 want.append((rid, len(chunks) - 1, quota))
         if store_blocks:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from xlaserve.runner import TokenLogprobs
+from xlaserve.runner_core import ReqState
 from xlaserve.sampling_params import SamplingParams
 
 
@@ -76,6 +77,19 @@ def deferrable_step(params: SamplingParams, num_output: int, has_bitmask: bool) 
         or p.logprobs is not None
         or p.masks_stop_tokens(num_output)
     )
+
+
+def nonfinite_rows(logits: torch.Tensor | None, suspect: list[int] | list[bool]) -> set[int]:
+    """Rows of logits [R, V] holding NaN or +-inf. `suspect[r]`: row r's sum is not finite
+    (a row with NaN/inf always has a non-finite sum; only suspects are checked element-wise,
+    since finite values can overflow a float32 sum). logits None: `suspect` is already exact
+    (the fused greedy kernel's element-wise flags), nothing to re-check."""
+    cand = [r for r, x in enumerate(suspect) if x]
+    if not cand or logits is None:
+        return set(cand)
+    idx = torch.tensor(cand, device=logits.device)
+    ok = torch.isfinite(logits[idx]).all(dim=-1).tolist()
+    return {r for r, f in zip(cand, ok, strict=True) if not f}
 
 
 class PinnedRing:
@@ -466,3 +480,63 @@ class Sampler:
                 lps[b] = entries[pos : pos + len(tokens[b])]
                 pos += len(tokens[b])
         return VerifyOutput(token_ids=tokens, logprobs=lps)
+
+
+def sample_requests(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    req_ids: list[str],
+    states: list[ReqState],
+    drafts: list[list[int]],
+    bitmasks: dict,
+    q: torch.Tensor | None = None,
+) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+    """Sample (no drafts anywhere) or verify (Sampler.verify, draft distributions q or one-hot)
+    the requests whose 1 + d rows are `logits` [sum(1 + d), V], in order. states: the runner's
+    per-request states (runner_core.ReqState + generator); bitmasks: req_id -> i32
+    [positions, W] (SchedulerOutput.grammar_bitmask). Returns tokens and logprobs per request."""
+    rows: list[SamplingRow] = []
+    for rid, st, ds in zip(req_ids, states, drafts, strict=True):
+        mask = bitmasks.get(rid)
+        if mask is not None:
+            mask = mask.reshape(-1, mask.shape[-1])
+            if mask.shape[0] < 1 + len(ds):
+                raise ValueError(
+                    f"req {rid}: grammar bitmask has {mask.shape[0]} rows for {1 + len(ds)} "
+                    "scored positions (need one row per position)"
+                )
+        # The sampler reads prompt/output tokens only for penalties (output: also its length
+        # for min_tokens): skip the copies otherwise.
+        p = st.params
+        prompt = st.token_ids[: st.num_prompt_tokens] if p.needs_penalties else []
+        output = st.output_ids if p.needs_penalties or p.min_tokens else []
+        for i in range(1 + len(ds)):
+            rows.append(
+                SamplingRow(
+                    params=st.params,
+                    prompt_ids=prompt,
+                    output_ids=output + ds[:i] if i else output,
+                    generator=st.generator,
+                    bitmask=None if mask is None else mask[i],
+                )
+            )
+    if not any(drafts):
+        res = sampler(logits, rows)
+        return [[t] for t in res.token_ids], [None if e is None else [e] for e in res.logprobs]
+    vres = sampler.verify(logits, rows, drafts, q)
+    return vres.token_ids, vres.logprobs
+
+
+def prompt_logprobs(
+    model: torch.nn.Module, st: ReqState, hidden: torch.Tensor, start: int
+) -> list[TokenLogprobs]:
+    """Rows of `hidden` [n, H] are positions start..start+n-1; row j predicts token j + 1.
+    Returns entries for prompt positions p = start+1 .. min(start+n, P-1) in order."""
+    num_prompt = st.num_prompt_tokens
+    n = min(hidden.shape[0], num_prompt - 1 - start)
+    if n <= 0:
+        return []
+    logits = model.compute_logits(hidden[:n])
+    lp = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor(st.token_ids[start + 1 : start + 1 + n], device=lp.device)
+    return token_logprobs(lp, targets, [st.params.prompt_logprobs] * n)

@@ -5,7 +5,7 @@ inside `XlaModelRunner.execute` after the target has sampled / verified, with it
 cache indexed by the SAME block ids as the target's (so prefix caching and preemption carry over:
 whatever the target computed into a block, the draft computed into its own copy of that block),
 plus a few scratch blocks per batch slot for proposal positions past a request's allocated
-blocks. Same semantics as the torch runner (backends_torch/runner.py `_propose`):
+blocks. Same semantics as the torch runner (backends_torch/draft.py `propose`):
 
 1. catch-up ("draft_prefill", one program per token bucket T): the draft writes its KV for the
    tokens the target computed this step that are now known to be right: positions
@@ -42,9 +42,11 @@ from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.attention import AttentionMetadata
 from xlaserve.models_flax.loader import kv_heads_sharded, load_model
 from xlaserve.runner import RunnerOutput
+from xlaserve.runner_core import draft_quota
 
 if TYPE_CHECKING:
-    from xlaserve.backends_xla.runner import XlaModelRunner, _Batch, _ReqState
+    from xlaserve.backends_xla.programs import StepBatch
+    from xlaserve.backends_xla.runner import XlaModelRunner, _ReqState
 
 DRAFT_PREFILL, DRAFT_DECODE = "draft_prefill", "draft_decode"
 DRAFT_KINDS = (DRAFT_PREFILL, DRAFT_DECODE)
@@ -228,17 +230,11 @@ class XlaDraftModel:
         return last, pos0, tables, quota, cu, np.asarray([len(rows)], np.int32)
 
     def _quota(self, st: _ReqState) -> int:
-        """Drafts worth proposing: never past max_tokens or max_model_len (the bonus token of
-        the verification step counts too)."""
-        max_len = self.runner.max_model_len
-        max_tokens = st.params.max_tokens
-        if max_tokens is None:
-            max_tokens = max_len - st.num_prompt
-        left = min(max_tokens - st.num_output, max_len - len(st.token_ids))
-        return max(0, min(self.k, left - 1))
+        """Drafts worth proposing (runner_core.draft_quota, as on torch)."""
+        return draft_quota(st, self.k, self.runner.max_model_len)
 
     # ---------------------------------------------------------------- one step
-    def propose(self, batch: _Batch, out: RunnerOutput) -> dict[str, list[int]]:
+    def propose(self, batch: StepBatch, out: RunnerOutput) -> dict[str, list[int]]:
         """After the target's step: catch the draft up, then propose up to K tokens for each
         request that sampled. Returns req id -> drafts (requests with quota 0 left out)."""
         r = self.runner

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.runner_core import ReqState
+
 # Top logprobs are always computed at the API maximum (SamplingParams allows <= 20) and cut on
 # the host, so the number asked never changes a compiled shape.
 MAX_LOGPROBS = 20
@@ -264,3 +266,105 @@ def verify(
 
     lps, ids, ranks = jax.lax.cond(t.want_logprobs, _logprobs, no_logprobs, raw, tokens.reshape(n))
     return VerifyOutput(tokens, n_acc + 1, lps, ids, ranks, has_nan)
+
+
+def sampling_host(
+    rows: list[ReqState | None],
+    req_ids: list[str],
+    b: int,
+    v: int,
+    extras: bool,
+    with_logprobs: bool,
+    bitmasks: dict,
+    positions: list[int] | None = None,
+    prefixes: list[list[int]] | None = None,
+) -> dict[str, np.ndarray]:
+    """Host fields of the SamplingTensors of b padded rows (`host_tensors`), filled from the
+    runner's per-request states (runner_core.ReqState + seed, output_counts, prompt_mask); rows
+    that do not sample this step (None) are greedy. bitmasks: req_id -> i32 [positions, W] (row 0
+    is this step's). With speculation, row i scores position positions[i] after the drafts
+    prefixes[i] (counts, steps, bitmask row). Dense fields no row uses are left out (the runner
+    keeps device-resident neutral ones)."""
+
+    h = host_tensors(b, v, extras)
+    h["use_extras"], h["want_logprobs"] = np.asarray(extras), np.asarray(with_logprobs)
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        p = r.params
+        j = positions[i] if positions is not None else 0
+        n_out = r.num_output + j
+        h["temperature"][i], h["top_k"][i], h["top_p"][i] = p.temperature, p.top_k, p.top_p
+        h["min_p"][i], h["seeds"][i], h["steps"][i] = p.min_p, r.seed, n_out
+        h["repetition_penalty"][i] = p.repetition_penalty
+        h["frequency_penalty"][i] = p.frequency_penalty
+        h["presence_penalty"][i] = p.presence_penalty
+        if not extras:
+            continue
+        for tok, val in (p.logit_bias or {}).items():
+            if 0 <= tok < v:
+                h["bias"][i, tok] += val
+        if n_out < p.min_tokens:
+            stop = [t for t in p.all_stop_token_ids() if 0 <= t < v]
+            h["bias"][i, stop] = -np.inf
+        if req_ids[i] in bitmasks:
+            w = h["bitmask"].shape[1]
+            mask = np.asarray(bitmasks[req_ids[i]], np.int32).reshape(-1, w)
+            if mask.shape[0] <= j:
+                raise ValueError(
+                    f"{req_ids[i]}: grammar bitmask has {mask.shape[0]} rows, position {j} scored"
+                )
+            h["bitmask"][i] = mask[j]
+        if r.output_counts is not None:
+            h["output_counts"][i], h["prompt_mask"][i] = r.output_counts, r.prompt_mask
+            for tok in prefixes[i] if prefixes is not None else ():
+                if 0 <= tok < v:
+                    h["output_counts"][i, tok] += 1
+    if extras:  # copy only the dense fields some row uses; the others stay device-resident
+        live = [(i, r) for i, r in enumerate(rows) if r is not None]
+        if not any(req_ids[i] in bitmasks for i, _ in live):
+            del h["bitmask"]
+        if not any(r.output_counts is not None for _, r in live):
+            del h["output_counts"], h["prompt_mask"]
+        pos = positions if positions is not None else [0] * len(rows)
+        if not any(
+            r.params.logit_bias or r.num_output + pos[i] < r.params.min_tokens for i, r in live
+        ):
+            del h["bias"]
+    return h
+
+
+def needs_extras(r: ReqState | None, rid: str, bitmasks: dict) -> bool:
+    """The row needs the dense extras (bias, bitmask, penalty counts) of the sampler."""
+    if r is None:
+        return False
+    p = r.params
+    return bool(
+        p.logit_bias or p.needs_penalties or rid in bitmasks or p.masks_stop_tokens(r.num_output)
+    )
+
+
+def verify_rows(
+    reqs: list[ReqState | None], req_ids: list[str], batch_drafts: list[list[int]], b: int, k: int
+) -> tuple[list[ReqState | None], list[str], list[int], list[list[int]], np.ndarray, np.ndarray]:
+    """The 1 + K scored rows per request of a verify program over request bucket b: per row
+    (state or None, req id, draft position, drafts before it), and drafts [b, K] / num_drafts
+    [b]. reqs[i] is None for a request that does not sample; padding rows repeat the last real
+    position."""
+    rows: list[ReqState | None] = []
+    rids: list[str] = []
+    positions: list[int] = []
+    prefixes: list[list[int]] = []
+    drafts = np.zeros((b, k), np.int32)
+    num_drafts = np.zeros(b, np.int32)
+    for i in range(b):
+        r = reqs[i] if i < len(reqs) else None
+        ds = batch_drafts[i] if r is not None else []
+        drafts[i, : len(ds)], num_drafts[i] = ds, len(ds)
+        for j in range(k + 1):
+            jj = min(j, len(ds))  # padding rows repeat the last real position
+            rows.append(r)
+            rids.append(req_ids[i] if r is not None else "")
+            positions.append(jj)
+            prefixes.append(ds[:jj])
+    return rows, rids, positions, prefixes, drafts, num_drafts

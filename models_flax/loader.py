@@ -203,7 +203,7 @@ def load_model(
                 "the HF safetensors directory instead"
             )
         # `xlaserve convert --to orbax` output: restored straight into the mesh's shardings.
-        from xlaserve.backends_xla.orbax_io import restore_state
+        from xlaserve.models_flax.orbax_io import restore_state
 
         return restore_state(spec, dtype, mesh)
     cls = get_model_class(spec.family)

@@ -11,14 +11,17 @@ request's tokens; the engine never sends sampled tokens back. With speculative d
 scheduler sends the draft tokens of the step in `spec_token_ids`; the runner appends only the
 accepted ones (+ the bonus/recovered token) and returns them.
 
-No torch or jax import here: backends are registered by name and imported lazily.
+No torch or jax import here: backends are registered by name and imported lazily. The engine
+reaches a backend only through this registry (`create_runner`, `get_capabilities`,
+`backends_with`): it asks what a runner can do (`RunnerCapabilities`), never which backend it is.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from xlaserve.sampling_params import SamplingParams
 
@@ -119,8 +122,41 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RunnerCapabilities:
+    """What a backend's runner can do, declared on its class (`capabilities`). The engine checks
+    a configuration against these before loading anything; a feature not listed is refused with
+    the names of the backends that list it."""
+
+    # tensor_parallel_size > 1.
+    tensor_parallel: bool = False
+    # data_parallel_size > 1 together with tensor_parallel_size > 1, replicas in one process.
+    data_parallel_with_tensor_parallel: bool = False
+    # enable_expert_parallel (MoE experts split over the tensor-parallel devices).
+    expert_parallel: bool = False
+    # nnodes > 1: one engine over several hosts (e.g. jax.distributed); torch spans hosts with
+    # distributed_executor_backend="ray" instead (tensor_parallel).
+    multi_host: bool = False
+    # speculative_config.method values the runner verifies / proposes.
+    speculative_methods: tuple[str, ...] = ()
+    # Host / disk KV offload (SchedulerOutput.kv_copy_* / kv_disk_*).
+    kv_offload: bool = False
+    # Weight quantization methods (ModelConfig.quantization / checkpoint formats).
+    quantization: tuple[str, ...] = ()
+    # cache.kv_cache_dtype values.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    # Checkpoint formats it loads: "safetensors" (HF), "orbax" (xlaserve convert --to orbax).
+    checkpoint_formats: tuple[str, ...] = ("safetensors",)
+    # launch / finish (async scheduling); whether it is on by default is `async_by_default`.
+    async_scheduling: bool = False
+
+
 class ModelRunner(Protocol):
-    """What a backend implements. Constructed as `cls(config, spec)`."""
+    """What a backend implements. Constructed as `cls(config, spec)`, or through the class's
+    optional `create(config, spec)` (e.g. an executor over tensor-parallel ranks)."""
+
+    # What this backend can do (read from the class, before any instance exists).
+    capabilities: ClassVar[RunnerCapabilities]
 
     def load_model(self) -> None:
         """Load weights (or make dummy ones) onto the device(s)."""
@@ -177,5 +213,53 @@ def get_runner_class(name: str) -> type:
     return getattr(mod, cls)
 
 
+def resolve_backend(name: str) -> str:
+    """A configured backend name: "auto" -> the platform's default (platforms/)."""
+    if name != "auto":
+        return name
+    from xlaserve.platforms import current_platform
+
+    return current_platform.default_backend
+
+
+def get_capabilities(name: str) -> RunnerCapabilities:
+    """The capabilities a backend's runner class declares (imports that backend)."""
+    return get_runner_class(name).capabilities
+
+
+def backends_with(want: Callable[[RunnerCapabilities], bool]) -> list[str]:
+    """Registered backends whose capabilities satisfy `want`, in registration order (for error
+    messages and for picking a backend a checkpoint needs); backends that do not import here
+    (packages missing) are left out."""
+    names = []
+    for name in _BACKENDS:
+        try:
+            caps = get_capabilities(name)
+        except ImportError:
+            continue
+        if want(caps):
+            names.append(name)
+    return names
+
+
+def backend_names(names: list[str]) -> str:
+    """'a' or 'a' or 'b' (for messages)."""
+    return " or ".join(repr(n) for n in names) if names else "(none installed)"
+
+
+def checkpoint_converter(fmt: str) -> Callable[..., dict[str, Any]]:
+    """`convert_checkpoint(model, out_dir, fmt, tensor_parallel_size, dtype) -> marker dict` of the
+    first backend that lists checkpoint format `fmt` and writes it (`xlaserve convert`)."""
+    for name in backends_with(lambda caps: fmt in caps.checkpoint_formats):
+        convert = getattr(get_runner_class(name), "convert_checkpoint", None)
+        if convert is not None:
+            return convert
+    raise ValueError(f"no installed backend writes {fmt!r} checkpoints")
+
+
 def create_runner(config: EngineConfig, spec: ModelSpec, backend: str) -> ModelRunner:
-    return get_runner_class(backend)(config, spec)
+    """The backend's runner: `cls.create(config, spec)` where the class has one, else
+    `cls(config, spec)`."""
+    cls = get_runner_class(backend)
+    create = getattr(cls, "create", None)
+    return create(config, spec) if create is not None else cls(config, spec)

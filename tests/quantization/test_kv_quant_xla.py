@@ -56,7 +56,7 @@ def _teacher_logits(runner, tokens: list[int], chunk: int = 8) -> np.ndarray:  #
         runner._update_states(so)
         _, hidden = runner._forward(runner._prepare(so))
         out.append(np.asarray(model.compute_logits(hidden[:n]), np.float32))
-        runner.requests["r"].num_computed += n
+        runner.requests["r"].num_computed_tokens += n
     runner._update_states(SchedulerOutput(finished_req_ids={"r"}))
     return np.concatenate(out)
 

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from xlaserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineQueueFullError
+from xlaserve.runner import backend_names, backends_with, get_capabilities, resolve_backend
 
 if TYPE_CHECKING:
     from xlaserve.config import EngineConfig
@@ -115,11 +116,15 @@ class DataParallelAsyncLLM:
     @classmethod
     def from_config(cls, config: EngineConfig) -> DataParallelAsyncLLM:
         n = config.parallel.data_parallel_size
-        if n > 1 and config.parallel.tensor_parallel_size > 1 and config.backend != "xla":
-            raise NotImplementedError(
-                "data_parallel_size > 1 with torch tensor parallelism in one process; run one "
-                "server per TP group behind a load balancer, or use backend='xla'"
-            )
+        if n > 1 and config.parallel.tensor_parallel_size > 1:
+            backend = resolve_backend(config.backend)
+            if not get_capabilities(backend).data_parallel_with_tensor_parallel:
+                able = backends_with(lambda caps: caps.data_parallel_with_tensor_parallel)
+                raise NotImplementedError(
+                    f"data_parallel_size > 1 with backend {backend!r}'s tensor parallelism in one "
+                    "process; run one server per TP group behind a load balancer, or use "
+                    f"backend={backend_names(able)}"
+                )
         one = dataclasses.replace(
             config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1)
         )

@@ -27,13 +27,16 @@ from xlaserve.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from xlaserve.platforms import current_platform
 from xlaserve.runner import (
     ModelRunner,
     RunnerOutput,
     SchedulerOutput,
     TokenLogprobs,
+    backend_names,
+    backends_with,
     create_runner,
+    get_capabilities,
+    resolve_backend,
 )
 from xlaserve.sampling_params import SamplingParams
 from xlaserve.spec_decode import NgramProposer, check_speculative_config
@@ -128,33 +131,32 @@ class LLMEngine:
             and self.tokenizer.eos_token_id not in self.eos_token_ids
         ):
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
-        self.backend = (
-            config.backend if config.backend != "auto" else current_platform.default_backend
-        )
+        self.backend = resolve_backend(config.backend)
         if is_orbax_dir(self.model_dir) or config.load.load_format == "orbax":
-            # Orbax checkpoints hold the Flax parameter tree: only the XLA backend reads them.
-            if config.backend == "torch":
-                raise ValueError(
-                    f"{self.model_dir} is an orbax checkpoint (xlaserve convert --to orbax), which "
-                    "only backend 'xla' can load; pass backend='xla' or the safetensors directory"
-                )
-            self.backend = "xla"
+            # Orbax checkpoints hold the Flax parameter tree: only a runner that lists the format
+            # reads them (auto picks one).
+            if "orbax" not in get_capabilities(self.backend).checkpoint_formats:
+                able = backends_with(lambda caps: "orbax" in caps.checkpoint_formats)
+                if config.backend != "auto" or not able:
+                    raise ValueError(
+                        f"{self.model_dir} is an orbax checkpoint (xlaserve convert --to orbax), "
+                        f"which only backend {backend_names(able)} can load; pass "
+                        f"backend={backend_names(able)} or the safetensors directory"
+                    )
+                self.backend = able[0]
         check_speculative_config(config.speculative, self.backend)  # before loading anything
-        par = config.parallel
-        if self.backend == "torch" and (par.enable_expert_parallel or par.nnodes > 1):
-            # Expert parallelism and nnodes (jax.distributed multi-host) are XLA features; torch
-            # spans hosts through distributed_executor_backend="ray".
+        par, caps = config.parallel, get_capabilities(self.backend)
+        if (par.enable_expert_parallel and not caps.expert_parallel) or (
+            par.nnodes > 1 and not caps.multi_host
+        ):
+            able = backends_with(lambda c: c.expert_parallel and c.multi_host)
             raise ValueError(
-                "enable_expert_parallel and nnodes > 1 need backend 'xla'; on the torch backend "
-                "use tensor_parallel_size with distributed_executor_backend='ray' across hosts"
+                f"enable_expert_parallel and nnodes > 1 need backend {backend_names(able)}; on "
+                f"backend {self.backend!r} use tensor_parallel_size (distributed_executor_backend="
+                "'ray' across hosts where the backend supports it)"
             )
-        if self.backend == "torch" and config.parallel.tensor_parallel_size > 1:
-            # One TorchModelRunner shard per device, over torch.distributed (imports torch).
-            from xlaserve.backends_torch.distributed.executor import make_executor
-
-            self.runner: ModelRunner = make_executor(config, self.spec)
-        else:
-            self.runner = create_runner(config, self.spec, self.backend)
+        # The backend's runner, or its executor over tensor-parallel ranks (runner registry).
+        self.runner: ModelRunner = create_runner(config, self.spec, self.backend)
         self.runner.load_model()
         num_blocks = self.runner.determine_num_kv_blocks()
         self.runner.init_kv_cache(num_blocks)

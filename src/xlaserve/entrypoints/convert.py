@@ -45,12 +45,13 @@ from xlaserve.config import DTYPES
 )
 def convert(model: str, out: str, to: str, tensor_parallel_size: int, dtype: str) -> None:
     """Convert MODEL (HF safetensors directory, hub id, or 'demo') into OUT."""
-    from xlaserve.backends_xla.orbax_io import convert_to_orbax
+    from xlaserve.runner import checkpoint_converter
 
     t0 = time.perf_counter()
-    try:
-        marker = convert_to_orbax(
-            None if model == "demo" else model, out, tensor_parallel_size, dtype
+    try:  # the backend that writes the format (runner registry; orbax: backends_xla/orbax_io.py)
+        convert_checkpoint = checkpoint_converter(to)
+        marker = convert_checkpoint(
+            None if model == "demo" else model, out, to, tensor_parallel_size, dtype
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         raise click.ClickException(str(e)) from e

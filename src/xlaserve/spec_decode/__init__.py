@@ -21,21 +21,18 @@ if TYPE_CHECKING:
 
 __all__ = ["NgramProposer", "check_speculative_config", "ngram_propose"]
 
-# method -> backends that implement it.
-SUPPORTED: dict[str, tuple[str, ...]] = {
-    "ngram": ("torch", "xla"),
-    "draft_model": ("torch", "xla"),
-    "eagle": ("torch",),
-}
-
 
 def check_speculative_config(config: SpeculativeConfig | None, backend: str) -> None:
-    """Fail at engine construction (before any model loads) for what is not implemented."""
+    """Fail at engine construction (before any model loads) for what is not implemented: the
+    backend's runner must list the method in its capabilities (xlaserve.runner)."""
     if config is None:
         return
-    backends = SUPPORTED.get(config.method, ())
-    if backend not in backends:
-        raise NotImplementedError(
-            f"speculative method {config.method!r} is implemented for the "
-            f"{', '.join(backends)} backend(s), not {backend!r}"
-        )
+    from xlaserve.runner import backends_with, get_capabilities
+
+    if config.method in get_capabilities(backend).speculative_methods:
+        return
+    backends = backends_with(lambda caps: config.method in caps.speculative_methods)
+    raise NotImplementedError(
+        f"speculative method {config.method!r} is implemented for the "
+        f"{', '.join(backends)} backend(s), not {backend!r}"
+    )
