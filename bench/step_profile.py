@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from xlaserve.bench.gpu_bench import LLAMA_8B, TINY, write_model_dir
+from xlaserve.bench.gpu_bench import write_model_dir
 
 # (owner attribute path from the engine, method name, label). Inclusive times; nested parts are
 # reported as they are (e.g. "runner.prepare" is inside "runner.launch").
@@ -160,8 +160,8 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model_dir,
         "backend": args.backend,
         "load_format": "dummy",
-        "dtype": "bfloat16" if not args.tiny else "float32",
-        "max_model_len": 2048,
+        "dtype": args.dtype or ("float32" if args.tiny else "bfloat16"),
+        "max_model_len": args.max_model_len,
         "max_num_seqs": max(batches),
     }
     if args.max_num_batched_tokens:
@@ -172,9 +172,11 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
     engine = llm.llm_engine
     timers = _Timers()
     result["parts"] = _instrument(engine, timers, args.backend, args.sync_programs)
-    vocab = TINY["vocab_size"] if args.tiny else LLAMA_8B["vocab_size"]
+    vocab = engine.spec.vocab_size
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=2048 - args.prompt_len - 1, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_model_len - args.prompt_len - 1, ignore_eos=True
+    )
     for b in batches:
         ids = []
         for _ in range(b):
@@ -240,9 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=32)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--dtype", default="", help="default bfloat16 (float32 with --tiny)")
+    p.add_argument("--model", default="", help="a model directory (e.g. the demo) instead of 8B")
     p.add_argument(
         "--sync-programs",
         action="store_true",
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.stage_out, "w") as f:
             json.dump(res, f, indent=1)
         return
-    model_dir = write_model_dir(
+    model_dir = args.model or write_model_dir(
         tempfile.mkdtemp(prefix="xls_prof_"), num_layers=args.num_layers, tiny=args.tiny
     )
     results: dict[str, Any] = {"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M")}
@@ -269,10 +274,12 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [sys.executable, "-m", "xlaserve.bench.step_profile", "--backend", backend]
         cmd += ["--model-dir", model_dir, "--stage-out", out, "--batches", args.batches]
         cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-        cmd += ["--prompt-len", str(args.prompt_len)]
+        cmd += ["--prompt-len", str(args.prompt_len), "--max-model-len", str(args.max_model_len)]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.tiny:
             cmd.append("--tiny")
+        if args.dtype:
+            cmd += ["--dtype", args.dtype]
         if args.sync_programs:
             cmd.append("--sync-programs")
         try:
