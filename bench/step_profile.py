@@ -128,12 +128,14 @@ def _sync_programs(runner: Any, timers: _Timers) -> list[str]:  # noqa: ANN401
     return ["program.*"]
 
 
-def _device_modules(trace_dir: str, seen: list[str]) -> dict[str, float]:
-    """Summed duration (ms) per XLA module name on the accelerator planes of a jax trace; the
-    plane / line names found go to `seen` (a trace without device planes has no device timer)."""
+def _device_modules(trace_dir: str, seen: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """From a jax trace: (ms per XLA module name, ms per kernel name) on the accelerator planes.
+    Modules come from "XLA Modules" lines where the profiler writes them; kernels from the
+    compute stream lines (GPU: "Stream #N(...Compute...)"). Plane / line names go to `seen`."""
     from jax.profiler import ProfileData
 
-    out: dict[str, float] = collections.defaultdict(float)
+    mods: dict[str, float] = collections.defaultdict(float)
+    kernels: dict[str, float] = collections.defaultdict(float)
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         data = ProfileData.from_file(path)
         for plane in data.planes:
@@ -141,12 +143,13 @@ def _device_modules(trace_dir: str, seen: list[str]) -> dict[str, float]:
             if not any(k in plane.name for k in ("GPU", "TPU")):
                 continue
             for line in plane.lines:
-                if line.name != "XLA Modules":
-                    continue
-                for ev in line.events:
-                    # "jit_forward(12345)" -> "jit_forward"
-                    out[ev.name.split("(")[0]] += ev.duration_ns / 1e6
-    return dict(out)
+                if line.name == "XLA Modules":
+                    for ev in line.events:  # "jit_forward(12345)" -> "jit_forward"
+                        mods[ev.name.split("(")[0]] += ev.duration_ns / 1e6
+                elif "Compute" in line.name or line.name == "XLA Ops":
+                    for ev in line.events:
+                        kernels[ev.name[:80]] += ev.duration_ns / 1e6
+    return dict(mods), dict(kernels)
 
 
 def stage(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,10 +226,13 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
         }
         if trace_dir:
             seen: list[str] = []
-            mods = _device_modules(trace_dir, seen)
+            mods, kernels = _device_modules(trace_dir, seen)
             row["trace_planes"] = seen
             row["device_ms"] = {k: v / args.steps for k, v in sorted(mods.items())}
-            row["device_busy_ms"] = sum(row["device_ms"].values())
+            top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+            row["kernel_ms"] = {k: v / args.steps for k, v in top}  # top kernels, per step
+            row["kernel_count_busy_ms"] = (len(kernels), sum(kernels.values()) / args.steps)
+            row["device_busy_ms"] = sum(row["device_ms"].values()) or row["kernel_count_busy_ms"][1]
         result[f"batch{b}"] = row
         engine.abort_request(ids)
         for _ in range(4):  # let aborts reach the runner
