@@ -128,14 +128,18 @@ def _sync_programs(runner: Any, timers: _Timers) -> list[str]:  # noqa: ANN401
     return ["program.*"]
 
 
-def _device_modules(trace_dir: str, seen: list[str]) -> tuple[dict[str, float], dict[str, float]]:
-    """From a jax trace: (ms per XLA module name, ms per kernel name) on the accelerator planes.
+def _device_modules(
+    trace_dir: str, seen: list[str]
+) -> tuple[dict[str, float], dict[str, float], int]:
+    """From a jax trace: (ms per XLA module name, ms per kernel name, kernel launches) on the
+    accelerator planes.
     Modules come from "XLA Modules" lines where the profiler writes them; kernels from the
     compute stream lines (GPU: "Stream #N(...Compute...)"). Plane / line names go to `seen`."""
     from jax.profiler import ProfileData
 
     mods: dict[str, float] = collections.defaultdict(float)
     kernels: dict[str, float] = collections.defaultdict(float)
+    launches = [0]
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         data = ProfileData.from_file(path)
         for plane in data.planes:
@@ -149,7 +153,8 @@ def _device_modules(trace_dir: str, seen: list[str]) -> tuple[dict[str, float], 
                 elif "Compute" in line.name or line.name == "XLA Ops":
                     for ev in line.events:
                         kernels[ev.name[:80]] += ev.duration_ns / 1e6
-    return dict(mods), dict(kernels)
+                        launches[0] += 1
+    return dict(mods), dict(kernels), launches[0]
 
 
 def stage(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,9 +231,10 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
         }
         if trace_dir:
             seen: list[str] = []
-            mods, kernels = _device_modules(trace_dir, seen)
+            mods, kernels, launches = _device_modules(trace_dir, seen)
             row["trace_planes"] = seen
             row["device_ms"] = {k: v / args.steps for k, v in sorted(mods.items())}
+            row["kernel_launches_per_step"] = launches / args.steps
             top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
             row["kernel_ms"] = {k: v / args.steps for k, v in top}  # top kernels, per step
             row["kernel_count_busy_ms"] = (len(kernels), sum(kernels.values()) / args.steps)
