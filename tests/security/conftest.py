@@ -20,6 +20,9 @@ def sec_engine(tiny_model_dir) -> Iterator[AsyncLLM]:  # noqa: ANN001
     eng = AsyncLLM.from_config(
         engine_config(
             tiny_model_dir("llama"),
+            # Big enough for the 100k-entry choice list (1.3 MB), whose compile must be
+            # cut off by the 3 s timeout (it takes 20-60 s even on the tiny vocabulary).
+            max_grammar_bytes=2 * 1024 * 1024,
             compile_timeout=3.0,
             compile_workers=2,
         )

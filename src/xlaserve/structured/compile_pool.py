@@ -113,7 +113,9 @@ class CompilePool:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._procs: dict[int, subprocess.Popen] = {}  # slot -> live process (for shutdown)
-        self.num_killed = 0  # workers killed for a timeout or a cancel (tests, metrics)
+        # Workers killed for a timeout / for a cancel (abort, shutdown) of a running compile.
+        self.num_timeouts = 0
+        self.num_cancels = 0
         self._by_future: dict[cf.Future, _Job] = {}
         self._threads = [
             threading.Thread(
@@ -156,6 +158,10 @@ class CompilePool:
             _kill(p)
         for _ in self._threads:
             self._jobs.put(None)
+
+    @property
+    def num_killed(self) -> int:
+        return self.num_timeouts + self.num_cancels
 
     @property
     def num_workers(self) -> int:
@@ -226,11 +232,11 @@ class CompilePool:
             _write_frame(proc.stdin, job.grammar_json)  # type: ignore[arg-type]
             while not _wait_readable(proc, None, _POLL_S):
                 if job.cancelled.is_set() or self._stop.is_set():
-                    self.num_killed += 1
+                    self.num_cancels += 1
                     _fail(job, CompileCancelled("grammar compile cancelled"))
                     return False
                 if time.monotonic() > deadline:
-                    self.num_killed += 1
+                    self.num_timeouts += 1
                     _fail(
                         job,
                         CompileTimeout(
