@@ -125,3 +125,24 @@ def test_finished_group_frees_its_slots_for_the_held_sequences() -> None:
     # Nobody else waits: the held big sequence runs again.
     assert ids(sched.running) == ["0#big", "1#big", "2#big", "3#big"]
     assert not sched.waiting
+
+
+def test_priority_policy_never_preempts_for_a_less_urgent_request() -> None:
+    kv = KVCacheManager(128, BS, False)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, policy="priority", max_running_share=0.5
+        ),
+        CacheConfig(block_size=BS, num_kv_blocks=128, enable_prefix_caching=False),
+        kv,
+        256,
+    )
+    runner = FakeRunner(128, BS)
+    for i in range(4):
+        sched.add_request(seq(f"{i}#big", "big", 10 * i))  # priority 0 (most urgent)
+    step(sched, runner)
+    low = seq("0#low", "low", 100)
+    low.priority = 5
+    sched.add_request(low)
+    step(sched, runner)
+    assert sched.num_preemptions_total == 0 and ids(sched.waiting) == ["0#low"]

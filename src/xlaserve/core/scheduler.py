@@ -132,15 +132,25 @@ class Scheduler:
         they fit or no group is over. Updates `running` (group -> running sequences)."""
         cap = self.group_cap
         want = 0
+        best = None  # under "priority": never preempt for a less urgent request
         seen: Counter = Counter()
         for r in self.waiting:
             g = _group(r)
             if running[g] + seen[g] < cap and self._ready(r):
                 seen[g] += 1
                 want += 1
+                best = r.priority if best is None else min(best, r.priority)
         free = self.config.max_num_seqs - len(self.running)
         while want > free:
-            victim = next((r for r in reversed(self.running) if running[_group(r)] > cap), None)
+            victim = next(
+                (
+                    r
+                    for r in reversed(self.running)
+                    if running[_group(r)] > cap
+                    and (not self.by_priority or best is None or r.priority >= best)
+                ),
+                None,
+            )
             if victim is None:
                 return
             running[_group(victim)] -= 1

@@ -3,9 +3,15 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /version, GET /metrics, POST /tokenize, POST /detokenize.
 
-Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters or
-JSON, 401 API key, 404 unknown model or route, 413 body too large, 503 engine down or waiting
-queue full (with Retry-After), 500 anything unexpected. Streams are Server-Sent Events
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters,
+JSON or body encoding, a request over a per-request bound (ServerConfig: sequences, logprobs,
+stop strings; grammar bytes) or a grammar that does not compile in time, 401 API key, 404 unknown
+model or route, 413 body too large (sent or inflated), 415 unsupported Content-Encoding, 503
+engine down or waiting queue full (with Retry-After), 500 anything unexpected.
+
+Hardening (docs/security.md): CPU-heavy request work (inflating, decoding large JSON, chat
+templating, tokenization) runs on a thread pool, never on the event loop; chat content is
+tokenized as plain text; with several API keys each key gets its own prefix-cache salt. Streams are Server-Sent Events
 (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); a client that goes away mid-request has its
 request aborted (its KV blocks are freed).
 """
