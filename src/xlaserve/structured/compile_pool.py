@@ -113,7 +113,8 @@ class CompilePool:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._procs: dict[int, subprocess.Popen] = {}  # slot -> live process (for shutdown)
-        # Workers killed for a timeout / for a cancel (abort, shutdown) of a running compile.
+        # Compiles stopped by their deadline (worker killed) / cancelled by an abort or
+        # shutdown (worker killed when it had started, else dropped from the queue).
         self.num_timeouts = 0
         self.num_cancels = 0
         self._by_future: dict[cf.Future, _Job] = {}
@@ -216,6 +217,7 @@ class CompilePool:
                 if job is None:
                     return
                 if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
+                    self.num_cancels += 1
                     _fail(job, CompileCancelled("compile cancelled before it started"))
                     continue
                 if not self._run(job, worker):
