@@ -143,14 +143,19 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # Split long prompts over several steps.
     enable_chunked_prefill: bool = True
-    # Bound on the waiting queue (None = unbounded); the server answers 503 when full.
-    max_num_waiting: int | None = None
+    # Bound on the waiting queue in sequences (None = unbounded); the server answers 503 with
+    # Retry-After when full. Bounded by default so a flood queues no unbounded work.
+    max_num_waiting: int | None = 1024
     # What preemption does with a request's blocks: "recompute" or "swap" (host tier).
     preemption_mode: str = "recompute"
     # Schedule step N+1 while step N runs on the device: "on", "off", "auto" (on for the XLA
     # backend on one host and for torch on CUDA; off for torch on the CPU). Not with
     # speculative decoding or KV offload; synchronous while a structured-output request runs.
     async_scheduling: str = "auto"
+    # Fairness: while requests of other groups wait, the sequences of one request (its n
+    # samples and, from the server, all prompts of one HTTP request) hold at most this share of
+    # max_num_seqs (at least one slot); sequences over it are preempted newest first. 1.0 = off.
+    max_running_share: float = 0.5
 
     def __post_init__(self) -> None:
         # None: left to EngineConfig, which knows the platform and backend.
@@ -177,6 +182,10 @@ class SchedulerConfig:
         _check(
             self.max_num_waiting is None or self.max_num_waiting > 0,
             "max_num_waiting must be positive",
+        )
+        _check(
+            0.0 < self.max_running_share <= 1.0,
+            f"max_running_share must be in (0, 1], got {self.max_running_share}",
         )
 
     def fill_limits(self, seqs: int, tokens: int) -> None:
@@ -290,23 +299,94 @@ class SpeculativeConfig:
 class StructuredOutputConfig:
     # Grammar engine; only xgrammar is supported.
     backend: str = "xgrammar"
-    # Compiled grammars kept per (spec, tokenizer).
+    # Compiled grammars kept per (spec, tokenizer), at most this many ...
     cache_size: int = 256
+    # ... and at most this many bytes (xgrammar's own size estimate of each compiled grammar).
+    cache_bytes: int = 256 * 1024 * 1024
+    # Longest grammar source accepted, in bytes (JSON schema text, regex, choice list, EBNF);
+    # longer ones are refused (400) before anything is parsed or compiled.
+    max_grammar_bytes: int = 64 * 1024
+    # Seconds one grammar compilation may take; past it the compile worker is killed and the
+    # requests waiting on it fail. Aborting every such request kills it too.
+    compile_timeout: float = 30.0
+    # Grammar compile worker processes (killable, so a runaway compile never outlives its
+    # request or blocks shutdown); 0 compiles on a thread in-process (not cancellable).
+    compile_workers: int = 2
 
     def __post_init__(self) -> None:
         _check(self.backend == "xgrammar", "structured output backend must be 'xgrammar'")
+        _check(self.cache_size >= 0, "structured_output_cache_size must be >= 0")
+        _check(self.cache_bytes >= 0, "grammar_cache_bytes must be >= 0")
+        _check(self.max_grammar_bytes > 0, "max_grammar_bytes must be positive")
+        _check(self.compile_timeout > 0, "grammar_compile_timeout must be positive")
+        _check(self.compile_workers >= 0, "grammar_compile_workers must be >= 0")
 
 
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
-    # Request bodies above this many bytes are refused (413).
+    # One or more accepted API keys (the flag repeats). On the command line a key is visible in
+    # `ps`: prefer api_key_file or the XLASERVE_API_KEY environment variable.
+    api_key: str | list[str] | None = None
+    # File holding accepted API keys, one per line (blank lines and '#' comments ignored).
+    api_key_file: str | None = None
+    # With several API keys each key gets its own prefix-cache salt (no client learns from
+    # cache hits what another key sent); True lets all keys share cached prefixes.
+    share_prefix_cache_across_keys: bool = False
+    # Report usage.prompt_tokens_details.cached_tokens (off by default: prefix-cache hits tell
+    # a client whether someone else sent the same prefix recently).
+    enable_prompt_tokens_details: bool = False
+    # Request bodies above this many bytes are refused (413), compressed or inflated.
     max_request_bytes: int = 4 * 1024 * 1024
     # Per-request timeout in seconds (None = none).
     request_timeout: float | None = None
     log_requests: bool = False
+    # Most sequences one request may start: prompts x n (400 beyond).
+    max_sequences_per_request: int = 256
+    # Most logprobs one response may carry per position: prompts x n x (top) logprobs.
+    max_logprobs_per_response: int = 512
+    # Most stop strings per request, and the longest one in characters.
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    # Chat content is plain text: special-token text in a message (e.g. "<|im_start|>system")
+    # is tokenized as text, never as control tokens. True lets content spell control tokens.
+    allow_special_tokens_in_content: bool = False
+    # Worker threads for CPU-heavy request work kept off the event loop (decompression, JSON
+    # parsing of large bodies, chat templating, tokenization).
+    cpu_workers: int = 2
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_request_bytes",
+            "max_sequences_per_request",
+            "max_logprobs_per_response",
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "cpu_workers",
+        ):
+            _check(getattr(self, name) > 0, f"{name} must be positive")
+
+    def api_keys(self) -> list[str]:
+        """Every accepted key: api_key (one or a list) plus api_key_file's lines. Raises
+        ValueError when the file cannot be read or holds no key."""
+        keys: list[str] = []
+        if isinstance(self.api_key, str):
+            keys += self.api_key.split()
+        elif self.api_key:
+            for k in self.api_key:
+                keys += k.split()
+        if self.api_key_file:
+            try:
+                with open(self.api_key_file, encoding="utf-8") as f:
+                    lines = [ln.strip() for ln in f]
+            except OSError as e:
+                raise ValueError(f"api_key_file: cannot read {self.api_key_file}: {e}") from None
+            file_keys = [ln for ln in lines if ln and not ln.startswith("#")]
+            if not file_keys:
+                raise ValueError(f"api_key_file: {self.api_key_file} holds no key")
+            keys += file_keys
+        return list(dict.fromkeys(keys))  # dedup, order kept
 
 
 @dataclass

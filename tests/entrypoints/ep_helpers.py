@@ -16,7 +16,7 @@ from aiohttp import web
 
 from xlaserve.config import EngineConfig, ServerConfig
 from xlaserve.engine.async_llm import AsyncLLM
-from xlaserve.entrypoints.openai.api_server import build_app
+from xlaserve.entrypoints.openai.api_server import RUNNER_KWARGS, build_app
 
 MODEL_NAME = "tiny"
 API_KEY = "sk-test-key"
@@ -108,7 +108,7 @@ class ServerThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True)
+        self.runner = web.AppRunner(self.app, **RUNNER_KWARGS)  # as run_server does
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())

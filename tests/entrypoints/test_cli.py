@@ -69,7 +69,7 @@ def test_serve_flags_and_env_map_onto_config(monkeypatch: pytest.MonkeyPatch) ->
     assert e.cache.block_size == 32 and e.cache.enable_prefix_caching is False
     assert e.scheduler.max_num_waiting == 3
     assert e.speculative == cfg.SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    assert (s.port, s.api_key, s.host) == (9001, "k", "127.0.0.1")
+    assert (s.port, s.api_keys(), s.host) == (9001, ["k"], "127.0.0.1")
     res = CliRunner().invoke(cli.main, ["serve"])
     assert res.exit_code == 0 and got["engine"].model.model is None  # no MODEL: the demo model
     res = CliRunner().invoke(cli.main, ["serve", "--max-num-seqs", "0"])

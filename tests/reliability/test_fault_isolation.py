@@ -243,7 +243,8 @@ def test_unexpected_add_error_fails_only_that_request(rel_model_path: str) -> No
     real_add = eng.engine.add_request
 
     def flaky_add(request_id: str, prompt: Any, *a: Any, **kw: Any) -> None:
-        if prompt == "boom":
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt  # server: a dict
+        if text == "boom":
             raise KeyError("injected fault while adding")  # not a ValueError: a bug, not input
         real_add(request_id, prompt, *a, **kw)
 

@@ -388,7 +388,8 @@ def test_fuzz_raw_bytes_and_content_types(fuzz_client: Client, fuzz_server) -> N
         # ~1 MB of text (under the 4 MiB limit): tokenized, then refused for the context length.
         ("/v1/completions", {"prompt": "And God said, " * 70_000, "max_tokens": 2}, 400),
         ("/tokenize", {"prompt": "light " * 150_000}, 200),
-        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": ["z" * 1_000_000]}, 200),
+        # a 1 MB stop string: over --max-stop-string-chars (issue 32), refused before any work
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": ["z" * 1_000_000]}, 400),
         ("/v1/completions", {"prompt": list(range(3)) * 300_000, "max_tokens": 2}, 400),
         ("/detokenize", {"tokens": [5] * 500_000}, 200),
         # over the 4 MiB limit: 413 before anything is parsed
@@ -404,5 +405,5 @@ def test_very_long_bodies(
     if status >= 400:
         err = check_error_body(reply)
         if status == 400:
-            assert "context length" in err["message"]
+            assert "context length" in err["message"] or err["param"] == "stop"
     check_reply("long", reply)

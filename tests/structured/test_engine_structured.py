@@ -3,6 +3,7 @@ Llama: a random model writes garbage, but garbage inside the constraint."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import re
 
@@ -161,7 +162,16 @@ def test_compile_failure_fails_only_that_request(llm: LLM, monkeypatch: pytest.M
     def boom(grammar):  # noqa: ANN001, ANN202
         raise RuntimeError("[12:00:00] /project/cpp/compiler.cc:1: out of grammar budget")
 
+    def boom_in_worker(grammar_json, timeout):  # noqa: ANN001, ANN202
+        fut = cf.Future()  # what the compile pool returns for a worker's error
+        fut.set_exception(
+            RuntimeError("[12:00:00] /project/cpp/compiler.cc:1: out of grammar budget")
+        )
+        return fut
+
     monkeypatch.setattr(mgr._compiler, "compile_grammar", boom)
+    if mgr._pool is not None:
+        monkeypatch.setattr(mgr._pool, "submit", boom_in_worker)
     engine.add_request("doomed", PROMPTS[1], _greedy(8, SO(regex="zz[0-9]+q")))
     engine.add_request("fine", PROMPTS[2], _greedy(5, ignore_eos=True))
     final = {}

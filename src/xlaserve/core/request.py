@@ -48,6 +48,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first under the "priority" policy
     cache_salt: str | None = None  # extra key in the prefix-cache hash (tenant isolation)
+    # Fairness group (scheduler.max_running_share): the sequences of one client request (its n
+    # samples, the prompts of one HTTP request); None = the request is its own group.
+    group_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -15,7 +15,7 @@ that turns out to have finished at step N was computed once more at N+1; that to
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 from xlaserve.config import CacheConfig, SchedulerConfig
@@ -26,6 +26,19 @@ from xlaserve.runner import CachedRequestData, NewRequestData, RunnerOutput, Sch
 
 def _priority_key(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
+
+
+def _group(request: Request) -> str:
+    """Fairness group: the client request a sequence belongs to."""
+    return request.group_id or request.request_id
+
+
+def _drop(counter: Counter, key: str) -> None:
+    """One fewer of `key` (removed at zero, so len() counts the keys present)."""
+    if counter[key] > 1:
+        counter[key] -= 1
+    else:
+        counter.pop(key, None)
 
 
 class Scheduler:
@@ -103,6 +116,47 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
         self._enqueue_waiting(request, front=True)
 
+    # ----- fairness ---------------------------------------------------------------------------
+
+    @property
+    def group_cap(self) -> int:
+        """Running sequences one group may hold while other groups wait (>= 1)."""
+        return max(1, int(self.config.max_running_share * self.config.max_num_seqs))
+
+    def _ready(self, req: Request) -> bool:
+        return self.is_request_ready is None or self.is_request_ready(req)
+
+    def _rebalance(self, running: Counter) -> None:
+        """Fairness: when ready waiting requests of groups under the cap outnumber the free
+        slots, preempt sequences of groups over the cap (the last in batch order first) until
+        they fit or no group is over. Updates `running` (group -> running sequences)."""
+        cap = self.group_cap
+        want = 0
+        best = None  # under "priority": never preempt for a less urgent request
+        seen: Counter = Counter()
+        for r in self.waiting:
+            g = _group(r)
+            if running[g] + seen[g] < cap and self._ready(r):
+                seen[g] += 1
+                want += 1
+                best = r.priority if best is None else min(best, r.priority)
+        free = self.config.max_num_seqs - len(self.running)
+        while want > free:
+            victim = next(
+                (
+                    r
+                    for r in reversed(self.running)
+                    if running[_group(r)] > cap
+                    and (not self.by_priority or best is None or r.priority >= best)
+                ),
+                None,
+            )
+            if victim is None:
+                return
+            running[_group(victim)] -= 1
+            self._preempt(victim)
+            free += 1
+
     # ----- one step ---------------------------------------------------------------------------
 
     def schedule(self, lookahead: bool = False) -> SchedulerOutput:
@@ -115,6 +169,11 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[Request] = []
         preempted = False
+        # Fairness: running sequences per group, and the waiting groups, while others wait.
+        fair = self.group_cap < self.config.max_num_seqs and bool(self.waiting)
+        running_by_group: Counter = Counter(_group(r) for r in self.running) if fair else Counter()
+        if fair:
+            self._rebalance(running_by_group)
 
         # 1. Running requests, in order.
         i = 0
@@ -151,6 +210,11 @@ class Scheduler:
 
         # 2. Waiting requests (not in a step that had to preempt: blocks are short).
         not_ready: list[Request] = []  # grammar still compiling: skipped, put back in order
+        # Fairness: waiting requests per group; a group at its cap is held back while another
+        # group's request waits (held requests are put back in order like not_ready ones).
+        waiting_by_group: Counter = (
+            Counter(_group(r) for r in self.waiting if self._ready(r)) if fair else Counter()
+        )
         while (
             not preempted
             and self.waiting
@@ -161,6 +225,13 @@ class Scheduler:
             if self.is_request_ready is not None and not self.is_request_ready(req):
                 not_ready.append(self.waiting.popleft())
                 continue
+            if fair:
+                g = _group(req)
+                others = len(waiting_by_group) - (1 if waiting_by_group[g] else 0)
+                if running_by_group[g] >= self.group_cap and others > 0:
+                    not_ready.append(self.waiting.popleft())
+                    _drop(waiting_by_group, g)
+                    continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if num_new > budget:
@@ -175,6 +246,10 @@ class Scheduler:
             else:
                 self.running.append(req)
             req.status = RequestStatus.RUNNING
+            if fair:
+                g = _group(req)
+                running_by_group[g] += 1
+                _drop(waiting_by_group, g)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit

@@ -253,6 +253,8 @@ class LLMEngine:
         params = (params or SamplingParams()).clone()
         params.eos_token_ids = list(self.eos_token_ids)
         text, ids = self._prompt_ids(prompt)
+        # Fairness group: a prompt dict may name one (the server: all prompts of one request).
+        group = prompt.get("group") if isinstance(prompt, dict) else None
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.spec.vocab_size
@@ -299,6 +301,7 @@ class LLMEngine:
                 arrival_time=now,
                 priority=priority,
                 cache_salt=cache_salt,
+                group_id=str(group) if group is not None else request_id,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,

@@ -53,6 +53,9 @@ _SKIP = {("model", "model"), ("engine", "model"), ("engine", "cache"), ("engine"
 _RENAME = {
     ("structured", "backend"): "structured_output_backend",
     ("structured", "cache_size"): "structured_output_cache_size",
+    ("structured", "cache_bytes"): "grammar_cache_bytes",
+    ("structured", "compile_timeout"): "grammar_compile_timeout",
+    ("structured", "compile_workers"): "grammar_compile_workers",
     ("engine", "speculative"): "speculative_config",
 }
 # Help for fields that carry no comment in config.py.
@@ -67,7 +70,9 @@ _EXTRA_HELP = {
     (
         "server",
         "api_key",
-    ): "Require 'Authorization: Bearer KEY' (except /health, /version, /metrics).",
+    ): "Require 'Authorization: Bearer KEY' (except /health, /version, /metrics); repeat for "
+    "several keys. A key on the command line shows in `ps`: prefer --api-key-file or "
+    "XLASERVE_API_KEY (several keys: separated by spaces).",
     ("server", "request_timeout"): "Per-request timeout in seconds (504 past it).",
     ("server", "log_requests"): "Log each request and the access log.",
 }
@@ -145,6 +150,11 @@ def _click_type(tp: Any) -> tuple[Any, bool]:
     return {int: click.INT, float: click.FLOAT, str: click.STRING}.get(base, click.STRING), False
 
 
+def _is_repeatable(tp: Any) -> bool:
+    """A field typed `... | list[X]`: its flag may be given several times."""
+    return any(typing.get_origin(a) is list for a in typing.get_args(tp))
+
+
 def _config_options(sections: set[str]) -> Callable[[Callable], Callable]:
     """Decorator adding one flag per field of the named config sections."""
     decorators = []
@@ -178,6 +188,9 @@ def _config_options(sections: set[str]) -> Callable[[Callable], Callable]:
             if is_bool:
                 decl = [f"{flag}/--no-{flag[2:]}", dest]
                 kw["is_flag"] = True
+            elif _is_repeatable(hints[f.name]):
+                decl = [flag, dest]
+                kw.update(type=ctype, multiple=True, default=None)
             else:
                 decl = [flag, dest]
                 kw["type"] = ctype
@@ -195,7 +208,10 @@ def _sections_kwargs(ctx: click.Context) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for p in ctx.command.params:
         if isinstance(p, _ConfigOption):
-            out.setdefault(p.section, {})[p.field_name] = ctx.params[p.name]
+            value = ctx.params[p.name]
+            if p.multiple:  # a repeatable flag: a tuple, () when not given
+                value = list(value) or None
+            out.setdefault(p.section, {})[p.field_name] = value
     return out
 
 
@@ -274,6 +290,7 @@ def serve(ctx: click.Context, model: str | None, **_: Any) -> None:
     engine_config = _engine_config(ctx, model)
     try:
         server_config = cfg.ServerConfig(**_sections_kwargs(ctx).get("server", {}))
+        server_config.api_keys()  # an unreadable or empty --api-key-file stops here
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     logging.basicConfig(

@@ -6,6 +6,6 @@ vLLM request fields onto `StructuredOutputsParams`. Importing this package impor
 xgrammar nor torch.
 """
 
-from xlaserve.structured.openai_compat import structured_from_request
+from xlaserve.structured.openai_compat import grammar_source_bytes, structured_from_request
 
-__all__ = ["structured_from_request"]
+__all__ = ["grammar_source_bytes", "structured_from_request"]

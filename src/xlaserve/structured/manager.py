@@ -4,13 +4,19 @@ sequence, packed allowed-token bitmasks per step.
 Life of a constrained sequence (driven by `LLMEngine`):
 1. `prepare(params)` (synchronous, in `add_request`): parse the spec into an `xgrammar.Grammar`
    (cheap; raises ValueError with the reason for a malformed schema / regex / EBNF).
-2. `add_request(req_id, prepared)`: a cache hit gets its matcher at once; a miss is compiled on a
-   worker thread (the tokenizer-dependent, expensive part). Until then `is_ready(req_id)` is False
-   and the scheduler skips the request without blocking the others.
+2. `add_request(req_id, prepared)`: a cache hit gets its matcher at once; a miss is compiled in a
+   worker process (`compile_pool.CompilePool`, `compile_workers` of them; the tokenizer-dependent,
+   expensive part). Until then `is_ready(req_id)` is False and the scheduler skips the request
+   without blocking the others. A compile past `compile_timeout` is killed and fails its
+   requests; `remove` of the last request waiting on a grammar kills its compile.
 3. Each step `poll()` turns finished compilations into matchers (or per-request errors), then
    `fill_bitmasks` gives int32 [P, W] (P = 1 + drafts, W = ceil(V / 32)) for each sampling request
    (views of one buffer, filled by one xgrammar batch call).
 4. `accept_tokens(req_id, tokens)` advances the matcher; a terminated matcher ends the request.
+
+Limits (StructuredOutputConfig): grammar sources over `max_grammar_bytes` are refused in
+`prepare` (ValueError) before parsing; the compiled-grammar LRU holds at most `cache_size`
+entries and `cache_bytes` bytes (xgrammar's `memory_size_bytes`).
 
 xgrammar (and with it torch) is imported lazily: only when the first constrained request arrives.
 """
@@ -29,6 +35,8 @@ import numpy as np
 
 from xlaserve.config import StructuredOutputConfig
 from xlaserve.sampling_params import StructuredOutputsParams
+from xlaserve.structured.compile_pool import CompilePool
+from xlaserve.structured.openai_compat import grammar_source_bytes
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -184,12 +192,29 @@ class StructuredOutputManager:
         if not stops and getattr(tokenizer, "eos_token_id", None) is not None:
             stops = [tokenizer.eos_token_id]
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stops)
-        # Our own LRU replaces xgrammar's cache (bounded by count, as the config says).
+        # Our own LRU replaces xgrammar's cache (bounded by count and bytes, as configured).
+        self._cache: OrderedDict[GrammarKey, Any] = OrderedDict()  # key -> CompiledGrammar
+        self._cache_sizes: dict[GrammarKey, int] = {}
+        self.cache_bytes_used = 0
+        cfg = self.config
+        self._pool: CompilePool | None = None
+        self._executor: cf.ThreadPoolExecutor | None = None
+        # In-process compiler: compile_workers=0 uses it on a thread (not cancellable).
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=2, cache_enabled=False
         )
-        self._cache: OrderedDict[GrammarKey, Any] = OrderedDict()  # key -> CompiledGrammar
-        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="xlaserve-grammar")
+        if cfg.compile_workers > 0:
+            # Killable worker processes (see compile_pool.py): a compile can be cancelled.
+            # Measured on the 2-core dev host (demo tokenizer): a worker starts in 10-20 s
+            # (importing xgrammar imports torch), so workers start now and stay warm; a
+            # round trip adds ~10 ms plus deserialisation (27 ms for a 2,000-entry choice
+            # that compiles in 450 ms); a timed-out compile is killed within 20 ms of its
+            # deadline and shutdown kills every worker in ~0.3 s.
+            self._pool = CompilePool(self.tokenizer_info.serialize_json(), cfg.compile_workers)
+        else:
+            self._executor = cf.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="xlaserve-grammar"
+            )
         self._inflight: dict[GrammarKey, cf.Future] = {}
         self._waiting: dict[str, GrammarKey] = {}  # req_id -> key still compiling
         self._matchers: dict[str, Any] = {}  # req_id -> GrammarMatcher
@@ -201,6 +226,12 @@ class StructuredOutputManager:
 
     def prepare(self, params: StructuredOutputsParams) -> PreparedGrammar:
         """Validate synchronously (ValueError with the reason); cheap on a cache hit."""
+        size, limit = grammar_source_bytes(params), self.config.max_grammar_bytes
+        if size > limit:
+            raise ValueError(
+                f"structured output grammar is {size} bytes; the limit is {limit} "
+                "(max_grammar_bytes)"
+            )
         key = params.key()
         if key in self._cache or key in self._inflight:
             return PreparedGrammar(key)
@@ -216,14 +247,26 @@ class StructuredOutputManager:
         if key not in self._inflight:
             if prepared.grammar is None:
                 raise ValueError("grammar evicted before compilation; prepare it again")
-            self._inflight[key] = self._executor.submit(
-                self._compiler.compile_grammar, prepared.grammar
-            )
+            if self._pool is not None:
+                self._inflight[key] = self._pool.submit(
+                    prepared.grammar.serialize_json(), self.config.compile_timeout
+                )
+            else:
+                assert self._executor is not None
+                self._inflight[key] = self._executor.submit(
+                    self._compiler.compile_grammar, prepared.grammar
+                )
         self._waiting[req_id] = key
 
     def remove(self, req_id: str) -> None:
+        """Forget a sequence; when it was the last one waiting on a compile, the compile is
+        cancelled (its worker process killed)."""
         self._matchers.pop(req_id, None)
-        self._waiting.pop(req_id, None)
+        key = self._waiting.pop(req_id, None)
+        if key is not None and key not in self._waiting.values():
+            fut = self._inflight.pop(key, None)
+            if fut is not None and self._pool is not None:
+                self._pool.cancel(fut)
 
     def is_constrained(self, req_id: str) -> bool:
         return req_id in self._matchers or req_id in self._waiting
@@ -261,6 +304,10 @@ class StructuredOutputManager:
             ids = [rid for rid, k in self._waiting.items() if k == key]
             try:
                 compiled = fut.result()
+                if isinstance(compiled, str):  # from a worker process: xgrammar's JSON
+                    compiled = self._xgr.CompiledGrammar.deserialize_json(
+                        compiled, self.tokenizer_info
+                    )
             except Exception as e:
                 msg = f"structured output grammar failed to compile: {clean_xgrammar_error(e)}"
                 for rid in ids:
@@ -268,13 +315,25 @@ class StructuredOutputManager:
                     del self._waiting[rid]
                 continue
             self.num_compiled += 1
-            self._cache[key] = compiled
-            while len(self._cache) > self.config.cache_size:
-                self._cache.popitem(last=False)
+            self._cache_put(key, compiled)
             for rid in ids:
                 self._matchers[rid] = self._new_matcher(compiled)
                 del self._waiting[rid]
         return errors
+
+    def _cache_put(self, key: GrammarKey, compiled: Any) -> None:
+        """LRU insert, then evict the oldest until both bounds hold; a grammar larger than
+        `cache_bytes` by itself is not kept (its matchers hold it while they live)."""
+        size = int(getattr(compiled, "memory_size_bytes", 0) or 0)
+        cfg = self.config
+        if size > cfg.cache_bytes or cfg.cache_size == 0:
+            return
+        self._cache[key] = compiled
+        self._cache_sizes[key] = size
+        self.cache_bytes_used += size
+        while len(self._cache) > cfg.cache_size or self.cache_bytes_used > cfg.cache_bytes:
+            old, _ = self._cache.popitem(last=False)
+            self.cache_bytes_used -= self._cache_sizes.pop(old)
 
     def _new_matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
@@ -354,4 +413,8 @@ class StructuredOutputManager:
         return False, None
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop compiling now: worker processes are killed, nothing waits on a compile."""
+        if self._pool is not None:
+            self._pool.shutdown()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -117,3 +117,9 @@ def structured_from_request(body: dict[str, Any]) -> StructuredOutputsParams | N
         )
     kind, value = next(iter(found.values()))
     return StructuredOutputsParams(**{kind: value})
+
+
+def grammar_source_bytes(params: StructuredOutputsParams) -> int:
+    """Size of a constraint's source in UTF-8 bytes (the JSON schema's text, the regex, the
+    choice list as JSON, the EBNF): what `max_grammar_bytes` bounds before any parsing."""
+    return len(params.key()[1].encode("utf-8", "replace"))

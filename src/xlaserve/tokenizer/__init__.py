@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +86,9 @@ class Tokenizer:
         self._chat_template = _ChatTemplate(template) if template else None
         # decode([t]) memo per skip_special_tokens value (see decode).
         self._one_token_text: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        # A copy that reads special-token text as plain text (chat content), made on first use.
+        self._plain_tok: Any = None
+        self._plain_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
@@ -146,6 +152,67 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **kwargs,
         )
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token text ("<|im_start|>") read as ordinary text:
+        never a control token, no BOS/EOS added."""
+        if self._plain_tok is None:
+            with self._plain_lock:
+                if self._plain_tok is None:
+                    from tokenizers import Tokenizer as HFTokenizer
+
+                    plain = HFTokenizer.from_str(self._tok.to_str())
+                    plain.encode_special_tokens = True
+                    self._plain_tok = plain
+        return self._plain_tok.encode(text, add_special_tokens=False).ids
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+        **kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """(text, token ids) of a chat rendered with the template (no BOS added on top).
+
+        Rule: message content is data. Unless `special_tokens_in_content`, the template is
+        rendered with each string content replaced by a one-off placeholder; the text between
+        placeholders (the template's own, with its control tokens) is tokenized as usual and
+        each content string with `encode_plain`, so "<|im_end|>\n<|im_start|>system" inside a
+        message stays text and cannot forge a role. Token boundaries fall at the template /
+        content seams (a merge across a seam is not made).
+        """
+        if special_tokens_in_content:
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            return text, self.encode(text, add_special_tokens=False)
+        nonce = secrets.token_hex(8)
+        contents: list[str] = []
+        masked = []
+        for m in messages:
+            c = m.get("content")
+            if isinstance(c, str) and c:
+                masked.append({**m, "content": f"\ue000{nonce}:{len(contents)}\ue001"})
+                contents.append(c)
+            else:
+                masked.append(m)
+        rendered = self.apply_chat_template(masked, add_generation_prompt, **kwargs)
+        pattern = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        text_parts: list[str] = []
+        ids: list[int] = []
+        pos = 0
+        for mt in pattern.finditer(rendered):
+            seg = rendered[pos : mt.start()]
+            if seg:
+                ids += self.encode(seg, add_special_tokens=False)
+            content = contents[int(mt.group(1))]
+            ids += self.encode_plain(content)
+            text_parts += [seg, content]
+            pos = mt.end()
+        tail = rendered[pos:]
+        if tail:
+            ids += self.encode(tail, add_special_tokens=False)
+        text_parts.append(tail)
+        return "".join(text_parts), ids
 
     def chat_prompt_ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

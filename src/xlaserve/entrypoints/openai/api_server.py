@@ -3,9 +3,15 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /version, GET /metrics, POST /tokenize, POST /detokenize.
 
-Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters or
-JSON, 401 API key, 404 unknown model or route, 413 body too large, 503 engine down or waiting
-queue full (with Retry-After), 500 anything unexpected. Streams are Server-Sent Events
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters,
+JSON or body encoding, a request over a per-request bound (ServerConfig: sequences, logprobs,
+stop strings; grammar bytes) or a grammar that does not compile in time, 401 API key, 404 unknown
+model or route, 413 body too large (sent or inflated), 415 unsupported Content-Encoding, 503
+engine down or waiting queue full (with Retry-After), 500 anything unexpected.
+
+Hardening (docs/security.md): CPU-heavy request work (inflating, decoding large JSON, chat
+templating, tokenization) runs on a thread pool, never on the event loop; chat content is
+tokenized as plain text; with several API keys each key gets its own prefix-cache salt. Streams are Server-Sent Events
 (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); a client that goes away mid-request has its
 request aborted (its KV blocks are freed).
 """
@@ -13,12 +19,15 @@ request aborted (its KV blocks are freed).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +53,7 @@ from xlaserve.entrypoints.openai.protocol import (
 from xlaserve.metrics import CONTENT_TYPE, ServerMetrics
 from xlaserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from xlaserve.sampling_params import SamplingParams
+from xlaserve.structured.openai_compat import grammar_source_bytes
 
 logger = logging.getLogger("xlaserve.server")
 
@@ -51,6 +61,18 @@ ENGINE_KEY = web.AppKey("engine", AsyncLLM)
 CONFIG_KEY = web.AppKey("server_config", ServerConfig)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 STARTED_KEY = web.AppKey("started", float)
+KEYS_KEY = web.AppKey("api_keys", list)  # list[bytes]: accepted API keys
+POOL_KEY = web.AppKey("cpu_pool", cf.ThreadPoolExecutor)
+# Which API key a request authenticated with (index into KEYS_KEY).
+KEY_INDEX: Any = (
+    web.RequestKey("api_key_index", int) if hasattr(web, "RequestKey") else "api_key_index"
+)
+
+# aiohttp server settings the app expects (run_server and the tests' runners use them):
+# bodies arrive compressed and are inflated on the CPU pool, with a bound on the inflated size.
+RUNNER_KWARGS: dict[str, Any] = {"handler_cancellation": True, "auto_decompress": False}
+# Bodies at least this large are JSON-decoded on the CPU pool, not on the event loop.
+LARGE_BODY_BYTES = 64 * 1024
 
 # Reachable without an API key (probes and scrapers).
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
@@ -129,16 +151,28 @@ async def _errors(
         return err.response()
 
 
+def _match_key(token: bytes, keys: list[bytes]) -> int | None:
+    """Index of the key equal to `token`; every key is compared (constant time per key)."""
+    found = None
+    for i, k in enumerate(keys):
+        if hmac.compare_digest(token, k):
+            found = i
+    return found
+
+
 @web.middleware
 async def _guard(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     cfg = request.app[CONFIG_KEY]
-    if cfg.api_key and request.path not in OPEN_PATHS:
+    keys = request.app[KEYS_KEY]
+    if keys and request.path not in OPEN_PATHS:
         auth = request.headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
+        idx = _match_key(token.encode("utf-8", "replace"), keys)
+        if idx is None:
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+        request[KEY_INDEX] = idx
     if request.content_length is not None and request.content_length > cfg.max_request_bytes:
         raise APIError(
             413, f"request body over {cfg.max_request_bytes} bytes", code="request_too_large"
@@ -169,8 +203,45 @@ def _json_depth_ok(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     return True
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+def _inflate(raw: bytes, encoding: str, limit: int) -> bytes:
+    """Decode a `Content-Encoding` body, refusing (413) more than `limit` inflated bytes and
+    (400) bytes that do not decode. Runs on the CPU pool. Bytes that are not compressed (an
+    aiohttp runner that decoded them already) pass through: JSON never starts with the gzip
+    magic or a zlib header."""
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise APIError(415, f"unsupported Content-Encoding {encoding!r}", code="bad_encoding")
+    if encoding == "deflate":
+        wbits = 15 if raw[:1] == b"\x78" else -15  # zlib stream, else raw deflate
+        if raw[:1] in (b"{", b"["):
+            return raw
+    else:
+        if raw[:2] != b"\x1f\x8b":
+            if raw.lstrip()[:1] in (b"{", b"["):
+                return raw
+            raise APIError(400, "request body is not valid gzip", code="bad_encoding")
+        wbits = 31
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(raw, limit + 1)
+        if len(out) > limit or d.unconsumed_tail:
+            raise APIError(
+                413, f"request body inflates past {limit} bytes", code="request_too_large"
+            )
+        out += d.flush()
+    except zlib.error as e:
+        raise APIError(
+            400, f"request body failed to decode ({encoding}): {e}", code="bad_encoding"
+        ) from None
+    if len(out) > limit:
+        raise APIError(413, f"request body inflates past {limit} bytes", code="request_too_large")
+    if not d.eof:
+        raise APIError(400, f"request body is a truncated {encoding} stream", code="bad_encoding")
+    return out
+
+
+def _decode_json(raw: bytes) -> Any:
     try:
         # NaN / Infinity are not JSON; Python's decoder would accept them as floats.
         body = json.loads(raw, parse_constant=_no_constants)
@@ -182,13 +253,47 @@ async def _json_body(request: web.Request) -> Any:
     return body
 
 
-def _render_chat(
-    engine: AsyncLLM, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
-) -> str:
-    """The chat template's text; any template failure is the request's fault (400)."""
+def _decode_body(raw: bytes, encoding: str, limit: int) -> Any:
+    return _decode_json(_inflate(raw, encoding, limit))
+
+
+async def _offload(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run CPU-heavy `fn(*args)` on the app's worker threads: the event loop keeps serving
+    /health and small requests meanwhile (the GIL is handed over every few milliseconds;
+    zlib, tokenizers and large copies release it)."""
+    return await asyncio.get_running_loop().run_in_executor(request.app[POOL_KEY], fn, *args)
+
+
+async def _json_body(request: web.Request) -> Any:
     try:
-        return engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **kwargs
+        raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+    except web.HTTPException:
+        raise
+    except Exception as e:  # aiohttp's own decoding of a bad body (ContentEncodingError, ...)
+        raise APIError(400, f"request body could not be read: {type(e).__name__}") from None
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    limit = request.app[CONFIG_KEY].max_request_bytes
+    if encoding in ("", "identity") and len(raw) < LARGE_BODY_BYTES:
+        return _decode_json(raw)  # small and plain: cheaper inline than a thread hop
+    return await _offload(request, _decode_body, raw, encoding, limit)
+
+
+def _render_chat(
+    engine: AsyncLLM,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    allow_special: bool,
+    **kwargs: Any,
+) -> tuple[str, list[int]]:
+    """(text, token ids) of the chat; message content is plain text unless `allow_special`
+    (see Tokenizer.chat_prompt). Any template failure is the request's fault (400). CPU-heavy:
+    called on the pool."""
+    try:
+        return engine.tokenizer.chat_prompt(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens_in_content=allow_special,
+            **kwargs,
         )
     except (ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
         raise APIError(400, f"chat template failed: {e}", param="messages") from None
@@ -217,16 +322,96 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def _usage(outs: list[RequestOutput | None]) -> dict[str, Any]:
+def _usage(outs: list[RequestOutput | None], details: bool) -> dict[str, Any]:
+    """OpenAI usage; `prompt_tokens_details.cached_tokens` only with `details`
+    (--enable-prompt-tokens-details): prefix-cache hits leak what other clients sent."""
     prompt = sum(len(o.prompt_token_ids) for o in outs if o is not None)
     completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outs if o is not None)
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if details:
+        cached = sum(o.num_cached_tokens for o in outs if o is not None)
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _cache_salt(request: web.Request, salt: str | None) -> str | None:
+    """The prefix-cache salt: with several API keys each key gets its own (a hash of the key,
+    joined with the client's own salt), unless the operator shares the cache between keys."""
+    cfg = request.app[CONFIG_KEY]
+    keys = request.app[KEYS_KEY]
+    idx = request.get(KEY_INDEX)
+    if len(keys) < 2 or idx is None or cfg.share_prefix_cache_across_keys:
+        return salt
+    tag = hashlib.sha256(b"xlaserve-cache-salt:" + keys[idx]).hexdigest()[:32]
+    return f"key:{tag}" if salt is None else f"key:{tag}:{salt}"
+
+
+def _structured_param(req: Any) -> str:
+    """The request field that carried the structured-output constraint (for error `param`)."""
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        return "response_format"
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name, None) is not None:
+            return name
+    return "structured_outputs"
+
+
+def _check_limits(
+    request: web.Request, engine: AsyncLLM, req: Any, params: SamplingParams, num_prompts: int
+) -> None:
+    """The server's per-request bounds (ServerConfig), before any work: 400 naming the field."""
+    cfg = request.app[CONFIG_KEY]
+    seqs = num_prompts * params.n
+    if seqs > cfg.max_sequences_per_request:
+        raise APIError(
+            400,
+            f"this request would start {seqs} sequences ({num_prompts} prompt(s) x n={params.n}); "
+            f"the limit is {cfg.max_sequences_per_request}",
+            param="n" if num_prompts == 1 else "prompt",
+            code="too_many_sequences",
+        )
+    k = max(params.logprobs or 0, params.prompt_logprobs or 0)
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        k = max(k, 1)  # logprobs=0 still returns the sampled token's logprob
+        if seqs * k > cfg.max_logprobs_per_response:
+            raise APIError(
+                400,
+                f"logprobs x sequences = {k} x {seqs} = {seqs * k} is over the limit of "
+                f"{cfg.max_logprobs_per_response} per response",
+                param="logprobs",
+                code="too_many_logprobs",
+            )
+    stops = params.stop or []
+    if len(stops) > cfg.max_stop_strings:
+        raise APIError(
+            400,
+            f"at most {cfg.max_stop_strings} stop strings, got {len(stops)}",
+            param="stop",
+            code="too_many_stop_strings",
+        )
+    if any(len(s) > cfg.max_stop_string_chars for s in stops):
+        raise APIError(
+            400,
+            f"stop strings may be at most {cfg.max_stop_string_chars} characters",
+            param="stop",
+            code="stop_string_too_long",
+        )
+    so = params.structured_outputs
+    if so is not None:
+        limit = engine.config.structured.max_grammar_bytes
+        size = grammar_source_bytes(so)
+        if size > limit:
+            raise APIError(
+                400,
+                f"the structured output grammar is {size} bytes; the limit is {limit}",
+                param=_structured_param(req),
+                code="grammar_too_large",
+            )
 
 
 def _finish(c: CompletionOutput) -> str | None:
@@ -372,6 +557,15 @@ async def _add_all(
     return streams
 
 
+def _generation_error(error: str) -> APIError:
+    """A request that failed in the engine: a grammar that would not compile (too slow, or
+    refused by xgrammar) is the request's fault (400); anything else is ours (500)."""
+    if "grammar failed to compile" in error:
+        code = "grammar_compile_timeout" if "longer than" in error else "grammar_compile_failed"
+        return APIError(400, error, param="structured_outputs", code=code)
+    return APIError(500, f"generation failed: {error}", "server_error")
+
+
 def _deadline(request: web.Request) -> float | None:
     t = request.app[CONFIG_KEY].request_timeout
     return time.monotonic() + t if t else None
@@ -396,7 +590,7 @@ async def _collect(
             raise APIError(504, "request timed out", "timeout", code="timeout") from None
     for out in finals:
         if out is not None and out.error:
-            raise APIError(500, f"generation failed: {out.error}", "server_error")
+            raise _generation_error(out.error)
     return finals
 
 
@@ -443,18 +637,35 @@ def _log(request: web.Request, rid: str, prompts: list[Any], params: SamplingPar
 # ------------------------------------------------------------------------------- completions
 
 
+def _completion_prompts(engine: AsyncLLM, texts: list[str | list[int]], group: str) -> list[dict]:
+    """Prompt dicts for the engine, text prompts tokenized here (on the CPU pool) instead of
+    on the engine thread; `group` ties the prompts of one HTTP request together (fairness)."""
+    tok = engine.tokenizer
+    out = []
+    for p in texts:
+        if isinstance(p, str):
+            out.append({"prompt": p, "prompt_token_ids": tok.encode(p), "group": group})
+        else:
+            out.append({"prompt_token_ids": p, "group": group})
+    return out
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(CompletionRequest, await _json_body(request))
     _check_model(engine, req.model)
     params = req.to_sampling_params()
-    prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in req.prompts()]
+    texts = req.prompts()
+    _check_limits(request, engine, req, params, len(texts))
     rid = f"cmpl-{uuid.uuid4().hex}"
+    prompts = await _offload(request, _completion_prompts, engine, texts, rid)
     _log(request, rid, prompts, params)
     created = int(time.time())
     tok = engine.tokenizer
     deadline = _deadline(request)
-    streams = await _add_all(engine, rid, prompts, params, req.priority, req.cache_salt)
+    details = request.app[CONFIG_KEY].enable_prompt_tokens_details
+    salt = _cache_salt(request, req.cache_salt)
+    streams = await _add_all(engine, rid, prompts, params, req.priority, salt)
     n = params.n
 
     def echo_text(out: RequestOutput) -> str:
@@ -504,7 +715,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 "created": created,
                 "model": engine.model_name,
                 "choices": choices,
-                "usage": _usage(finals),
+                "usage": _usage(finals, details),
             }
         )
 
@@ -530,7 +741,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 if deadline is not None and time.monotonic() > deadline:
                     raise APIError(504, "request timed out", "timeout", code="timeout")
                 if out.error:
-                    raise APIError(500, f"generation failed: {out.error}", "server_error")
+                    raise _generation_error(out.error)
                 finals[i] = out
                 for c in out.outputs:
                     idx = i * n + c.index
@@ -562,7 +773,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     if not await sse.send(chunk([choice])):
                         return sse.resp  # client gone: leaving the loop aborts the requests
         if req.include_usage:
-            await sse.send({**chunk([]), "usage": _usage(finals)})
+            await sse.send({**chunk([]), "usage": _usage(finals, details)})
     except Exception as e:
         await sse.send(_to_api_error(e).body())
     return await sse.finish()
@@ -571,13 +782,15 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 # ------------------------------------------------------------------------------- chat
 
 
-def _chat_prompt(engine: AsyncLLM, req: ChatCompletionRequest) -> dict[str, Any]:
-    tok = engine.tokenizer
+def _chat_prompt(
+    engine: AsyncLLM, req: ChatCompletionRequest, allow_special: bool
+) -> dict[str, Any]:
+    """The chat's prompt dict (templated and tokenized: runs on the CPU pool)."""
     messages = [m.to_template_dict() for m in req.messages]
     kwargs = req.chat_template_kwargs or {}
-    text = _render_chat(engine, messages, req.add_generation_prompt, **kwargs)
+    text, ids = _render_chat(engine, messages, req.add_generation_prompt, allow_special, **kwargs)
     # The template writes BOS itself: no special tokens added on top.
-    return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -585,14 +798,18 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = parse_body(ChatCompletionRequest, await _json_body(request))
     _check_model(engine, req.model)
     params = req.to_sampling_params()
-    prompt = _chat_prompt(engine, req)
+    _check_limits(request, engine, req, params, 1)
+    cfg = request.app[CONFIG_KEY]
+    prompt = await _offload(request, _chat_prompt, engine, req, cfg.allow_special_tokens_in_content)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     _log(request, rid, [prompt], params)
     created = int(time.time())
     tok = engine.tokenizer
     deadline = _deadline(request)
+    details = cfg.enable_prompt_tokens_details
     k = req.top_logprobs or 0
-    streams = await _add_all(engine, rid, [prompt], params, req.priority, req.cache_salt)
+    salt = _cache_salt(request, req.cache_salt)
+    streams = await _add_all(engine, rid, [prompt], params, req.priority, salt)
     echo = ""
     if req.echo and req.messages[-1].role == "assistant":
         echo = req.messages[-1].text()
@@ -630,7 +847,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 "created": created,
                 "model": engine.model_name,
                 "choices": choices,
-                "usage": _usage(finals),
+                "usage": _usage(finals, details),
             }
         )
 
@@ -660,7 +877,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 if deadline is not None and time.monotonic() > deadline:
                     raise APIError(504, "request timed out", "timeout", code="timeout")
                 if out.error:
-                    raise APIError(500, f"generation failed: {out.error}", "server_error")
+                    raise _generation_error(out.error)
                 final = out
                 for c in out.outputs:
                     if c.index in done:
@@ -684,7 +901,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                     if not await sse.send(chunk([choice])):
                         return sse.resp
         if req.include_usage:
-            await sse.send({**chunk([]), "usage": _usage([final])})
+            await sse.send({**chunk([]), "usage": _usage([final], details)})
     except Exception as e:
         await sse.send(_to_api_error(e).body())
     return await sse.finish()
@@ -700,7 +917,8 @@ async def list_models(request: web.Request) -> web.Response:
         "object": "model",
         "created": int(request.app[STARTED_KEY]),
         "owned_by": "xlaserve",
-        "root": engine.config.model.model or engine.model_name,
+        # The served name only: the model's filesystem path is the operator's business.
+        "root": engine.model_name,
         "max_model_len": engine.max_model_len,
     }
     return web.json_response({"object": "list", "data": [card]})
@@ -731,10 +949,12 @@ async def tokenize(request: web.Request) -> web.Response:
     tok = engine.tokenizer
     if req.messages is not None:
         messages = [m.to_template_dict() for m in req.messages]
-        text = _render_chat(engine, messages, req.add_generation_prompt)
-        ids = tok.encode(text, add_special_tokens=False)
+        allow = request.app[CONFIG_KEY].allow_special_tokens_in_content
+        _, ids = await _offload(
+            request, _render_chat, engine, messages, req.add_generation_prompt, allow
+        )
     else:
-        ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        ids = await _offload(request, tok.encode, req.prompt or "", req.add_special_tokens)
     return web.json_response(
         {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
     )
@@ -754,14 +974,51 @@ async def detokenize(request: web.Request) -> web.Response:
 # ------------------------------------------------------------------------------- app
 
 
+class _OneLineErrors(logging.Filter):
+    """aiohttp logs each malformed HTTP request (bad request line, header, chunking) with a
+    full traceback: one line instead, so a client cannot fill the log 11 lines at a time."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and type(exc).__module__.startswith("aiohttp"):
+            from aiohttp.http_exceptions import HttpProcessingError
+
+            if isinstance(exc, HttpProcessingError):
+                msg = str(getattr(exc, "message", "") or exc).splitlines()
+                record.msg = f"{record.getMessage()}: {type(exc).__name__}: {msg[0] if msg else ''}"
+                record.args = None
+                record.exc_info = None
+                record.exc_text = None
+        return True
+
+
+_ONE_LINE = _OneLineErrors()
+
+
+def _quiet_malformed_http() -> None:
+    """Install the one-line filter on aiohttp's server logger (once per process)."""
+    log = logging.getLogger("aiohttp.server")
+    if _ONE_LINE not in log.filters:
+        log.addFilter(_ONE_LINE)
+
+
 def build_app(
     engine: AsyncLLM, config: ServerConfig | None = None, *, owns_engine: bool = False
 ) -> web.Application:
     """The aiohttp app over `engine`; with `owns_engine` the app's cleanup shuts the engine down."""
     config = config or ServerConfig()
+    _quiet_malformed_http()
     app = web.Application(middlewares=[_errors, _guard], client_max_size=config.max_request_bytes)
     app[ENGINE_KEY] = engine
     app[CONFIG_KEY] = config
+    app[KEYS_KEY] = [k.encode("utf-8") for k in config.api_keys()]
+    pool = cf.ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="xlaserve-cpu")
+    app[POOL_KEY] = pool
+
+    async def _stop_pool(app: web.Application) -> None:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(_stop_pool)
     app[STARTED_KEY] = time.time()
     m = ServerMetrics(lambda: engine.stats, engine.model_name)
     engine.add_finish_listener(m.observe_request)
@@ -799,7 +1056,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         app,
         host=host,
         port=port,
-        handler_cancellation=True,  # a client that disconnects cancels its handler -> abort
+        # handler_cancellation: a client that disconnects cancels its handler -> abort;
+        # auto_decompress off: bodies are inflated on the CPU pool, bounded (see _inflate).
+        **RUNNER_KWARGS,
         shutdown_timeout=5.0,
         access_log=logging.getLogger("aiohttp.access") if server_config.log_requests else None,
         print=lambda msg: logger.info("%s", msg),
