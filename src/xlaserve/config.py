@@ -307,6 +307,9 @@ class ServerConfig:
     # Per-request timeout in seconds (None = none).
     request_timeout: float | None = None
     log_requests: bool = False
+    # Run the engine core (scheduler, KV cache, model) in its own process, fed over ZMQ; off:
+    # in the server's process on a thread (--no-engine-process).
+    engine_process: bool = True
 
 
 @dataclass

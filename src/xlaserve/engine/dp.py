@@ -341,8 +341,15 @@ class DataParallelAsyncLLM:
         return _ReplicaCollector()
 
 
-def build_async_engine(config: EngineConfig) -> AsyncLLM | DataParallelAsyncLLM:
-    """What the server runs: one AsyncLLM, or the data-parallel front when data_parallel_size > 1."""
+def build_async_engine(
+    config: EngineConfig, engine_process: bool = False
+) -> AsyncLLM | DataParallelAsyncLLM | Any:  # noqa: ANN401
+    """What the server runs: one AsyncLLM, or the data-parallel front when data_parallel_size > 1.
+    `engine_process`: the engine core runs in its own process (`MPAsyncLLM`, same surface)."""
     if config.parallel.data_parallel_size > 1:
         return DataParallelAsyncLLM.from_config(config)
+    if engine_process:
+        from xlaserve.engine.core_client import MPAsyncLLM
+
+        return MPAsyncLLM.from_config(config)
     return AsyncLLM.from_config(config)
