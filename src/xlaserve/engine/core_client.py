@@ -45,7 +45,7 @@ from xlaserve.engine.async_llm import (
     _resolve,
     _Stream,
 )
-from xlaserve.engine.core import CoreOutput, EngineStats, load_model_info
+from xlaserve.engine.core import CoreOutput, EngineStats, decode_outputs, load_model_info
 from xlaserve.engine.core_proc import (
     in_address,
     out_address,
@@ -393,7 +393,7 @@ class MPAsyncLLM:
             items, stats = unpack(payload)
             if stats is not None:
                 self.stats = stats_from_wire(stats)
-            self._outputs([CoreOutput.from_wire(w) for w in items])
+            self._outputs(decode_outputs(items))
         elif kind == b"K":
             self._acks(unpack(payload))
         elif kind == b"T":
@@ -508,7 +508,7 @@ class MPLLMEngine:
             if kind == b"O":
                 items, stats = unpack(payload)
                 self._stats = stats_from_wire(stats) if stats is not None else self._stats
-                self._backlog.extend(CoreOutput.from_wire(w) for w in items)
+                self._backlog.extend(decode_outputs(items))
             elif kind == b"K":
                 for rid, k, msg in unpack(payload):
                     self._acks[rid] = (k, msg)

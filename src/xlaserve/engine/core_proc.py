@@ -14,7 +14,8 @@ Core -> front kinds:
   R ready (msgpack: {"num_blocks", "block_size", "capacity_tokens", "pid"})
   K acks (msgpack: [[front request id, error kind or None, message], ...]); error kinds:
     "value" (bad request: 400), "full" (waiting queue full: 503 + Retry-After), "failed"
-  O outputs of one step (msgpack: [[CoreOutput.to_wire(), ...], stats or None])
+  O outputs of one step (msgpack: [core.encode_outputs(outputs), stats or None]: columns of
+    request ids, token counts, flat new tokens, sparse extras)
   T stats (msgpack: the EngineStats fields as a list), sent to every front now and then
 
 Per step the core sends ONE message per front with all its requests' new token ids, finish
@@ -42,7 +43,7 @@ import msgpack
 import zmq
 
 from xlaserve.config import EngineConfig
-from xlaserve.engine.core import CoreOutput, EngineCore, EngineStats
+from xlaserve.engine.core import CoreOutput, EngineCore, EngineStats, encode_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ class CoreServer:
     def _send_outputs(self, outs: list[CoreOutput]) -> None:
         if not outs:
             return
-        per: dict[str, list[list[Any]]] = {}
+        per: dict[str, list[CoreOutput]] = {}
         owner = self.owner
         for o in outs:
             fid = owner.get(o.request_id)
@@ -243,10 +244,10 @@ class CoreServer:
                 continue
             if o.finish_reason is not None:
                 del owner[o.request_id]
-            per.setdefault(fid, []).append(o.to_wire())
+            per.setdefault(fid, []).append(o)
         stats = stats_to_wire(self.core.get_stats())
         for fid, items in per.items():
-            self._send(fid, b"O", pack([items, stats]))
+            self._send(fid, b"O", pack([encode_outputs(items), stats]))
 
     def _broadcast_stats(self) -> None:
         self._last_stats = time.monotonic()

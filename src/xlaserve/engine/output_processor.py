@@ -206,8 +206,10 @@ class OutputProcessor:
             m = parent.metrics
             if co.first_scheduled_time is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = co.first_scheduled_time
-            seq.num_cached_tokens = co.num_cached_tokens
-            seq.num_preemptions = co.num_preemptions
+            if co.num_cached_tokens is not None:
+                seq.num_cached_tokens = co.num_cached_tokens
+            if co.num_preemptions is not None:
+                seq.num_preemptions = co.num_preemptions
             m.spec_num_draft_tokens += co.spec_draft_tokens
             m.spec_num_accepted_tokens += co.spec_accepted_tokens
             if co.prompt_logprobs and seq.index == 0 and parent.prompt_logprobs is not None:
