@@ -310,6 +310,16 @@ class ServerConfig:
     # Run the engine core (scheduler, KV cache, model) in its own process, fed over ZMQ; off:
     # in the server's process on a thread (--no-engine-process).
     engine_process: bool = True
+    # aiohttp front processes on the one port (SO_REUSEPORT), all clients of the one engine
+    # core process (needs --engine-process).
+    api_server_count: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.api_server_count >= 1, "api_server_count must be >= 1")
+        _check(
+            self.api_server_count == 1 or self.engine_process,
+            "api_server_count > 1 needs the engine core in its own process (--engine-process)",
+        )
 
 
 @dataclass

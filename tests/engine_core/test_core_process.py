@@ -188,3 +188,48 @@ def test_core_exits_when_server_is_killed(serve_proc: ServeProc) -> None:
     serve_proc.proc.wait(30)
     gone, alive = psutil.wait_procs([core], timeout=20)
     assert not alive
+
+
+def test_api_server_count_2(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """Two front processes on one port, one engine core: both listen, every request of many
+    concurrent connections completes, and SIGTERM stops all of them."""
+    sp = ServeProc(tiny_model_dir("llama"), str(tmp_path / "serve.log"), "--api-server-count", "2")
+    try:
+        sp.wait_healthy()
+        kids = [p for p in sp.ps.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(kids) == 3, sp.read_log()  # the core + 2 fronts
+        listening = [
+            p
+            for p in kids
+            if any(c.laddr.port == sp.port and c.status == "LISTEN" for c in p.net_connections())
+        ]
+        assert len(listening) == 2  # the fronts; the core has no TCP socket
+        results: list = []
+        threads = [
+            threading.Thread(target=_complete, args=(sp.url, results, i), daemon=True)
+            for i in range(24)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(r[0] for r in results) == list(range(24))
+        assert all(status == 200 and n == 8 for _, status, n in results), results
+        tree = [sp.ps, *sp.ps.children(recursive=True)]
+        sp.proc.send_signal(signal.SIGTERM)
+        assert sp.proc.wait(60) == 0, sp.read_log()
+        gone, alive = psutil.wait_procs(tree, timeout=20)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    finally:
+        sp.stop()
+
+
+def _complete(url: str, out: list, i: int) -> None:
+    """One non-streaming completion on its own connection; appends (i, status, tokens)."""
+    status, _, body = http(
+        "POST",
+        url + "/v1/completions",
+        {"prompt": f"front test {i}", "max_tokens": 8, "ignore_eos": True},
+    )
+    n = json.loads(body)["usage"]["completion_tokens"] if status == 200 else -1
+    out.append((i, status, n))

@@ -805,13 +805,23 @@ DEAD_ENGINE_GRACE_S = 1.0
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """Load the engine and serve until SIGINT/SIGTERM (then stop the engine). With
     `server_config.engine_process` (the default) the engine core runs in its own process;
-    if it dies, the server exits with status 1."""
+    if it dies, the server exits with status 1. `api_server_count` > 1: that many front
+    processes share the port (entrypoints/openai/fronts.py)."""
+    if server_config.api_server_count > 1:
+        from xlaserve.entrypoints.openai.fronts import run_fronts
+
+        raise SystemExit(run_fronts(engine_config, server_config))
     from xlaserve.engine.dp import build_async_engine
 
     # data_parallel_size > 1: N replicas behind the prefix-aware balancer (same AsyncLLM surface).
     engine = build_async_engine(engine_config, engine_process=server_config.engine_process)
-    app = build_app(engine, server_config, owns_engine=True)  # type: ignore[arg-type]
+    serve_engine(engine, server_config)
 
+
+def serve_engine(engine: Any, server_config: ServerConfig, reuse_port: bool = False) -> None:  # noqa: ANN401
+    """Serve an engine built by the caller until SIGINT/SIGTERM; raises SystemExit(1) when the
+    engine died (after in-flight requests got their 5xx)."""
+    app = build_app(engine, server_config, owns_engine=True)
     watch: list[asyncio.Task] = []
 
     async def _start_watch(app: web.Application) -> None:
@@ -831,6 +841,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
             app,
             host=host,
             port=port,
+            reuse_port=reuse_port or None,
             handler_cancellation=True,  # a client that disconnects cancels its handler -> abort
             shutdown_timeout=5.0,
             access_log=logging.getLogger("aiohttp.access") if server_config.log_requests else None,
