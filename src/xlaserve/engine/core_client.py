@@ -83,17 +83,22 @@ class CoreProcess:
 
     owned = True
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, env: dict[str, str] | None = None, name: str = "engine core"
+    ) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix="xlaserve-core-")  # mode 0700
         ctx = multiprocessing.get_context("spawn")  # torch / jax are loaded there: no fork
+        level = logging.getLogger().getEffectiveLevel()
         self.proc = ctx.Process(
             target=run_engine_core,
-            args=(config, self.ipc_dir, os.getpid(), logging.getLogger().getEffectiveLevel()),
-            name="xlaserve-engine-core",
+            args=(config, self.ipc_dir, os.getpid(), level, env),
+            name="xlaserve-" + name.replace(" ", "-"),
             daemon=True,
         )
         self.proc.start()
-        logger.info("engine core process started (pid %d)", self.proc.pid)
+        logger.info(
+            "%s process started (pid %d)%s", name, self.proc.pid, f" env {env}" if env else ""
+        )
 
     @property
     def pid(self) -> int | None:

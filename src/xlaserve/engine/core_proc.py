@@ -92,8 +92,16 @@ def _on_sigterm(signum: int, frame: Any) -> None:  # noqa: ANN401
     raise SystemExit(0)
 
 
-def run_engine_core(config: EngineConfig, ipc_dir: str, parent_pid: int, log_level: int) -> None:
-    """Entry point of the core process (multiprocessing spawn target)."""
+def run_engine_core(
+    config: EngineConfig,
+    ipc_dir: str,
+    parent_pid: int,
+    log_level: int,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Entry point of the core process (multiprocessing spawn target). `env`: variables set
+    before anything imports torch / jax (a data-parallel rank's CUDA_VISIBLE_DEVICES)."""
+    os.environ.update(env or {})
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _die_with_parent()
@@ -224,8 +232,8 @@ class CoreServer:
             "pid": os.getpid(),
             "async_scheduling": self.core._async,
         }
+        self._send(fid, b"T", pack(stats_to_wire(self.core.get_stats())))  # stats before R
         self._send(fid, b"R", pack(info))
-        self._send(fid, b"T", pack(stats_to_wire(self.core.get_stats())))
 
     # ------------------------------------------------------------------ output
     def _send(self, fid: str, kind: bytes, payload: bytes) -> None:
