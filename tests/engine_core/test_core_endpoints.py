@@ -97,3 +97,34 @@ def test_stop_string_aborts_in_the_core(server) -> None:  # noqa: ANN001
     assert wait_until(lambda: metric(_metrics(server), "xlaserve:kv_cache_usage_perc") == 0.0)
     made = metric(_metrics(server), "xlaserve:generation_tokens_total") - before
     assert made < 50  # the core stopped soon after the stop string, not at 200
+
+
+def test_output_processing_crash_fails_that_request_only(server, engine) -> None:  # noqa: ANN001
+    """A bug while turning one request's tokens into text (front side) fails that request with
+    a 500 and aborts it in the core; the engine and the other requests carry on."""
+    real = engine.processor._apply
+
+    def boom(co, parent, seq, now, stopped):  # noqa: ANN001, ANN202
+        if parent.prompt == "explode here":
+            raise RuntimeError("injected detokenizer fault")
+        return real(co, parent, seq, now, stopped)
+
+    engine.processor._apply = boom
+    try:
+        c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        try:
+            c.completions.create(model=MODEL_NAME, prompt="explode here", max_tokens=5)
+            raise AssertionError("the faulty request succeeded")
+        except openai.InternalServerError as e:
+            assert "injected detokenizer fault" in str(e)
+        ok = c.completions.create(
+            model=MODEL_NAME,
+            prompt="In the beginning",
+            max_tokens=5,
+            extra_body={"ignore_eos": True},
+        )
+        assert ok.choices[0].finish_reason == "length"
+        assert not engine.errored
+        assert wait_until(lambda: metric(_metrics(server), "xlaserve:num_requests_running") == 0)
+    finally:
+        engine.processor._apply = real

@@ -22,8 +22,10 @@ class LLM:
     `LLM(model=None)` serves the demo model shipped in the package. Every keyword argument names one
     field of the config dataclasses (`block_size`, `max_num_seqs`, `backend`, ...; see config.py).
     `engine_process=True` runs the engine core (scheduler, KV cache, model) in a child process
-    and detokenizes here; the default, in-process, measured as fast or faster offline on the
-    CPU (bench/RESULTS.md).
+    (spawned: a script needs the `if __name__ == "__main__":` guard) and detokenizes here. The
+    default stays in-process: offline on the CPU the two measured the same within the noise
+    (bench/RESULTS.md, "Engine core process"); `bench/serve_vs_offline.py
+    --offline-engine-process` measures it on a GPU.
     """
 
     def __init__(

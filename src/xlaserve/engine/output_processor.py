@@ -13,6 +13,7 @@ the server's front process when the engine core has its own process.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from xlaserve.sampling_params import SamplingParams
 from xlaserve.tokenizer import IncrementalDetokenizer
 
 PromptType = str | list[int] | dict
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -203,38 +206,15 @@ class OutputProcessor:
             if seq.finish_reason is not None:
                 continue  # stopped by a stop string; the core's late tokens are dropped
             changed[parent.request_id] = parent
-            m = parent.metrics
-            if co.first_scheduled_time is not None and m.first_scheduled_time is None:
-                m.first_scheduled_time = co.first_scheduled_time
-            if co.num_cached_tokens is not None:
-                seq.num_cached_tokens = co.num_cached_tokens
-            if co.num_preemptions is not None:
-                seq.num_preemptions = co.num_preemptions
-            m.spec_num_draft_tokens += co.spec_draft_tokens
-            m.spec_num_accepted_tokens += co.spec_accepted_tokens
-            if co.prompt_logprobs and seq.index == 0 and parent.prompt_logprobs is not None:
-                parent.prompt_logprobs.extend(self._position(e) for e in co.prompt_logprobs)
-            new_tokens = co.new_token_ids
-            if new_tokens:
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                m.last_token_time = now
-                seq.token_ids.extend(new_tokens)
-                if seq.logprobs is not None and co.logprobs:
-                    for e in co.logprobs[: len(new_tokens)]:
-                        seq.logprobs.append(self._position(e))
-                        seq.cumulative_logprob += e[1][0]
-                stop = seq.detok.add_tokens(new_tokens)
-                if stop is not None and co.finish_reason is None:
-                    # The core's own finish (length, stop token) on the same token wins.
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                    stopped.append(seq.request_id)
-            if co.finish_reason is not None and seq.finish_reason is None:
-                seq.finish_reason = co.finish_reason
-                seq.stop_reason = co.stop_reason
-                if co.finish_reason == "error":
-                    parent.error = co.error
-                seq.detok.flush()
+            try:
+                self._apply(co, parent, seq, now, stopped)
+            except Exception as e:  # noqa: BLE001 - one request's bug fails that request only
+                logger.exception("output processing failed for %s", co.request_id)
+                for s in parent.seqs:
+                    if s.finish_reason is None:
+                        s.finish_reason = "error"
+                        stopped.append(s.request_id)  # aborted in the core
+                parent.error = f"output processing failed: {type(e).__name__}: {e}"
         outputs: list[RequestOutput] = []
         for parent in changed.values():
             if final_only and not parent.finished:
@@ -244,6 +224,43 @@ class OutputProcessor:
             if out.finished:
                 self._finish_parent(parent, now)
         return outputs, stopped
+
+    def _apply(
+        self, co: CoreOutput, parent: _Parent, seq: _Sequence, now: float, stopped: list[str]
+    ) -> None:
+        """One CoreOutput into its sequence: metrics, tokens, logprobs, text, stop strings."""
+        m = parent.metrics
+        if co.first_scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = co.first_scheduled_time
+        if co.num_cached_tokens is not None:
+            seq.num_cached_tokens = co.num_cached_tokens
+        if co.num_preemptions is not None:
+            seq.num_preemptions = co.num_preemptions
+        m.spec_num_draft_tokens += co.spec_draft_tokens
+        m.spec_num_accepted_tokens += co.spec_accepted_tokens
+        if co.prompt_logprobs and seq.index == 0 and parent.prompt_logprobs is not None:
+            parent.prompt_logprobs.extend(self._position(e) for e in co.prompt_logprobs)
+        new_tokens = co.new_token_ids
+        if new_tokens:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            seq.token_ids.extend(new_tokens)
+            if seq.logprobs is not None and co.logprobs:
+                for e in co.logprobs[: len(new_tokens)]:
+                    seq.logprobs.append(self._position(e))
+                    seq.cumulative_logprob += e[1][0]
+            stop = seq.detok.add_tokens(new_tokens)
+            if stop is not None and co.finish_reason is None:
+                # The core's own finish (length, stop token) on the same token wins.
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                stopped.append(seq.request_id)
+        if co.finish_reason is not None and seq.finish_reason is None:
+            seq.finish_reason = co.finish_reason
+            seq.stop_reason = co.stop_reason
+            if co.finish_reason == "error":
+                parent.error = co.error
+            seq.detok.flush()
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """Finish every open sequence of a request with an error (the core could not run it)."""
