@@ -233,3 +233,38 @@ def _complete(url: str, out: list, i: int) -> None:
     )
     n = json.loads(body)["usage"]["completion_tokens"] if status == 200 else -1
     out.append((i, status, n))
+
+
+def test_api_server_count_2_core_death_exits_nonzero(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """With two fronts, kill -9 of the core: /health turns 503 (whichever front answers) and the
+    whole server exits non-zero, leaving no process behind."""
+    sp = ServeProc(tiny_model_dir("llama"), str(tmp_path / "serve.log"), "--api-server-count", "2")
+    try:
+        sp.wait_healthy()
+        tree = [sp.ps, *sp.ps.children(recursive=True)]
+        listening = {
+            p.pid
+            for p in sp.ps.children()
+            if any(c.laddr.port == sp.port and c.status == "LISTEN" for c in p.net_connections())
+        }
+        cores = [
+            p
+            for p in sp.ps.children()
+            if "spawn_main" in " ".join(p.cmdline()) and p.pid not in listening
+        ]
+        assert len(cores) == 1
+        os.kill(cores[0].pid, signal.SIGKILL)
+        statuses = set()
+        for _ in range(20):
+            try:
+                statuses.add(http("GET", sp.url + "/health")[0])
+            except OSError:
+                break
+            time.sleep(0.02)
+        assert 200 not in statuses or 503 in statuses, statuses
+        assert sp.proc.wait(60) != 0
+        assert "engine core process died" in sp.read_log()
+        gone, alive = psutil.wait_procs(tree, timeout=20)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    finally:
+        sp.stop()
