@@ -47,6 +47,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     if args.llama8b:
         kw.update(load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9)
+        if args.tiny:  # the same code path on a CPU: the tiny shape, fp32
+            kw.update(dtype="float32")
+            del kw["gpu_memory_utilization"]
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-json", default="serve_vs_offline.json")
     ap.add_argument("--model-dir", default=None, help="default: the demo model (or --llama8b)")
     ap.add_argument("--llama8b", action="store_true", help="Llama-3.1-8B shape, dummy bf16")
+    ap.add_argument("--tiny", action="store_true", help="with --llama8b: 2 tiny layers (CPU test)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", type=int, default=256)
@@ -213,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.llama8b:
             from xlaserve.bench.gpu_bench import write_model_dir
 
-            args.model_dir = write_model_dir(os.path.join(work, "llama8b"))
+            args.model_dir = write_model_dir(
+                os.path.join(work, "llama8b"), num_layers=2 if args.tiny else 32, tiny=args.tiny
+            )
         else:
             from xlaserve.demo import demo_model_path
 

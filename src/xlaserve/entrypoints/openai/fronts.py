@@ -64,6 +64,11 @@ def run_fronts(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from xlaserve.engine.core_client import CoreProcess
 
     n = server_config.api_server_count
+    if engine_config.parallel.data_parallel_size > 1:
+        raise ValueError(
+            "--api-server-count > 1 with --data-parallel-size > 1 is not supported yet: use one "
+            "front (the data-parallel ranks are core processes behind it)"
+        )
     one = dataclasses.replace(server_config, api_server_count=1)
     core = CoreProcess(engine_config)
     ctx = multiprocessing.get_context("spawn")
