@@ -292,13 +292,22 @@ class MPAsyncLLM:
         loop = asyncio.get_running_loop()
         stream = _Stream(request_id, loop)
         done = loop.create_future()
+        if self._dead is not None:
+            raise self._dead
+        # Tokenize outside the lock (the front thread needs it for every step's outputs).
+        text, ids = self.processor.prompt_ids(prompt)
         with self._lock:
             if self._dead is not None:
                 raise self._dead
             if request_id in self._pending:
                 raise ValueError(f"request id {request_id!r} is already in use")
             reqs = self.processor.add_request(
-                request_id, prompt, params, priority, stream.arrival_time, cache_salt
+                request_id,
+                {"prompt": text, "prompt_token_ids": ids},
+                params,
+                priority,
+                stream.arrival_time,
+                cache_salt,
             )
             self._pending[request_id] = (stream, done)
             self._send(b"A", pickle.dumps((request_id, reqs), protocol=pickle.HIGHEST_PROTOCOL))
