@@ -63,15 +63,17 @@ def test_engine_process_matches_in_process(tiny_model_dir, spec) -> None:  # noq
         assert got == want
         assert any(r[4] == "stop" and isinstance(r[5], str) for r in got)  # a stop string hit
         # The core's counters cross the process boundary.
-        # The core may run a step or two past a stop string before the front's abort lands.
+        # The core may run a few steps past a stop string before the front's abort lands (up
+        # to 1 + 3 drafts tokens a step with n-gram drafts); never fewer tokens than in-process.
         extra = st.generation_tokens_total - want_st.generation_tokens_total
-        assert 0 <= extra <= 4
+        assert 0 <= extra <= 16, extra
         assert st.prompt_tokens_total == want_st.prompt_tokens_total
         assert st.prefix_cache_hits == want_st.prefix_cache_hits
         assert st.num_free_blocks == st.num_total_blocks
-        if spec:
-            assert st.spec_num_draft_tokens == want_st.spec_num_draft_tokens > 0
-            assert st.spec_num_accepted_tokens == want_st.spec_num_accepted_tokens > 0
+        if spec:  # the steps past a stop string may verify drafts too
+            assert st.spec_num_draft_tokens >= want_st.spec_num_draft_tokens > 0
+            assert st.spec_num_accepted_tokens >= want_st.spec_num_accepted_tokens > 0
+            assert st.spec_num_accepted_tokens <= st.spec_num_draft_tokens
     finally:
         llm.llm_engine.shutdown()
     assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
