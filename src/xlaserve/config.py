@@ -355,6 +355,12 @@ class ServerConfig:
     # Worker threads for CPU-heavy request work kept off the event loop (decompression, JSON
     # parsing of large bodies, chat templating, tokenization).
     cpu_workers: int = 2
+    # Run the engine core (scheduler, KV cache, model) in its own process, fed over ZMQ; off:
+    # in the server's process on a thread (--no-engine-process).
+    engine_process: bool = True
+    # aiohttp front processes on the one port (SO_REUSEPORT), all clients of the one engine
+    # core process (needs --engine-process).
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -366,6 +372,11 @@ class ServerConfig:
             "cpu_workers",
         ):
             _check(getattr(self, name) > 0, f"{name} must be positive")
+        _check(self.api_server_count >= 1, "api_server_count must be >= 1")
+        _check(
+            self.api_server_count == 1 or self.engine_process,
+            "api_server_count > 1 needs the engine core in its own process (--engine-process)",
+        )
 
     def api_keys(self) -> list[str]:
         """Every accepted key: api_key (one or a list) plus api_key_file's lines. Raises

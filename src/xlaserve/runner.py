@@ -223,8 +223,9 @@ def resolve_backend(name: str) -> str:
 
 
 def get_capabilities(name: str) -> RunnerCapabilities:
-    """The capabilities a backend's runner class declares (imports that backend)."""
-    return get_runner_class(name).capabilities
+    """The capabilities a backend's runner class declares (imports that backend); a registered
+    runner that declares none gets the defaults (plain single-device serving)."""
+    return getattr(get_runner_class(name), "capabilities", RunnerCapabilities())
 
 
 def backends_with(want: Callable[[RunnerCapabilities], bool]) -> list[str]:

@@ -14,8 +14,10 @@ gets it. A replica that answers "queue full" is skipped and the next candidate t
 every live replica is full does the caller get `EngineQueueFullError` (the server: 503 with
 Retry-After). One dead replica does not take the server down: the others keep serving.
 
-Replicas live in this process (threads). The torch backend's tensor parallelism uses one process
-group per process, so DP x TP on torch is not supported in-process.
+Replicas are engine core processes behind this front when the server runs the core in its own
+process (the `xlaserve serve` default; `MPAsyncLLM` each, rank i on its own GPU(s) when the host
+has them), or threads of this process (`--no-engine-process`). The torch backend's tensor
+parallelism uses one process group per process, so DP x TP on torch is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -114,7 +117,11 @@ class DataParallelAsyncLLM:
         self._owner: dict[str, int] = {}  # request id -> replica (while in flight)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> DataParallelAsyncLLM:
+    def from_config(
+        cls, config: EngineConfig, engine_process: bool = False
+    ) -> DataParallelAsyncLLM:
+        """`engine_process`: each replica is an engine core process (started together, loading
+        in parallel) behind this front; on NVIDIA GPUs rank i gets its own device(s)."""
         n = config.parallel.data_parallel_size
         if n > 1 and config.parallel.tensor_parallel_size > 1:
             backend = resolve_backend(config.backend)
@@ -128,6 +135,8 @@ class DataParallelAsyncLLM:
         one = dataclasses.replace(
             config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1)
         )
+        if engine_process:
+            return cls(_core_process_replicas(one, n))
         replicas: list[AsyncLLM] = []
         try:
             for i in range(n):
@@ -215,7 +224,11 @@ class DataParallelAsyncLLM:
             raise self.replicas[0].dead_error or EngineDeadError("every replica is down")
         usable = [alive[i] and self._has_room(i) for i in range(len(self.replicas))]
         full: EngineQueueFullError | None = None
-        for i in self.balancer.candidates(key, usable):
+        b = self.balancer
+        for i in b.candidates(key, usable):
+            # Count it in flight while the replica answers, so concurrent requests placed
+            # meanwhile see the load (a core process answers after its current step).
+            b.in_flight[i] += 1
             try:
                 stream = await self.replicas[i].add_request(
                     request_id, prompt, params, priority, cache_salt
@@ -226,7 +239,9 @@ class DataParallelAsyncLLM:
                 continue
             except EngineDeadError:
                 continue
-            self.balancer.placed(i, key)
+            finally:
+                b.in_flight[i] -= 1
+            b.placed(i, key)
             self._owner[request_id] = i
             return stream
         for i, ok in enumerate(usable):
@@ -346,8 +361,52 @@ class DataParallelAsyncLLM:
         return _ReplicaCollector()
 
 
-def build_async_engine(config: EngineConfig) -> AsyncLLM | DataParallelAsyncLLM:
-    """What the server runs: one AsyncLLM, or the data-parallel front when data_parallel_size > 1."""
+def _rank_env(rank: int, per_rank: int) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for data-parallel rank `rank` (devices rank*per_rank onwards) when
+    this host has enough NVIDIA GPUs (read from /proc: torch is not imported here); else {}."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devs = [d for d in visible.split(",") if d.strip()]
+    else:
+        gpus = "/proc/driver/nvidia/gpus"
+        devs = [str(i) for i in range(len(os.listdir(gpus)))] if os.path.isdir(gpus) else []
+    mine = devs[rank * per_rank : (rank + 1) * per_rank]
+    if len(mine) < per_rank:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def _core_process_replicas(config: EngineConfig, n: int) -> list[Any]:
+    """n MPAsyncLLMs, each over its own engine core process (all started before any waits)."""
+    from xlaserve.engine.core_client import CoreProcess, MPAsyncLLM
+
+    tp = config.parallel.tensor_parallel_size
+    cores = []
+    replicas: list[Any] = []
+    try:
+        for i in range(n):
+            cores.append(CoreProcess(config, _rank_env(i, tp), name=f"engine core (DP rank {i})"))
+        for c in cores:
+            replicas.append(MPAsyncLLM(config, core=c))
+    except BaseException:
+        for r in replicas:
+            r.shutdown(5.0)
+        for c in cores[len(replicas) :]:
+            c.proc.terminate()
+            c.stop(5.0)
+        raise
+    return replicas
+
+
+def build_async_engine(
+    config: EngineConfig, engine_process: bool = False
+) -> AsyncLLM | DataParallelAsyncLLM | Any:  # noqa: ANN401
+    """What the server runs: one AsyncLLM, or the data-parallel front when data_parallel_size > 1.
+    `engine_process`: the engine core runs in its own process (`MPAsyncLLM`, same surface)."""
     if config.parallel.data_parallel_size > 1:
-        return DataParallelAsyncLLM.from_config(config)
+        return DataParallelAsyncLLM.from_config(config, engine_process)
+    if engine_process:
+        from xlaserve.engine.core_client import MPAsyncLLM
+
+        return MPAsyncLLM.from_config(config)
     return AsyncLLM.from_config(config)

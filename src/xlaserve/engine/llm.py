@@ -21,9 +21,16 @@ class LLM:
 
     `LLM(model=None)` serves the demo model shipped in the package. Every keyword argument names one
     field of the config dataclasses (`block_size`, `max_num_seqs`, `backend`, ...; see config.py).
+    `engine_process=True` runs the engine core (scheduler, KV cache, model) in a child process
+    (spawned: a script needs the `if __name__ == "__main__":` guard) and detokenizes here. The
+    default stays in-process: offline on the CPU the two measured the same within the noise
+    (bench/RESULTS.md, "Engine core process"); `bench/serve_vs_offline.py
+    --offline-engine-process` measures it on a GPU.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, engine_process: bool = False, **kwargs: Any
+    ) -> None:
         # Offline batches take the platform's larger step budget unless the caller sets one.
         seqs, tokens = default_batch_limits(
             current_platform, offline=True, backend=kwargs.get("backend", "auto")
@@ -33,7 +40,12 @@ class LLM:
         if kwargs.get("max_num_batched_tokens") is None:
             kwargs["max_num_batched_tokens"] = tokens
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(self.config)
+        if engine_process:  # the engine core in its own process (engine/core_client.py)
+            from xlaserve.engine.core_client import MPLLMEngine
+
+            self.llm_engine: LLMEngine = MPLLMEngine(self.config)  # type: ignore[assignment]
+        else:
+            self.llm_engine = LLMEngine(self.config)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer

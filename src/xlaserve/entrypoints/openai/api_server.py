@@ -1043,24 +1043,78 @@ def build_app(
     return app
 
 
+async def _watch_engine(app: web.Application) -> None:
+    """Once the engine dies (the core process crashed): /health is 503 and requests fail with
+    5xx at once (the engine fails them); after a short grace for those answers to go out, stop
+    the server, which then exits non-zero (run_server)."""
+    engine = app[ENGINE_KEY]
+    while not engine.errored:
+        await asyncio.sleep(0.1)
+    logger.error("engine is down (%s); the server stops", engine.dead_error)
+    await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+    raise web.GracefulExit()
+
+
+# Seconds between the engine's death and the server's exit (in-flight requests get their 5xx).
+DEAD_ENGINE_GRACE_S = 1.0
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Load the engine and serve until SIGINT/SIGTERM (then stop the engine thread)."""
+    """Load the engine and serve until SIGINT/SIGTERM (then stop the engine). With
+    `server_config.engine_process` (the default) the engine core runs in its own process;
+    if it dies, the server exits with status 1. `api_server_count` > 1: that many front
+    processes share the port (entrypoints/openai/fronts.py)."""
+    if server_config.api_server_count > 1:
+        from xlaserve.entrypoints.openai.fronts import run_fronts
+
+        raise SystemExit(run_fronts(engine_config, server_config))
     from xlaserve.engine.dp import build_async_engine
 
     # data_parallel_size > 1: N replicas behind the prefix-aware balancer (same AsyncLLM surface).
-    engine = build_async_engine(engine_config)
-    app = build_app(engine, server_config, owns_engine=True)  # type: ignore[arg-type]
+    engine = build_async_engine(engine_config, engine_process=server_config.engine_process)
+    serve_engine(engine, server_config)
+
+
+def serve_engine(engine: Any, server_config: ServerConfig, reuse_port: bool = False) -> None:  # noqa: ANN401
+    """Serve an engine built by the caller until SIGINT/SIGTERM; raises SystemExit(1) when the
+    engine died (after in-flight requests got their 5xx)."""
+    app = build_app(engine, server_config, owns_engine=True)
+    watch: list[asyncio.Task] = []
+
+    async def _start_watch(app: web.Application) -> None:
+        # A task that raises GracefulExit (SystemExit) stops the loop like a signal does.
+        watch.append(asyncio.get_running_loop().create_task(_watch_engine(app)))
+
+    async def _stop_watch(app: web.Application) -> None:
+        for t in watch:
+            t.cancel()
+
+    app.on_startup.append(_start_watch)
+    app.on_shutdown.append(_stop_watch)
     host, port = server_config.host, server_config.port
     logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
-    web.run_app(
-        app,
-        host=host,
-        port=port,
-        # handler_cancellation: a client that disconnects cancels its handler -> abort;
-        # auto_decompress off: bodies are inflated on the CPU pool, bounded (see _inflate).
-        **RUNNER_KWARGS,
-        shutdown_timeout=5.0,
-        access_log=logging.getLogger("aiohttp.access") if server_config.log_requests else None,
-        print=lambda msg: logger.info("%s", msg),
-    )
+    try:
+        web.run_app(
+            app,
+            host=host,
+            port=port,
+            reuse_port=reuse_port or None,
+            # handler_cancellation: a client that disconnects cancels its handler -> abort;
+            # auto_decompress off: bodies are inflated on the CPU pool, bounded (see _inflate).
+            **RUNNER_KWARGS,
+            shutdown_timeout=5.0,
+            access_log=logging.getLogger("aiohttp.access") if server_config.log_requests else None,
+            print=lambda msg: logger.info("%s", msg),
+        )
+    finally:
+        with contextlib.suppress(Exception):  # run_app's cleanup normally did it already
+            engine.shutdown()
+    if _engine_crashed(engine):
+        logger.error("server stopped: the engine died (%s)", engine.dead_error)
+        raise SystemExit(1)
     logger.info("server stopped")
+
+
+def _engine_crashed(engine: Any) -> bool:  # noqa: ANN401
+    err = engine.dead_error
+    return err is not None and "shut down" not in str(err)
