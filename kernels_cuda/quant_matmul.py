@@ -19,7 +19,7 @@ Two kernel families:
     sums (deterministic, no atomics).
   * tl.dot tiles (larger M, prefill): int8 / int4 only; fp8 there goes through torch.
 Tile parameters are data (GEMV_TILES, TILES) so they can be re-tuned from GPU measurements
-(`python -m xlaserve.kernels_cuda.bench_kernels --only qgemv`).
+(`python -m xlaserve.bench.kernels.cuda_kernels --only qgemv`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class GemvTiles(NamedTuple):
 
 # Per format: (max M, tiles) buckets, the first with M <= max M wins. Starting points from the
 # sm_90 SASS (no shared-memory round trips or barriers in the K loop, no spills), to be re-tuned
-# from `bench_kernels --only qgemv` on the target GPU. M == 1: BLOCK_K (int4: BLOCK_K / 2 bytes)
+# from `cuda_kernels --only qgemv` on the target GPU. M == 1: BLOCK_K (int4: BLOCK_K / 2 bytes)
 # >= 8 * 32 * num_warps puts all warps along K, x loads once per thread and rows are register
 # repeats. M > 1: one warp-row of 256 k's (int8 / fp8) keeps each step's reduction in a warp.
 # Measured on the H200 (2026-12-03, bench/RESULTS.md): M == 1 fp8 takes (4, 1024) (best on all

@@ -92,7 +92,7 @@ from xlaserve.kernels_pallas.ragged_paged_attention_gpu import (
 MASK_VALUE: float = -0.7 * float(np.finfo(np.float32).max)
 _IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 # What impl="auto" runs on a GPU backend: whichever of "reference" / "pallas_gpu" is faster.
-# Measured on the H200 (python -m xlaserve.kernels_pallas.bench_rpa_gpu, Llama-8B heads, bf16,
+# Measured on the H200 (python -m xlaserve.bench.kernels.rpa_gpu, Llama-8B heads, bf16,
 # median us, reference -> pallas_gpu with the starting tiles): decode batch 1 239 -> 256 (174
 # with the tuned decode tiles now in TUNED_GPU_BLOCK_SIZES), batch 32 440 -> 364, batch 256
 # 1,329 -> 638, mixed 4 x 256 prefill + 200 decodes 4,588 -> 679, prefill 1 x 2048 331 (the
