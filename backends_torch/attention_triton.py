@@ -27,6 +27,8 @@ class TritonAttention(AttentionBackend):
     """Paged attention through the Triton kernels (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
+    cuda_graphs = True  # metadata from device tensors only; split-KV fixed per captured graph
+    triton_kernels = True
 
     def __init__(self) -> None:
         from xlaserve.kernels_cuda import unified_attention, write_kv
@@ -48,7 +50,10 @@ class TritonAttention(AttentionBackend):
         with k_scale / v_scale [N, S, Hkv] the kernel quantizes each (token, head) vector."""
         if slot_mapping.dtype != torch.int32:  # the runner builds int32 already; others may not
             slot_mapping = slot_mapping.to(torch.int32)
-        self._write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        self._write_kv(
+            k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+            kernels=self.kernels,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -80,4 +85,5 @@ class TritonAttention(AttentionBackend):
             num_kv_splits=splits,
             k_scale=k_scale,
             v_scale=v_scale,
+            kernels=self.kernels,
         )

@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,7 +48,7 @@ from xlaserve.backends_torch.sampler import (
     to_device,
     token_logprobs,
 )
-from xlaserve.config import EngineConfig
+from xlaserve.config import EngineConfig, KernelConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.platforms import current_platform
 from xlaserve.runner import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -112,7 +111,7 @@ class _ReqState:
 # Placeholder token id: sampled by a launched step whose tokens have not reached the host yet.
 PENDING = -1
 NONFINITE_ERROR = "non-finite logits (NaN or inf) produced by the model for this request"
-ENV_FUSED_GREEDY = "XLASERVE_FUSED_GREEDY"
+ENV_FUSED_GREEDY = KernelConfig.env_name("fused_greedy")
 
 
 @dataclass
@@ -144,9 +143,11 @@ class TorchModelRunner:
         self.quant_scheme = torch_quant_scheme(config, spec, self.device)
         self.block_size = config.cache.block_size
         # CUDA: Triton paged attention (graph-capturable); elsewhere one batched torch attention.
+        self.kernels = config.kernels
         default_attn = "triton" if self.device.type == "cuda" else "torch_batched"
-        self.attn_backend_name = os.environ.get("XLASERVE_ATTENTION_BACKEND", default_attn)
-        self.attn_backend = get_attention_backend(self.attn_backend_name)
+        ab = self.kernels.attention_backend
+        self.attn_backend_name = default_attn if ab == "auto" else ab
+        self.attn_backend = get_attention_backend(self.attn_backend_name, self.kernels)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -159,10 +160,10 @@ class TorchModelRunner:
         self.num_deferred_steps = 0  # steps whose tokens were left on the device by launch
         # Greedy fast path through the fused argmax kernel (kernels_cuda.sampling: one pass over
         # the lm_head output, no float32 copy, exact non-finite flags). By default on CUDA only:
-        # on the CPU the Triton interpreter is far too slow to serve. $XLASERVE_FUSED_GREEDY=0
-        # turns it off, =1 on anywhere (CPU tensors need TRITON_INTERPRET=1: tests).
-        fg = os.environ.get(ENV_FUSED_GREEDY, "auto")
-        self.fused_greedy = fg == "1" or (fg != "0" and self.device.type == "cuda")
+        # on the CPU the Triton interpreter is far too slow to serve. KernelConfig.fused_greedy
+        # "off" turns it off, "on" on anywhere (CPU tensors need TRITON_INTERPRET=1: tests).
+        fg = self.kernels.fused_greedy
+        self.fused_greedy = fg == "on" or (fg == "auto" and self.device.type == "cuda")
         self._token_ring: PinnedRing | None = None  # pinned host slots for deferred tokens
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
         self.kv_offload = None
@@ -199,7 +200,7 @@ class TorchModelRunner:
         # kv_code_dtype None = (k, v) in the model dtype. The draft's cache follows the same dtype.
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_code_dtype = check_kv_cache_dtype(
-            self.kv_cache_dtype, self.attn_backend_name, self.device
+            self.kv_cache_dtype, self.attn_backend_name, self.device, self.attn_backend
         )
 
     # ---- setup ----------------------------------------------------------------------------
@@ -207,7 +208,10 @@ class TorchModelRunner:
     def load_model(self) -> None:
         cls = get_model_class(self.spec.family)
         torch.manual_seed(self.config.model.seed)
-        model = cls(self.spec, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend)
+        model = cls(
+            self.spec, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
+            kernels=self.kernels,
+        )  # fmt: skip
         qs = self.quant_scheme
         if self.config.load.load_format == "dummy":
             model.init_dummy_weights(seed=self.config.model.seed)
@@ -229,6 +233,7 @@ class TorchModelRunner:
                 ql.quantize_linears(model, qs)
                 weights = ql.quantized_weight_stream(model, qs, weights)
             model.load_weights(weights)
+        model.use_kernels(self.kernels)  # again: quantization swapped layers in
         self.model = model.eval()
         if self.draft_spec is not None:
             dcls = get_model_class(self.draft_spec.family)
@@ -237,6 +242,7 @@ class TorchModelRunner:
                 dtype=self.dtype,
                 device=self.device,
                 attn_backend=self.attn_backend,
+                kernels=self.kernels,
             )
             if self.config.load.load_format == "dummy":
                 draft.init_dummy_weights(seed=self.config.model.seed + 1)
@@ -370,7 +376,7 @@ class TorchModelRunner:
         from xlaserve.backends_torch.kv_offload import make_torch_kv_offload
 
         self.kv_offload = make_torch_kv_offload(self)
-        if self.device.type == "cuda" and self.attn_backend_name == "triton":
+        if self.device.type == "cuda" and self.attn_backend.cuda_graphs:
             from xlaserve.backends_torch.cuda_graphs import make_cuda_step_runner
 
             self.cuda_step = make_cuda_step_runner(self)
@@ -721,7 +727,7 @@ class TorchModelRunner:
             return None
         from xlaserve.kernels_cuda.sampling import greedy_argmax_packed
 
-        return greedy_argmax_packed(raw)
+        return greedy_argmax_packed(raw, kernels=self.kernels)
 
     def _sample_deferred(
         self,

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig
+
 from ._common import (
     FLOAT_DTYPES,
     check_device,
@@ -429,6 +431,8 @@ def unified_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     zero_padding: bool | None = None,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Paged causal attention over a ragged batch of prefill chunks and decodes, one launch.
 
@@ -533,7 +537,7 @@ def unified_attention(
         ZERO_PAD=zero_main,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        USE_PDL=(pdl := use_pdl(q)),
+        USE_PDL=(pdl := use_pdl(q, kernels)),
         **pdl_kwargs(pdl),
     )  # fmt: skip
     if num_kv_splits > 1:
@@ -581,6 +585,8 @@ def unified_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     zero_padding: bool | None = None,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Plain torch reference of :func:`unified_attention` (same arguments, fp32 math;
     ``num_kv_splits`` is accepted and ignored; a quantized cache is dequantized first).

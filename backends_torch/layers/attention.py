@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from xlaserve.config import KernelConfig
 from xlaserve.kernels_cuda.kv_quant import dequantize_kv, quantize_kv
 
 
@@ -53,6 +54,15 @@ class AttentionBackend:
     """Writes new K/V into the paged cache and attends over it. Stateless between steps."""
 
     name: str = "base"
+    # Kernel launch switches (KernelConfig.pdl, ...); set by `get_attention_backend`.
+    kernels: KernelConfig | None = None
+    # Capabilities (what the runner and the model ask, never the backend's name):
+    # decode steps may be captured in CUDA graphs: forward reads the metadata's device tensors
+    # only (no host sync, no host-dependent shapes), so a replay with new values is exact.
+    cuda_graphs: bool = False
+    # runs Triton kernels: the model's rotary and gated activation take Triton too (triton_ops
+    # "auto"), and a float8 KV cache needs compute capability >= 8.9 for their fp8 loads.
+    triton_kernels: bool = False
 
     def write_kv(
         self,
@@ -280,10 +290,14 @@ QUANT_KV_BACKENDS = ("torch_ref", "torch_batched", "triton")
 
 
 def check_kv_cache_dtype(
-    kv_cache_dtype: str, backend_name: str, device: torch.device
+    kv_cache_dtype: str,
+    backend_name: str,
+    device: torch.device,
+    backend: AttentionBackend | None = None,
 ) -> torch.dtype | None:
     """The cache code dtype for `kv_cache_dtype` (None for "auto"); a clear ValueError at start-up
-    for combinations that are not implemented (rather than wrong results later)."""
+    for combinations that are not implemented (rather than wrong results later). backend: the
+    instance registered as `backend_name` (None: made here), for its capabilities."""
     from xlaserve.kernels_cuda.kv_quant import kv_code_dtype
 
     code = kv_code_dtype(kv_cache_dtype)
@@ -297,7 +311,7 @@ def check_kv_cache_dtype(
     if (
         code == torch.float8_e4m3fn
         and device.type == "cuda"
-        and backend_name == "triton"
+        and (backend or get_attention_backend(backend_name)).triton_kernels
         and torch.cuda.get_device_capability(device) < (8, 9)
     ):
         raise ValueError(
@@ -307,13 +321,17 @@ def check_kv_cache_dtype(
     return code
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, kernels: KernelConfig | None = None) -> AttentionBackend:
+    """A new backend of the registered `name`, launching its kernels by `kernels` (None: the
+    KernelConfig defaults and their environment overrides, read at launch)."""
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; known: {', '.join(available_attention_backends())}"
         )
     module, _, cls = _BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    backend = getattr(importlib.import_module(module), cls)()
+    backend.kernels = kernels
+    return backend
 
 
 class Attention(nn.Module):

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from xlaserve.config import KernelConfig
+
 _NP_TO_TORCH = {
     np.dtype(np.float64): torch.float64,
     np.dtype(np.float32): torch.float32,
@@ -87,6 +89,14 @@ class CausalLMBase(nn.Module):
                 f"weights missing from the checkpoint: {', '.join(missing[:8])}"
                 + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
             )
+
+    def use_kernels(self, kernels: KernelConfig) -> None:
+        """Hand `kernels` to every layer that launches kernels by it (modules with a `kernels`
+        attribute: Linear, MLP, ...); run again after layers are swapped (quantization)."""
+        self.kernels = kernels
+        for m in self.modules():
+            if m is not self and hasattr(m, "kernels"):
+                m.kernels = kernels
 
     def set_triton_ops(self, enabled: bool) -> None:
         """Route rotary (in place on q/k) and the fused gate_up activation through the Triton

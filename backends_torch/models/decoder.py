@@ -15,12 +15,11 @@ Parameter names are the canonical names of `model_loader/spec.py`, except that q
 MLP's gate/up are fused layers (`qkv_proj`, `gate_up_proj`: one GEMM each, output split into views);
 `CausalLMBase.load_weights` writes the canonical members into their rows. On CUDA with the Triton
 attention backend, rotary and act-and-mul run as Triton kernels (`set_triton_ops`); there, with a
-float KV cache, rope and the KV-cache write are one kernel (FUSED_ROPE_KV_WRITE).
+float KV cache, rope and the KV-cache write are one kernel (KernelConfig.fused_rope_kv).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import torch
@@ -41,6 +40,7 @@ from xlaserve.backends_torch.layers.moe import FusedMoE
 from xlaserve.backends_torch.layers.norm import make_norm
 from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
 from xlaserve.backends_torch.models.base import CausalLMBase
+from xlaserve.config import KernelConfig, kernel_switch
 from xlaserve.model_loader.spec import ModelSpec
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -74,26 +74,16 @@ def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | 
     return RotaryEmbedding(spec, device)
 
 
-def triton_ops_default(device: str | torch.device, backend: AttentionBackend) -> bool:
+def triton_ops_default(
+    device: str | torch.device, backend: AttentionBackend, kernels: KernelConfig | None = None
+) -> bool:
     """Whether the model routes rotary and the gated activation through the Triton kernels:
-    $XLASERVE_TRITON_OPS "1" / "0" forces it on / off (on needs CUDA or TRITON_INTERPRET=1),
-    else on exactly when the device is CUDA and the attention backend is "triton"."""
-    env = os.environ.get("XLASERVE_TRITON_OPS", "auto")
-    if env in ("0", "1"):
-        return env == "1"
-    return torch.device(device).type == "cuda" and backend.name == "triton"
-
-
-# Fused rope + KV-cache write (kernels_cuda.rotary_embedding_write_kv: one launch instead of
-# rotary + write_kv) wherever the Triton rotary runs and the cache holds floats (a quantized
-# cache keeps the two kernels). $XLASERVE_FUSED_ROPE_KV "1" / "0" overrides this default.
-FUSED_ROPE_KV_WRITE = True
-
-
-def fused_rope_kv_enabled() -> bool:
-    """FUSED_ROPE_KV_WRITE unless $XLASERVE_FUSED_ROPE_KV is "1" / "0" (read at model build)."""
-    env = os.environ.get("XLASERVE_FUSED_ROPE_KV")
-    return env == "1" if env in ("0", "1") else FUSED_ROPE_KV_WRITE
+    KernelConfig.triton_ops "on" / "off" forces it (on needs CUDA or TRITON_INTERPRET=1), "auto"
+    is on exactly when the device is CUDA and the attention backend runs Triton kernels."""
+    mode = kernel_switch("triton_ops", kernels)
+    if mode != "auto":
+        return mode == "on"
+    return torch.device(device).type == "cuda" and backend.triton_kernels
 
 
 class DecoderAttention(nn.Module):
@@ -101,7 +91,7 @@ class DecoderAttention(nn.Module):
 
     q/k/v are one fused `qkv_proj` (weights [q; k; v] along the output dim; this rank's heads of
     each under TP) whose output is split into views; separate q_proj/k_proj/v_proj only where
-    `can_fuse` says no (GPTQ act-order, partial ignore lists, $XLASERVE_FUSE_PROJECTIONS=0).
+    `can_fuse` says no (GPTQ act-order, partial ignore lists, KernelConfig.fuse_projections off).
     """
 
     def __init__(
@@ -111,6 +101,7 @@ class DecoderAttention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: str,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         # Heads of this rank (tensor parallelism splits heads; layers carry the split).
@@ -123,7 +114,7 @@ class DecoderAttention(nn.Module):
         kv_rep = max(1, tp // spec.num_kv_heads)  # ranks sharing one KV head
         h, qkvb = spec.hidden_size, spec.qkv_bias
         members = [f"layers.{layer}.self_attn.{p}_proj" for p in "qkv"]
-        self.fused = can_fuse(spec.model_dir, members)
+        self.fused = can_fuse(spec.model_dir, members, kernels)
         if self.fused:
             self.qkv_proj = make_merged_linear(
                 h, [("q_proj", spec.q_size, 1), ("k_proj", spec.kv_size, kv_rep),
@@ -142,7 +133,8 @@ class DecoderAttention(nn.Module):
             self.q_norm = spec_norm(spec, qd, dtype, device)
             self.k_norm = spec_norm(spec, kd, dtype, device)
         self.rotary = layer_rotary(spec, layer, device)
-        self.fuse_rope_kv = fused_rope_kv_enabled()
+        # One kernel for rope + the KV-cache write where the Triton rotary runs on a float cache.
+        self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
         scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         self.attn = Attention(
             self.hq,
@@ -189,6 +181,7 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: str,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         h = spec.hidden_size
@@ -202,14 +195,14 @@ class DecoderLayer(nn.Module):
         if spec.family == "mla":
             from xlaserve.backends_torch.models.mla import MLAttention
 
-            self.self_attn = MLAttention(spec, layer, backend, dtype, device)
+            self.self_attn = MLAttention(spec, layer, backend, dtype, device, kernels)
         else:
-            self.self_attn = DecoderAttention(spec, layer, backend, dtype, device)
+            self.self_attn = DecoderAttention(spec, layer, backend, dtype, device, kernels)
         if spec.sandwich_norms:
             self.post_attn_out_norm = spec_norm(spec, h, dtype, device)
             self.post_mlp_out_norm = spec_norm(spec, h, dtype, device)
         if spec.is_moe_layer(layer):
-            self.mlp = FusedMoE(spec, dtype, device)
+            self.mlp = FusedMoE(spec, dtype, device, kernels=kernels)
         else:
             members = [f"layers.{layer}.mlp.{p}" for p in ("gate_proj", "up_proj")]
             self.mlp = MLP(
@@ -220,7 +213,7 @@ class DecoderLayer(nn.Module):
                 spec.mlp_bias,
                 dtype,
                 device,
-                fused=can_fuse(spec.model_dir, members),
+                fused=can_fuse(spec.model_dir, members, kernels),
             )
 
     def forward(
@@ -269,8 +262,12 @@ class DecoderForCausalLM(CausalLMBase):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         attn_backend: AttentionBackend | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
+        # Kernel switches (the runner passes the engine's). None, a model built on its own: its
+        # build reads the defaults + XLASERVE_* overrides now, its layers' launches at call time.
+        build = kernels if kernels is not None else KernelConfig.from_env()
         if attn_backend is None:
             from xlaserve.backends_torch.layers.attention import TorchRefAttention
 
@@ -285,12 +282,15 @@ class DecoderForCausalLM(CausalLMBase):
         elif spec.position_embedding != "rope":
             raise ValueError(f"unknown position_embedding {spec.position_embedding!r}")
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, attn_backend, dtype, device) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, attn_backend, dtype, device, build)
+            for i in range(spec.num_layers)
         )
         self.norm = spec_norm(spec, spec.hidden_size, dtype, device)
         if not spec.tie_word_embeddings:
             self.lm_head = make_lm_head(spec.hidden_size, spec.vocab_size, dtype, device)
-        if triton_ops_default(device, attn_backend):
+        if kernels is not None:
+            self.use_kernels(kernels)
+        if triton_ops_default(device, attn_backend, build):
             self.set_triton_ops(True)
 
     @torch.inference_mode()
