@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from xlaserve.backends_torch.attention_triton import TritonAttentionMetadata
+from xlaserve.backends_torch.layers.attention import AttentionBackend, AttentionMetadata
 from xlaserve.config import kernel_switch
 
 logger = logging.getLogger(__name__)
@@ -97,8 +97,12 @@ class CudaStepRunner:
         num_kv_heads: int,
         num_heads: int,
         use_graphs: bool,
+        attn_backend: AttentionBackend,
         max_kv_splits: int | None = None,
     ) -> None:
+        if not attn_backend.cuda_graphs and use_graphs:
+            raise ValueError(f"attention backend {attn_backend.name!r} has no CUDA graphs")
+        self.attn_backend = attn_backend  # builds the step metadata (its metadata hooks)
         self.model = model
         self.max_kv_splits = max_kv_splits  # KernelConfig.graph_max_kv_splits
         self.kv_caches = kv_caches
@@ -201,7 +205,7 @@ class CudaStepRunner:
         dev = buf.upload(need)
         if k:
             feed_tokens(dev[o_ids : o_ids + t], dev[o_fd : o_fd + k], dev[o_fr : o_fr + k], feed[2])
-        md = TritonAttentionMetadata(
+        md = self.attn_backend.build_metadata(
             query_start_loc=dev[o_qsl : o_qsl + b + 1],
             seq_lens=dev[o_sl : o_sl + b],
             block_tables=dev[o_tab : o_tab + b * mw].view(b, mw),
@@ -245,8 +249,10 @@ class CudaStepRunner:
         self.g_table = d[6 * bmax :].view(bmax, m)
         self.g_qsl = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
 
-    def _graph_md(self, b: int, splits: int) -> TritonAttentionMetadata:
-        return TritonAttentionMetadata(
+    def _graph_md(self, b: int, splits: int) -> AttentionMetadata:
+        """The metadata bucket b's graph is captured with: views of the static buffers, the
+        backend's launch knobs fixed (its graph-capture hook)."""
+        md = self.attn_backend.build_metadata(
             query_start_loc=self.g_qsl[: b + 1],
             seq_lens=self.g_seq_lens[:b],
             block_tables=self.g_table[:b],
@@ -255,8 +261,8 @@ class CudaStepRunner:
             max_seq_len=self.max_blocks * self.block_size,
             query_start_loc_host=list(range(b + 1)),
             seq_lens_host=[1] * b,
-            num_kv_splits=splits,
         )
+        return self.attn_backend.graph_metadata(md, splits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -382,6 +388,7 @@ def make_cuda_step_runner(runner: object) -> CudaStepRunner:
         num_kv_heads=spec.num_kv_heads,
         num_heads=spec.num_heads,
         use_graphs=not cfg.enforce_eager,
+        attn_backend=runner.attn_backend,
         max_kv_splits=cfg.kernels.graph_max_kv_splits,
     )
     step.capture()

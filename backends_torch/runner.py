@@ -325,7 +325,7 @@ class TorchModelRunner:
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(tokens, device=self.device)
         nblk = caches[0][0].shape[0]
-        md = AttentionMetadata(
+        md = self.attn_backend.build_metadata(
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
             block_tables=torch.arange(nblk, dtype=torch.int32, device=self.device)[None, :],
@@ -467,7 +467,7 @@ class TorchModelRunner:
             positions = np.arange(t) - np.repeat(qsl[:-1] - starts, lens)
         slots = table[row, positions // S].astype(np.int64) * S + positions % S
         qsl_host, seq_lens_host = qsl.tolist(), seq_lens.tolist()
-        md = AttentionMetadata(
+        md = self.attn_backend.build_metadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(table).to(dev),

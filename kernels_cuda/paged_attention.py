@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Protocol
 
 import torch
 import triton
@@ -412,6 +413,44 @@ def attention_launch_config(
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], next_pow2(num_queries_per_kv))
     cfg["BLOCK_Q"] = cfg["BLOCK_M"] // num_queries_per_kv
     return cfg
+
+
+class PagedBatch(Protocol):
+    """The ragged paged batch one attention launch reads, as one struct (backends_torch's
+    AttentionMetadata / TritonAttentionMetadata are such structs): see `unified_attention` for
+    each field's shape. num_kv_splits (optional attribute): the split-KV factor, None = auto."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    sm_scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    kernels: KernelConfig | None = None,
+) -> torch.Tensor:
+    """`unified_attention` with the batch layout passed as one struct (`PagedBatch`): q
+    [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]; the per-layer arguments as there."""
+    return unified_attention(
+        q, k_cache, v_cache, out,
+        batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        batch.max_query_len, batch.max_seq_len, sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        num_kv_splits=getattr(batch, "num_kv_splits", None),
+        k_scale=k_scale, v_scale=v_scale, kernels=kernels,
+    )  # fmt: skip
 
 
 def unified_attention(
