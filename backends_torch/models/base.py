@@ -8,7 +8,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from xlaserve.config import KernelConfig
+from xlaserve.config import KernelConfig, kernel_switch
+
+
+def triton_ops_default(
+    device: str | torch.device, backend: object, kernels: KernelConfig | None = None
+) -> bool:
+    """Whether a model routes rotary and the gated activation through the Triton kernels:
+    KernelConfig.triton_ops "on" / "off" forces it (on needs CUDA or TRITON_INTERPRET=1), "auto"
+    is on exactly when the device is CUDA and the attention backend (an AttentionBackend) runs
+    Triton kernels."""
+    mode = kernel_switch("triton_ops", kernels)
+    if mode != "auto":
+        return mode == "on"
+    return torch.device(device).type == "cuda" and backend.triton_kernels
+
 
 _NP_TO_TORCH = {
     np.dtype(np.float64): torch.float64,
