@@ -8,7 +8,7 @@ split-KV factor a graph must fix at capture time (None = the kernel's own heuris
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,12 +27,20 @@ class TritonAttention(AttentionBackend):
     """Paged attention through the Triton kernels (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
+    cuda_graphs = True  # metadata from device tensors only; split-KV fixed per captured graph
+    triton_kernels = True
+    metadata_cls = TritonAttentionMetadata
 
     def __init__(self) -> None:
-        from xlaserve.kernels_cuda import unified_attention, write_kv
+        from xlaserve.kernels_cuda import write_kv
+        from xlaserve.kernels_cuda.paged_attention import paged_attention
 
         self._write_kv = write_kv
-        self._attend = unified_attention
+        self._attend = paged_attention
+
+    def graph_metadata(self, md: AttentionMetadata, num_kv_splits: int) -> AttentionMetadata:
+        """`md` with the split-KV factor a captured decode graph replays with."""
+        return replace(md, num_kv_splits=num_kv_splits, derived={})
 
     def write_kv(
         self,
@@ -48,7 +56,10 @@ class TritonAttention(AttentionBackend):
         with k_scale / v_scale [N, S, Hkv] the kernel quantizes each (token, head) vector."""
         if slot_mapping.dtype != torch.int32:  # the runner builds int32 already; others may not
             slot_mapping = slot_mapping.to(torch.int32)
-        self._write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        self._write_kv(
+            k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+            kernels=self.kernels,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -63,21 +74,8 @@ class TritonAttention(AttentionBackend):
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D] -> out [T, Hq, D]; rows past query_start_loc[B] (padding) are zeros."""
-        splits = getattr(md, "num_kv_splits", None)
         return self._attend(
-            q,
-            k_cache,
-            v_cache,
-            None,
-            md.query_start_loc,
-            md.seq_lens,
-            md.block_tables,
-            md.max_query_len,
-            md.max_seq_len,
-            scale,
-            sliding_window=sliding_window,
-            soft_cap=logit_softcap,
-            num_kv_splits=splits,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+            q, k_cache, v_cache, md, scale,
+            sliding_window=sliding_window, soft_cap=logit_softcap,
+            k_scale=k_scale, v_scale=v_scale, kernels=self.kernels,
+        )  # fmt: skip

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 import numpy as np
 import torch
 
-from xlaserve.backends_torch.attention_triton import TritonAttentionMetadata
+from xlaserve.backends_torch.layers.attention import AttentionBackend, AttentionMetadata
+from xlaserve.config import kernel_switch
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +39,17 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return out
 
 
-# Largest split-KV factor a decode graph is captured with ($XLASERVE_GRAPH_MAX_KV_SPLITS
-# overrides; a power of 2).
-GRAPH_MAX_KV_SPLITS = 16
-
-
-def graph_kv_splits(bucket: int, num_kv_heads: int, group: int, num_sms: int) -> int:
+def graph_kv_splits(
+    bucket: int, num_kv_heads: int, group: int, num_sms: int, max_splits: int | None = None
+) -> int:
     """Split-KV factor fixed at capture: fill ~2 programs per SM for small decode batches, at
-    most GRAPH_MAX_KV_SPLITS. (Empty splits cost one early-exit program; the merge weighs them
-    0.)"""
+    most max_splits (KernelConfig.graph_max_kv_splits; None: its default and environment
+    override). (Empty splits cost one early-exit program; the merge weighs them 0.)"""
     block_q = max(16, 1 << (group - 1).bit_length()) // group  # the decode tile's BLOCK_Q
     programs = (bucket // block_q + bucket) * num_kv_heads
     if programs >= num_sms:
         return 1
-    cap = int(os.environ.get("XLASERVE_GRAPH_MAX_KV_SPLITS", GRAPH_MAX_KV_SPLITS))
+    cap = max_splits if max_splits is not None else kernel_switch("graph_max_kv_splits")
     want = min(2 * num_sms // programs, cap)
     return 1 << (max(want, 1).bit_length() - 1)
 
@@ -100,8 +97,14 @@ class CudaStepRunner:
         num_kv_heads: int,
         num_heads: int,
         use_graphs: bool,
+        attn_backend: AttentionBackend,
+        max_kv_splits: int | None = None,
     ) -> None:
+        if not attn_backend.cuda_graphs and use_graphs:
+            raise ValueError(f"attention backend {attn_backend.name!r} has no CUDA graphs")
+        self.attn_backend = attn_backend  # builds the step metadata (its metadata hooks)
         self.model = model
+        self.max_kv_splits = max_kv_splits  # KernelConfig.graph_max_kv_splits
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.hidden_size = hidden_size
@@ -202,7 +205,7 @@ class CudaStepRunner:
         dev = buf.upload(need)
         if k:
             feed_tokens(dev[o_ids : o_ids + t], dev[o_fd : o_fd + k], dev[o_fr : o_fr + k], feed[2])
-        md = TritonAttentionMetadata(
+        md = self.attn_backend.build_metadata(
             query_start_loc=dev[o_qsl : o_qsl + b + 1],
             seq_lens=dev[o_sl : o_sl + b],
             block_tables=dev[o_tab : o_tab + b * mw].view(b, mw),
@@ -246,8 +249,10 @@ class CudaStepRunner:
         self.g_table = d[6 * bmax :].view(bmax, m)
         self.g_qsl = torch.arange(bmax + 1, dtype=torch.int32, device=self.device)
 
-    def _graph_md(self, b: int, splits: int) -> TritonAttentionMetadata:
-        return TritonAttentionMetadata(
+    def _graph_md(self, b: int, splits: int) -> AttentionMetadata:
+        """The metadata bucket b's graph is captured with: views of the static buffers, the
+        backend's launch knobs fixed (its graph-capture hook)."""
+        md = self.attn_backend.build_metadata(
             query_start_loc=self.g_qsl[: b + 1],
             seq_lens=self.g_seq_lens[:b],
             block_tables=self.g_table[:b],
@@ -256,8 +261,8 @@ class CudaStepRunner:
             max_seq_len=self.max_blocks * self.block_size,
             query_start_loc_host=list(range(b + 1)),
             seq_lens_host=[1] * b,
-            num_kv_splits=splits,
         )
+        return self.attn_backend.graph_metadata(md, splits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -277,7 +282,7 @@ class CudaStepRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):
-                splits = graph_kv_splits(b, self.num_kv_heads, self.group, sms)
+                splits = graph_kv_splits(b, self.num_kv_heads, self.group, sms, self.max_kv_splits)
                 md = self._graph_md(b, splits)
                 ids, pos = self.g_ids[:b], self.g_pos[:b]
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
@@ -383,6 +388,8 @@ def make_cuda_step_runner(runner: object) -> CudaStepRunner:
         num_kv_heads=spec.num_kv_heads,
         num_heads=spec.num_heads,
         use_graphs=not cfg.enforce_eager,
+        attn_backend=runner.attn_backend,
+        max_kv_splits=cfg.kernels.graph_max_kv_splits,
     )
     step.capture()
     step.warmup()

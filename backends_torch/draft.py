@@ -44,7 +44,7 @@ def load_draft_model(runner: TorchModelRunner) -> torch.nn.Module:
     cfg, draft_spec = runner.config, runner.draft_spec
     dcls = get_model_class(draft_spec.family)
     draft = dcls(draft_spec, dtype=runner.dtype, device=runner.device,
-                 attn_backend=runner.attn_backend)  # fmt: skip
+                 attn_backend=runner.attn_backend, kernels=runner.kernels)  # fmt: skip
     if cfg.load.load_format == "dummy":
         draft.init_dummy_weights(seed=cfg.model.seed + 1)
     else:

@@ -37,6 +37,7 @@ from xlaserve.backends_torch.distributed.parallel_state import tp_world_size
 from xlaserve.backends_torch.layers.attention import AttentionBackend, AttentionMetadata
 from xlaserve.backends_torch.models.base import CausalLMBase
 from xlaserve.backends_torch.models.decoder import DecoderLayer
+from xlaserve.config import KernelConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.runner_core import draft_quota
 from xlaserve.spec_decode.eagle import build_eagle_spec
@@ -55,11 +56,15 @@ class EagleHead(CausalLMBase):
         dtype: torch.dtype,
         device: torch.device | str,
         attn_backend: AttentionBackend,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         h = spec.hidden_size
+        build = kernels if kernels is not None else KernelConfig.from_env()
         self.fc = nn.Linear(2 * h, h, bias=True, dtype=dtype, device=device)
-        self.layers = nn.ModuleList([DecoderLayer(spec, 0, attn_backend, dtype, device)])
+        self.layers = nn.ModuleList([DecoderLayer(spec, 0, attn_backend, dtype, device, build)])
+        if kernels is not None:
+            self.use_kernels(kernels)
 
     @torch.inference_mode()
     def forward(
@@ -93,7 +98,7 @@ class EagleProposer:
 
     def load(self) -> None:
         r = self.runner
-        head = EagleHead(self.spec, r.dtype, r.device, r.attn_backend)
+        head = EagleHead(self.spec, r.dtype, r.device, r.attn_backend, r.config.kernels)
         if r.config.load.load_format == "dummy":
             head.init_dummy_weights(seed=r.config.model.seed + 2)
         else:

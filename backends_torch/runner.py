@@ -16,7 +16,6 @@ last input fed on the device from the previous launch's argmax tensor: the GPU n
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -48,7 +47,7 @@ from xlaserve.backends_torch.sampler import (
     sample_requests,
     to_device,
 )
-from xlaserve.config import EngineConfig
+from xlaserve.config import EngineConfig, KernelConfig
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.platforms import current_platform
 from xlaserve.quantization.kv_quant import KV_CACHE_DTYPES
@@ -85,7 +84,7 @@ class _ReqState(ReqState):
     plain_greedy: bool = False  # sampler.is_plain_greedy(params)
 
 
-ENV_FUSED_GREEDY = "XLASERVE_FUSED_GREEDY"
+ENV_FUSED_GREEDY = KernelConfig.env_name("fused_greedy")
 
 
 @dataclass
@@ -130,9 +129,11 @@ class TorchModelRunner(RunnerCore):
         self.quant_scheme = torch_quant_scheme(config, spec, self.device)
         self.block_size = config.cache.block_size
         # CUDA: Triton paged attention (graph-capturable); elsewhere one batched torch attention.
+        self.kernels = config.kernels
         default_attn = "triton" if self.device.type == "cuda" else "torch_batched"
-        self.attn_backend_name = os.environ.get("XLASERVE_ATTENTION_BACKEND", default_attn)
-        self.attn_backend = get_attention_backend(self.attn_backend_name)
+        ab = self.kernels.attention_backend
+        self.attn_backend_name = default_attn if ab == "auto" else ab
+        self.attn_backend = get_attention_backend(self.attn_backend_name, self.kernels)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -144,10 +145,10 @@ class TorchModelRunner(RunnerCore):
         self.num_deferred_steps = 0  # steps whose tokens were left on the device by launch
         # Greedy fast path through the fused argmax kernel (kernels_cuda.sampling: one pass over
         # the lm_head output, no float32 copy, exact non-finite flags). By default on CUDA only:
-        # on the CPU the Triton interpreter is far too slow to serve. $XLASERVE_FUSED_GREEDY=0
-        # turns it off, =1 on anywhere (CPU tensors need TRITON_INTERPRET=1: tests).
-        fg = os.environ.get(ENV_FUSED_GREEDY, "auto")
-        self.fused_greedy = fg == "1" or (fg != "0" and self.device.type == "cuda")
+        # on the CPU the Triton interpreter is far too slow to serve. KernelConfig.fused_greedy
+        # "off" turns it off, "on" on anywhere (CPU tensors need TRITON_INTERPRET=1: tests).
+        fg = self.kernels.fused_greedy
+        self.fused_greedy = fg == "on" or (fg == "auto" and self.device.type == "cuda")
         self._token_ring: PinnedRing | None = None  # pinned host slots for deferred tokens
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
         self.kv_offload = None
@@ -176,7 +177,7 @@ class TorchModelRunner(RunnerCore):
         # kv_code_dtype None = (k, v) in the model dtype. The draft's cache follows the same dtype.
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.kv_code_dtype = check_kv_cache_dtype(
-            self.kv_cache_dtype, self.attn_backend_name, self.device
+            self.kv_cache_dtype, self.attn_backend_name, self.device, self.attn_backend
         )
 
     # ---- setup ----------------------------------------------------------------------------
@@ -184,7 +185,10 @@ class TorchModelRunner(RunnerCore):
     def load_model(self) -> None:
         cls = get_model_class(self.spec.family)
         torch.manual_seed(self.config.model.seed)
-        model = cls(self.spec, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend)
+        model = cls(
+            self.spec, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
+            kernels=self.kernels,
+        )  # fmt: skip
         qs = self.quant_scheme
         if self.config.load.load_format == "dummy":
             model.init_dummy_weights(seed=self.config.model.seed)
@@ -206,6 +210,7 @@ class TorchModelRunner(RunnerCore):
                 ql.quantize_linears(model, qs)
                 weights = ql.quantized_weight_stream(model, qs, weights)
             model.load_weights(weights)
+        model.use_kernels(self.kernels)  # again: quantization swapped layers in
         self.model = model.eval()
         if self.draft_spec is not None:
             from xlaserve.backends_torch.draft import load_draft_model
@@ -238,7 +243,7 @@ class TorchModelRunner(RunnerCore):
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(tokens, device=self.device)
         nblk = caches[0][0].shape[0]
-        md = AttentionMetadata(
+        md = self.attn_backend.build_metadata(
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
             block_tables=torch.arange(nblk, dtype=torch.int32, device=self.device)[None, :],
@@ -272,7 +277,7 @@ class TorchModelRunner(RunnerCore):
         from xlaserve.backends_torch.kv_offload import make_torch_kv_offload
 
         self.kv_offload = make_torch_kv_offload(self)
-        if self.device.type == "cuda" and self.attn_backend_name == "triton":
+        if self.device.type == "cuda" and self.attn_backend.cuda_graphs:
             from xlaserve.backends_torch.cuda_graphs import make_cuda_step_runner
 
             self.cuda_step = make_cuda_step_runner(self)
@@ -323,7 +328,7 @@ class TorchModelRunner(RunnerCore):
         dev = self.device
         x = ragged_inputs(chunks, self.block_size)  # numpy (runner_core.py)
         qsl_host, seq_lens_host = x.query_start_loc.tolist(), x.seq_lens.tolist()
-        md = AttentionMetadata(
+        md = self.attn_backend.build_metadata(
             query_start_loc=torch.from_numpy(x.query_start_loc.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(x.seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(x.block_tables).to(dev),
@@ -531,7 +536,7 @@ class TorchModelRunner(RunnerCore):
             return None
         from xlaserve.kernels_cuda.sampling import greedy_argmax_packed
 
-        return greedy_argmax_packed(raw)
+        return greedy_argmax_packed(raw, kernels=self.kernels)
 
     def _sample_deferred(
         self,

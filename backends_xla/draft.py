@@ -98,10 +98,11 @@ class XlaDraftModel:
     def load(self) -> None:
         r = self.runner
         self.graphdef, self.state = load_model(
-            self.spec, r.dtype, r.mesh, r.config.load.load_format, r.config.model.seed + 1
-        )
+            self.spec, r.dtype, r.mesh, r.config.load.load_format, r.config.model.seed + 1,
+            kernels=r.config.kernels,
+        )  # fmt: skip
         graphdef, shardings, s, k = self.graphdef, self._kv_layer_shardings, self.block_size, self.k
-        mesh = r.mesh
+        mesh, rpa_impl = r.mesh, r.config.kernels.rpa_impl
 
         def pin(kv_caches):  # noqa: ANN001, ANN202 - donated cache keeps one sharding
             return [
@@ -132,8 +133,9 @@ class XlaDraftModel:
                 page = jnp.take_along_axis(tables, jnp.minimum(pos // s, tables.shape[1] - 1)[:, None], 1)[:, 0]  # fmt: skip
                 slot = jnp.where(live & (j < writes), page * s + pos % s, -1)
                 md = AttentionMetadata(
-                    slot, jnp.where(live, pos + 1, 0), tables, cu, num_seqs, mesh=mesh
-                )
+                    slot, jnp.where(live, pos + 1, 0), tables, cu, num_seqs, mesh=mesh,
+                    impl=rpa_impl,
+                )  # fmt: skip
                 hidden, kv = model(tok, pos, kv, md)
                 nxt = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
                 return pin(kv), nxt, out.at[:, j].set(nxt)
@@ -217,7 +219,10 @@ class XlaDraftModel:
         ids, pos, slots, kv_lens, tables, cu, ns = r._put(
             (ids, pos, slots, kv_lens, tables, cu, np.asarray([len(chunks)], np.int32))
         )
-        return ids, pos, AttentionMetadata(slots, kv_lens, tables, cu, ns, mesh=r.mesh)
+        md = AttentionMetadata(
+            slots, kv_lens, tables, cu, ns, mesh=r.mesh, impl=r.config.kernels.rpa_impl
+        )
+        return ids, pos, md
 
     def _decode_host(self, rows: list[tuple[_ReqState, int]], b: int) -> tuple[np.ndarray, ...]:
         """rows: (request, quota) -> last, pos0, tables, quota, cu, num_seqs for bucket b."""

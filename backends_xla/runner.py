@@ -139,7 +139,7 @@ class XlaModelRunner(RunnerCore):
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         # Weight quantization (None = float): the checkpoint's own format or `quantization`
         # applied at load time; raises early for fp8 without fp8 matmuls (models_flax/loader.py).
-        self.quant_scheme = xla_quant_scheme(config.model.quantization, spec)
+        self.quant_scheme = xla_quant_scheme(config.model.quantization, spec, config.kernels)
         sc = config.speculative
         if sc is not None and sc.method not in ("ngram", "draft_model"):
             raise NotImplementedError(
@@ -205,6 +205,7 @@ class XlaModelRunner(RunnerCore):
         self.graphdef, self.state = load_model(
             self.spec, self.dtype, self.mesh, self.config.load.load_format, self.config.model.seed,
             quant=self.quant_scheme, expert_parallel=self.config.parallel.enable_expert_parallel,
+            kernels=self.config.kernels,
         )  # fmt: skip
         self._jitted = make_jitted(
             self.graphdef, self._kv_layer_shardings, self._replicated, self.max_num_seqs,
@@ -456,7 +457,9 @@ class XlaModelRunner(RunnerCore):
             (batch.input_ids, batch.positions, batch.slot_mapping, batch.kv_lens, batch.block_tables,
              batch.cu_q_lens, batch.num_seqs, batch.logits_indices, batch.feed_dst, batch.feed_src)
         )  # fmt: skip
-        md = AttentionMetadata(slots, kv_lens, tables, cu, ns, mesh=self.mesh)
+        md = AttentionMetadata(
+            slots, kv_lens, tables, cu, ns, mesh=self.mesh, impl=self.config.kernels.rpa_impl
+        )
         return ids, pos, md, li, (self._last_tokens, dst, src)
 
     def _forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig, kernel_switch
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -74,8 +76,8 @@ def upcast_dot(dtype: torch.dtype) -> bool:
 # are visible. Both are the first thing every xlaserve kernel does (`pdl_prologue`), so nothing is
 # read or written early; what overlaps is the launch and block scheduling of the next kernel with
 # the tail of the current one. Measured on the H200 (bench/RESULTS.md): ~0.65 us per kernel
-# boundary of a batch-1 decode graph. $XLASERVE_PDL=0 turns it off.
-ENV_PDL = "XLASERVE_PDL"
+# boundary of a batch-1 decode graph. KernelConfig.pdl off (XLASERVE_PDL=0) turns it off.
+ENV_PDL = KernelConfig.env_name("pdl")
 
 
 @functools.lru_cache(maxsize=16)
@@ -83,10 +85,11 @@ def _pdl_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def use_pdl(t: torch.Tensor) -> bool:
+def use_pdl(t: torch.Tensor, kernels: KernelConfig | None = None) -> bool:
     """Whether kernels on t's device launch with PDL: CUDA, compute capability >= 9.0, not under
-    the interpreter, and $XLASERVE_PDL is not "0"."""
-    if t.device.type != "cuda" or os.environ.get(ENV_PDL, "1") == "0":
+    the interpreter, and KernelConfig.pdl on (kernels None: its default and environment
+    override)."""
+    if t.device.type != "cuda" or not kernel_switch("pdl", kernels):
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _pdl_capable(index)

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig
+
 from ._common import (
     FLOAT_DTYPES,
     check_device,
@@ -64,7 +66,9 @@ def _act_and_mul_kernel(
     tl.store(out_ptr + tok * stride_ot + cols, (a * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, out: torch.Tensor | None, act: str) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, out: torch.Tensor | None, act: str, kernels: KernelConfig | None
+) -> torch.Tensor:
     name = f"{act}_and_mul"
     if x.ndim != 2 or x.shape[1] % 2 != 0:
         raise ValueError(f"{name}: x must be [T, 2I], got shape {tuple(x.shape)}")
@@ -86,24 +90,30 @@ def _launch(x: torch.Tensor, out: torch.Tensor | None, act: str) -> torch.Tensor
     grid = (t, triton.cdiv(inter, block))
     _act_and_mul_kernel[grid](
         x, out, x.stride(0), out.stride(0), inter, ACT=ACT_CODES[act], BLOCK=block, num_warps=4,
-        USE_PDL=(pdl := use_pdl(x)), **pdl_kwargs(pdl),
+        USE_PDL=(pdl := use_pdl(x, kernels)), **pdl_kwargs(pdl),
     )  # fmt: skip
     return out
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, kernels: KernelConfig | None = None
+) -> torch.Tensor:
     """SwiGLU gate: x [T, 2I] (gate | up) -> silu(gate) * up, [T, I] (``out`` if given)."""
-    return _launch(x, out, "silu")
+    return _launch(x, out, "silu", kernels)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gelu_tanh_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, kernels: KernelConfig | None = None
+) -> torch.Tensor:
     """GeGLU gate (tanh approximation, Gemma): x [T, 2I] -> gelu_tanh(gate) * up, [T, I]."""
-    return _launch(x, out, "gelu_tanh")
+    return _launch(x, out, "gelu_tanh", kernels)
 
 
-def gelu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gelu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, kernels: KernelConfig | None = None
+) -> torch.Tensor:
     """GeGLU gate (exact erf GELU): x [T, 2I] -> gelu(gate) * up, [T, I]."""
-    return _launch(x, out, "gelu")
+    return _launch(x, out, "gelu", kernels)
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

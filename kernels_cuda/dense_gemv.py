@@ -11,16 +11,18 @@ split-K: SPLIT_K programs per row block write fp32 partials that quant_matmul's 
 `_splitk_sum_kernel` adds in a fixed order (no atomics). The launch config is quant_matmul's
 `GemvTiles` (bit_cvt is ignored here) and split_k 0 is resolved by its `_resolve_split`.
 
-Data, set from H200 measurements (`python -m xlaserve.kernels_cuda.bench_kernels --only
+Data, set from H200 measurements (`python -m xlaserve.bench.kernels.cuda_kernels --only
 dense_gemv`):
   * DENSE_GEMV_TILES: (N, K) -> GemvTiles; other shapes use DENSE_GEMV_DEFAULT_TILES.
   * DENSE_GEMV_SHAPES: the (N, K) weight shapes whose M == 1 forward takes this kernel instead of
     cuBLAS (`use_dense_gemv`, wired into backends_torch.layers.linear); None (the default) = all
-    shapes on CUDA, as it beat cuBLAS on every shape measured. $XLASERVE_DENSE_GEMV=1 / 0 forces
-    every shape on / off.
-  * GEMV_PREFETCH: each program reads its first weight tile before the PDL wait.
-  * GATE_ACT_GEMV: a gated MLP's gate_up GEMV applies act(gate) * up in its epilogue
+    shapes on CUDA, as it beat cuBLAS on every shape measured. KernelConfig.dense_gemv "on" /
+    "off" forces every shape on / off.
+  * KernelConfig.gemv_prefetch: each program reads its first weight tile before the PDL wait.
+  * KernelConfig.gate_act_gemv: a gated MLP's gate_up GEMV applies act(gate) * up in its epilogue
     (`dense_gemv_gate_act`, used by backends_torch.layers.activation.MLP at one row).
+The switches come from a `KernelConfig` argument (the layers pass the engine's); None = the
+config defaults and their XLASERVE_* environment overrides (`config.kernel_switch`).
 
 No residual epilogue: the decoder adds the residual inside its fused add + RMSNorm kernel, which
 reads the residual anyway, so folding the add into o_proj / down saves no traffic or launch.
@@ -28,12 +30,11 @@ reads the residual anyway, so folding the add into o_proj / down saves no traffi
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig, kernel_switch
 from xlaserve.kernels_cuda._common import (
     FLOAT_DTYPES,
     check_device,
@@ -57,7 +58,7 @@ from xlaserve.kernels_cuda.quant_matmul import (
 # 0.2 us of it on every Llama-8B shape (1024 = 8 bf16 per 16-byte load x 32 lanes x 4 warps, so
 # x's vector layout matches the weight tile's and no shared-memory shuffle is needed).
 DENSE_GEMV_DEFAULT_TILES = GemvTiles(2, 1024, 0, 4)
-# Per (N, K) overrides (none needed so far; `bench_kernels --only dense_gemv` sweeps them).
+# Per (N, K) overrides (none needed so far; `cuda_kernels --only dense_gemv` sweeps them).
 DENSE_GEMV_TILES: dict[tuple[int, int], GemvTiles] = {}
 # (N, K) weight shapes whose M == 1 (decode) forward takes the Triton GEMV rather than cuBLAS;
 # None = every shape on CUDA. Measured on the H200, bf16, us per call (cuBLAS -> this kernel):
@@ -65,25 +66,23 @@ DENSE_GEMV_TILES: dict[tuple[int, int], GemvTiles] = {}
 # kernel), gate_up 28672x4096 58.0 -> 56.3, down 4096x14336 32.5 -> 30.4, lm_head 128256x4096
 # 282.9 -> 238.5: faster on every shape measured, so on by default.
 DENSE_GEMV_SHAPES: frozenset[tuple[int, int]] | None = None
-# Whether a gated MLP's batch-1 decode computes act(gate) * up in the gate_up GEMV's epilogue
-# (`dense_gemv_gate_act`: one kernel and one launch fewer per layer than the GEMV followed by the
-# act-and-mul kernel); $XLASERVE_GATE_ACT_GEMV "1" / "0" overrides. H200, Llama-8B batch-1 decode
-# graph replay (bench/RESULTS.md, 2026-12-03 fifth session): with the prefetch below 3.881 ms on,
-# 3.888 off (a tie; on: one launch fewer); without the prefetch 4.072 on vs 3.952 off.
-GATE_ACT_GEMV = True
+# KernelConfig.gate_act_gemv (default on): a gated MLP's batch-1 decode computes act(gate) * up
+# in the gate_up GEMV's epilogue (`dense_gemv_gate_act`: one kernel and one launch fewer per layer
+# than the GEMV followed by the act-and-mul kernel). H200, Llama-8B batch-1 decode graph replay
+# (bench/RESULTS.md, 2026-12-03 fifth session): with the prefetch below 3.881 ms on, 3.888 off (a
+# tie; on: one launch fewer); without the prefetch 4.072 on vs 3.952 off.
 # Its tiles: one gate row (and its up row) per program, like the 2-row plain config.
 DENSE_GEMV_GATE_ACT_TILES = GemvTiles(1, 1024, 1, 4)
-ENV_GATE_ACT_GEMV = "XLASERVE_GATE_ACT_GEMV"
-# Weight prefetch across the PDL wait: each program loads its first weight tile before waiting
-# for the previous kernel (the weights do not depend on it), so it streams in during that
-# kernel's tail. H200 batch-1 graph replay 3.952 -> 3.888 ms (dense GEMVs without the gate-act
-# epilogue). A second tile in flight during each step (double buffering) measured slower
-# (224.6 vs 235.1 tok/s) and was dropped. $XLASERVE_GEMV_PREFETCH "1" / "0" overrides.
-GEMV_PREFETCH = True
-ENV_GEMV_PREFETCH = "XLASERVE_GEMV_PREFETCH"
+ENV_GATE_ACT_GEMV = KernelConfig.env_name("gate_act_gemv")
+# KernelConfig.gemv_prefetch (default on): weight prefetch across the PDL wait: each program
+# loads its first weight tile before waiting for the previous kernel (the weights do not depend
+# on it), so it streams in during that kernel's tail. H200 batch-1 graph replay 3.952 -> 3.888 ms
+# (dense GEMVs without the gate-act epilogue). A second tile in flight during each step (double
+# buffering) measured slower (224.6 vs 235.1 tok/s) and was dropped.
+ENV_GEMV_PREFETCH = KernelConfig.env_name("gemv_prefetch")
 # Activation dtypes the dispatch considers (the kernel itself also runs fp32, for tests).
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)
-ENV_DENSE_GEMV = "XLASERVE_DENSE_GEMV"
+ENV_DENSE_GEMV = KernelConfig.env_name("dense_gemv")
 
 
 def dense_gemv_tiles(n: int, k: int) -> GemvTiles:
@@ -91,19 +90,25 @@ def dense_gemv_tiles(n: int, k: int) -> GemvTiles:
     return _resolve_split(DENSE_GEMV_TILES.get((n, k), DENSE_GEMV_DEFAULT_TILES), n, k)
 
 
-def use_dense_gemv(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+def use_dense_gemv(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kernels: KernelConfig | None = None,
+) -> bool:
     """Whether x [m, k] @ W[n, k]^T takes the Triton GEMV: m == 1, dtype fp16 / bf16, a CUDA
     device (or CPU under TRITON_INTERPRET=1), and (n, k) in DENSE_GEMV_SHAPES (None: every
-    shape on CUDA), unless
-    $XLASERVE_DENSE_GEMV is "1" (every shape) or "0" (none)."""
+    shape on CUDA), unless KernelConfig.dense_gemv is "on" (every shape) or "off" (none)."""
     if m != 1 or dtype not in DENSE_GEMV_DTYPES:
         return False
     dev = torch.device(device)
     if not (dev.type == "cuda" or (dev.type == "cpu" and interpret_mode())):
         return False
-    env = os.environ.get(ENV_DENSE_GEMV)
-    if env in ("0", "1"):
-        return env == "1"
+    mode = kernel_switch("dense_gemv", kernels)
+    if mode != "auto":
+        return mode == "on"
     if DENSE_GEMV_SHAPES is None:  # every shape, on CUDA (not by default in the interpreter)
         return dev.type == "cuda"
     return (n, k) in DENSE_GEMV_SHAPES
@@ -196,16 +201,14 @@ def _dense_gemv_kernel(
     tl.store(y_ptr + pid_k * stride_ys + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def gemv_prefetch_enabled() -> bool:
-    """GEMV_PREFETCH unless $XLASERVE_GEMV_PREFETCH is "1" / "0"."""
-    env = os.environ.get(ENV_GEMV_PREFETCH)
-    return env == "1" if env in ("0", "1") else GEMV_PREFETCH
+def gemv_prefetch_enabled(kernels: KernelConfig | None = None) -> bool:
+    """KernelConfig.gemv_prefetch (None: its default and environment override)."""
+    return bool(kernel_switch("gemv_prefetch", kernels))
 
 
-def gate_act_gemv_enabled() -> bool:
-    """GATE_ACT_GEMV unless $XLASERVE_GATE_ACT_GEMV is "1" / "0"."""
-    env = os.environ.get(ENV_GATE_ACT_GEMV)
-    return env == "1" if env in ("0", "1") else GATE_ACT_GEMV
+def gate_act_gemv_enabled(kernels: KernelConfig | None = None) -> bool:
+    """KernelConfig.gate_act_gemv (None: its default and environment override)."""
+    return bool(kernel_switch("gate_act_gemv", kernels))
 
 
 def dense_gemv_ref(
@@ -224,6 +227,7 @@ def dense_gemv(
     bias: torch.Tensor | None = None,
     *,
     tiles: GemvTiles | tuple | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """y [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation, one rounding.
 
@@ -231,8 +235,9 @@ def dense_gemv(
     be strided, e.g. a row slice of a fused weight). M must be 1 (decode). tiles: a `GemvTiles`
     override (block_n, block_k, split_k (0: auto), num_warps[, bit_cvt ignored]); default
     `dense_gemv_tiles(N, K)`. split_k > 1 runs a second, deterministic summing kernel.
+    kernels: the prefetch and PDL switches (None: defaults + environment).
     """
-    return _launch("dense_gemv", x, weight, bias, tiles, act=None)
+    return _launch("dense_gemv", x, weight, bias, tiles, None, kernels)
 
 
 def dense_gemv_gate_act(
@@ -242,6 +247,7 @@ def dense_gemv_gate_act(
     act: str = "silu",
     *,
     tiles: GemvTiles | tuple | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """y [1, N] = act(gate) * up for [gate | up] = x [1, K] @ weight [2N, K]^T (+ bias [2N]):
     a gated MLP's gate_up projection with the act-and-mul in its epilogue (batch-1 decode: one
@@ -254,7 +260,7 @@ def dense_gemv_gate_act(
         raise ValueError(
             f"dense_gemv_gate_act: act must be one of {sorted(ACT_CODES)}, got {act!r}"
         )
-    return _launch("dense_gemv_gate_act", x, weight, bias, tiles, act=act)
+    return _launch("dense_gemv_gate_act", x, weight, bias, tiles, act, kernels)
 
 
 def _launch(
@@ -264,6 +270,7 @@ def _launch(
     bias: torch.Tensor | None,
     tiles: GemvTiles | tuple | None,
     act: str | None,
+    kernels: KernelConfig | None,
 ) -> torch.Tensor:
     check_device(name, x, weight, *(() if bias is None else (bias,)))
     check_dtype(f"{name} x", x, FLOAT_DTYPES)
@@ -305,8 +312,8 @@ def _launch(
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, VEC=vec,
         X_TILE=t.block_k < vec * 32 * t.num_warps, HAS_BIAS=bias is not None,
         GATE_ACT=gate_act, ACT=ACT_CODES[act] if gate_act else 0,
-        PREFETCH=gemv_prefetch_enabled(), num_warps=t.num_warps,
-        USE_PDL=(pdl := use_pdl(x)), **pdl_kwargs(pdl),
+        PREFETCH=gemv_prefetch_enabled(kernels), num_warps=t.num_warps,
+        USE_PDL=(pdl := use_pdl(x, kernels)), **pdl_kwargs(pdl),
     )  # fmt: skip
     if split > 1:
         _splitk_sum_kernel[(triton.cdiv(n, _SPLITK_SUM_BLOCK),)](

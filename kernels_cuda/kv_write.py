@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig
+
 from ._common import (
     FLOAT_DTYPES,
     check_device,
@@ -201,6 +203,8 @@ def write_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> None:
     """Write K/V rows into the paged caches in place.
 
@@ -235,7 +239,7 @@ def write_kv(
         hkv,
         HEAD_DIM=d, PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
         QUANT=quant, QUANT_FP8=k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=4, USE_PDL=(pdl := use_pdl(k)), **pdl_kwargs(pdl),
+        num_warps=4, USE_PDL=(pdl := use_pdl(k, kernels)), **pdl_kwargs(pdl),
     )  # fmt: skip
 
 

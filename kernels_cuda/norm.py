@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig
+
 from ._common import (
     FLOAT_DTYPES,
     check_device,
@@ -100,6 +102,7 @@ def _launch(
     res_out: torch.Tensor | None,
     eps: float,
     weight_offset: float,
+    kernels: KernelConfig | None,
 ) -> None:
     t, hidden = x.shape
     if t == 0:
@@ -113,7 +116,7 @@ def _launch(
         res_out.stride(0) if has_res else 0,
         hidden, float(eps), float(weight_offset),
         HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps,
-        USE_PDL=(pdl := use_pdl(x)), **pdl_kwargs(pdl),
+        USE_PDL=(pdl := use_pdl(x, kernels)), **pdl_kwargs(pdl),
     )  # fmt: skip
 
 
@@ -123,6 +126,8 @@ def rms_norm(
     eps: float,
     weight_offset: float = 0.0,
     out: torch.Tensor | None = None,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """RMSNorm: x [T, H], weight [H] -> [T, H] = x * rsqrt(mean(x^2) + eps) * (weight + offset)."""
     _check("rms_norm", x, weight, None)
@@ -133,7 +138,7 @@ def rms_norm(
     check_device("rms_norm", x, weight, out)
     for label, t in (("x", x), ("weight", weight), ("out", out)):
         check_last_dim_contiguous(f"rms_norm {label}", t)
-    _launch(x, None, weight, out, None, eps, weight_offset)
+    _launch(x, None, weight, out, None, eps, weight_offset, kernels)
     return out
 
 
@@ -144,6 +149,8 @@ def fused_add_rms_norm(
     eps: float,
     weight_offset: float = 0.0,
     inplace: bool = False,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm in one pass.
 
@@ -164,7 +171,7 @@ def fused_add_rms_norm(
         out, res_out = x, residual
     else:
         out, res_out = torch.empty_like(x), torch.empty_like(residual)
-    _launch(x, residual, weight, out, res_out, eps, weight_offset)
+    _launch(x, residual, weight, out, res_out, eps, weight_offset, kernels)
     return out, res_out
 
 

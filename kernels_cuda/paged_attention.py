@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
+
+from xlaserve.config import KernelConfig
 
 from ._common import (
     FLOAT_DTYPES,
@@ -412,6 +415,44 @@ def attention_launch_config(
     return cfg
 
 
+class PagedBatch(Protocol):
+    """The ragged paged batch one attention launch reads, as one struct (backends_torch's
+    AttentionMetadata / TritonAttentionMetadata are such structs): see `unified_attention` for
+    each field's shape. num_kv_splits (optional attribute): the split-KV factor, None = auto."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    sm_scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    kernels: KernelConfig | None = None,
+) -> torch.Tensor:
+    """`unified_attention` with the batch layout passed as one struct (`PagedBatch`): q
+    [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]; the per-layer arguments as there."""
+    return unified_attention(
+        q, k_cache, v_cache, out,
+        batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        batch.max_query_len, batch.max_seq_len, sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        num_kv_splits=getattr(batch, "num_kv_splits", None),
+        k_scale=k_scale, v_scale=v_scale, kernels=kernels,
+    )  # fmt: skip
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -429,6 +470,8 @@ def unified_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     zero_padding: bool | None = None,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Paged causal attention over a ragged batch of prefill chunks and decodes, one launch.
 
@@ -533,7 +576,7 @@ def unified_attention(
         ZERO_PAD=zero_main,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        USE_PDL=(pdl := use_pdl(q)),
+        USE_PDL=(pdl := use_pdl(q, kernels)),
         **pdl_kwargs(pdl),
     )  # fmt: skip
     if num_kv_splits > 1:
@@ -581,6 +624,8 @@ def unified_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     zero_padding: bool | None = None,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Plain torch reference of :func:`unified_attention` (same arguments, fp32 math;
     ``num_kv_splits`` is accepted and ignored; a quantized cache is dequantized first).

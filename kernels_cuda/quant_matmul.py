@@ -19,7 +19,7 @@ Two kernel families:
     sums (deterministic, no atomics).
   * tl.dot tiles (larger M, prefill): int8 / int4 only; fp8 there goes through torch.
 Tile parameters are data (GEMV_TILES, TILES) so they can be re-tuned from GPU measurements
-(`python -m xlaserve.kernels_cuda.bench_kernels --only qgemv`).
+(`python -m xlaserve.bench.kernels.cuda_kernels --only qgemv`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig
 from xlaserve.kernels_cuda._common import (
     FLOAT_DTYPES,
     check_device,
@@ -81,7 +82,7 @@ class GemvTiles(NamedTuple):
 
 # Per format: (max M, tiles) buckets, the first with M <= max M wins. Starting points from the
 # sm_90 SASS (no shared-memory round trips or barriers in the K loop, no spills), to be re-tuned
-# from `bench_kernels --only qgemv` on the target GPU. M == 1: BLOCK_K (int4: BLOCK_K / 2 bytes)
+# from `cuda_kernels --only qgemv` on the target GPU. M == 1: BLOCK_K (int4: BLOCK_K / 2 bytes)
 # >= 8 * 32 * num_warps puts all warps along K, x loads once per thread and rows are register
 # repeats. M > 1: one warp-row of 256 k's (int8 / fp8) keeps each step's reduction in a warp.
 # Measured on the H200 (2026-12-03, bench/RESULTS.md): M == 1 fp8 takes (4, 1024) (best on all
@@ -513,6 +514,7 @@ def _gemv(
     zeros: torch.Tensor | None,
     group: int,
     tiles: GemvTiles,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Launch the GEMV of format fmt on validated inputs: x [M, K] (1 <= M <= GEMV_MAX_M, last
     dim contiguous), w uint8 [N, K] (int4: [N, K/2]), contiguous scales (and zeros)."""
@@ -527,7 +529,7 @@ def _gemv(
     stride_ys = 0 if split == 1 else m * n
     grid = (triton.cdiv(n, t.block_n), split)
     vec = 16 // x.element_size()  # x elements per 16-byte load: the weight's bytes per thread
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, kernels)  # KernelConfig.pdl
     common = {"M": m, "BLOCK_MP": next_pow2(m), "BLOCK_N": t.block_n, "BIT_CVT": t.bit_cvt,
               "num_warps": t.num_warps, "USE_PDL": pdl, **pdl_kwargs(pdl)}  # fmt: skip
     if fmt == "int4":
@@ -574,6 +576,7 @@ def int8_matmul(
     scales: torch.Tensor,
     *,
     tiles: GemvTiles | tuple | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] float, qweight int8 [N, K], scales float [N] -> y [M, N] x.dtype.
 
@@ -596,7 +599,7 @@ def int8_matmul(
         t = (_check_gemv_tiles("int8_matmul", tiles) if tiles is not None
              else gemv_tiles("int8", m, n, k))  # fmt: skip
         # The kernel reads int8 codes as raw bytes (see _int8_bits_to_f32).
-        return _gemv("int8", x, qweight.view(torch.uint8), scales.contiguous(), None, 0, t)
+        return _gemv("int8", x, qweight.view(torch.uint8), scales.contiguous(), None, 0, t, kernels)
     t = _check_dot_tiles("int8_matmul", tiles) if tiles is not None else _tiles(m)
     return _int8_dot(x, qweight, scales.contiguous(), t)
 
@@ -637,6 +640,7 @@ def int4_matmul(
     zeros: torch.Tensor,
     *,
     tiles: GemvTiles | tuple | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] float, qweight uint8 [N, K/2], scales [N, G], zeros uint8 [N, G] -> [M, N].
 
@@ -672,7 +676,7 @@ def int4_matmul(
     if use_gemv("int4", m, tiles):
         t = (_check_gemv_tiles("int4_matmul", tiles) if tiles is not None
              else gemv_tiles("int4", m, n, k))  # fmt: skip
-        return _gemv("int4", x, qweight, scales, zeros, group, t)
+        return _gemv("int4", x, qweight, scales, zeros, group, t, kernels)
     t = _check_dot_tiles("int4_matmul", tiles) if tiles is not None else _tiles(m)
     if int4_block_k(group, t[2]) is None:
         raise ValueError(f"int4_matmul: group size {group} has no power-of-two divisor >= 16")
@@ -728,6 +732,7 @@ def fp8_weight_matmul(
     scales: torch.Tensor,
     *,
     tiles: GemvTiles | tuple | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Weight-only fp8: x [M, K] float, qweight uint8 [N, K] float8_e4m3fn bits (a float8_e4m3fn
     tensor is read as its bits), scales float [N] -> y [M, N] x.dtype = (x @ fp8(q)^T) * s.
@@ -754,7 +759,7 @@ def fp8_weight_matmul(
     if use_gemv("fp8", m, tiles) and fp8_gemv_supported(x.device):
         t = (_check_gemv_tiles("fp8_weight_matmul", tiles) if tiles is not None
              else gemv_tiles("fp8", m, n, k))  # fmt: skip
-        return _gemv("fp8", x, qweight, scales.contiguous(), None, 0, t)
+        return _gemv("fp8", x, qweight, scales.contiguous(), None, 0, t, kernels)
     if tiles is not None:
         raise ValueError(
             f"fp8_weight_matmul: tiles apply to the Triton GEMV only (a GEMV config, 1 <= M <= "

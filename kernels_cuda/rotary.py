@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig
+
 from ._common import (
     FLOAT_DTYPES,
     check_device,
@@ -194,6 +196,8 @@ def rotary_embedding(
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> None:
     """Rotate q and k in place.
 
@@ -219,7 +223,7 @@ def rotary_embedding(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         q.shape[1], k.shape[1], half,
         IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
-        USE_PDL=(pdl := use_pdl(q)), **pdl_kwargs(pdl),
+        USE_PDL=(pdl := use_pdl(q, kernels)), **pdl_kwargs(pdl),
     )  # fmt: skip
 
 
@@ -233,6 +237,8 @@ def rotary_embedding_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     is_neox: bool = True,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> None:
     """`rotary_embedding(q, k, ...)` then `write_kv(k, v, k_cache, v_cache, slot_mapping)` in
     one launch: q and k are rotated in place, and the rotated k and v go to the cache.
@@ -275,7 +281,7 @@ def rotary_embedding_write_kv(
         BLOCK_HALF=block_half, BLOCK_HKV=max(1, min(next_pow2(hkv), 2048 // block_d)),
         BLOCK_D=block_d, BLOCK_REST=next_pow2(max(d - rotary_dim, 1)),
         HAS_REST=rotary_dim < d, num_warps=4,
-        USE_PDL=(pdl := use_pdl(q)), **pdl_kwargs(pdl),
+        USE_PDL=(pdl := use_pdl(q, kernels)), **pdl_kwargs(pdl),
     )  # fmt: skip
 
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xlaserve.config import KernelConfig
+
 from ._common import (
     FLOAT_DTYPES,
     check_device,
@@ -155,6 +157,7 @@ def _launch(
     flag: torch.Tensor,
     block: int | None,
     chunks: int | None,
+    kernels: KernelConfig | None = None,
 ) -> None:
     r, v = logits.shape
     if r == 0:
@@ -164,7 +167,7 @@ def _launch(
         tiles = triton.cdiv(v, blk)
         per_chunk = triton.cdiv(tiles, max(1, min(chunks, tiles)))
         n_chunks = triton.cdiv(tiles, per_chunk)
-    pdl = use_pdl(logits)
+    pdl = use_pdl(logits, kernels)
     final = n_chunks == 1
     if final:
         val = idx = bad = tok  # unused
@@ -199,7 +202,11 @@ def _check(name: str, logits: torch.Tensor) -> None:
 
 
 def greedy_argmax(
-    logits: torch.Tensor, *, block: int | None = None, chunks: int | None = None
+    logits: torch.Tensor,
+    *,
+    block: int | None = None,
+    chunks: int | None = None,
+    kernels: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] -> (token_ids int64 [R], nonfinite bool [R]); see the module docstring.
     block / chunks override the tile size and the number of chunks per row (tests)."""
@@ -207,19 +214,23 @@ def greedy_argmax(
     r = logits.shape[0]
     tok = torch.empty(r, dtype=torch.int64, device=logits.device)
     flag = torch.empty(r, dtype=torch.uint8, device=logits.device)
-    _launch(logits, tok, flag, block, chunks)
+    _launch(logits, tok, flag, block, chunks, kernels)
     return tok, flag.view(torch.bool)
 
 
 def greedy_argmax_packed(
-    logits: torch.Tensor, *, block: int | None = None, chunks: int | None = None
+    logits: torch.Tensor,
+    *,
+    block: int | None = None,
+    chunks: int | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """logits [R, V] -> int64 [2R]: the token ids of `greedy_argmax`, then its non-finite flags
     as 0 / 1 (what the runner copies to the host in one transfer, without a cat or a cast)."""
     _check("greedy_argmax_packed", logits)
     r = logits.shape[0]
     out = torch.empty(2 * r, dtype=torch.int64, device=logits.device)
-    _launch(logits, out[:r], out[r:], block, chunks)
+    _launch(logits, out[:r], out[r:], block, chunks, kernels)
     return out
 
 

@@ -72,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,9 +91,8 @@ from xlaserve.kernels_pallas.ragged_paged_attention_gpu import (
 # A large finite negative logit for masked keys: exp(MASK - m) underflows to 0, and a row whose
 # keys are all masked in one block never computes -inf - (-inf).
 MASK_VALUE: float = -0.7 * float(np.finfo(np.float32).max)
-_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 # What impl="auto" runs on a GPU backend: whichever of "reference" / "pallas_gpu" is faster.
-# Measured on the H200 (python -m xlaserve.kernels_pallas.bench_rpa_gpu, Llama-8B heads, bf16,
+# Measured on the H200 (python -m xlaserve.bench.kernels.rpa_gpu, Llama-8B heads, bf16,
 # median us, reference -> pallas_gpu with the starting tiles): decode batch 1 239 -> 256 (174
 # with the tuned decode tiles now in TUNED_GPU_BLOCK_SIZES), batch 32 440 -> 364, batch 256
 # 1,329 -> 638, mixed 4 x 256 prefill + 200 decodes 4,588 -> 679, prefill 1 x 2048 331 (the
@@ -193,8 +193,8 @@ def _check_inputs(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> None:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl != "auto" and impl not in RPA_IMPLS:
+        raise ValueError(f"impl must be one of {('auto', *RPA_IMPLS)}, got {impl!r}")
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     if k_cache.ndim != 4:
@@ -770,6 +770,88 @@ def _pallas_tpu_attention(
 # ------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class RpaImpl:
+    """One ragged-paged-attention implementation: the XLA attention-backend contract. Chosen by
+    name (KernelConfig.rpa_impl -> models_flax AttentionMetadata.impl -> `impl`; "auto" picks
+    by platform in `_resolve_impl`); the step metadata reaches it as the arrays of
+    `ragged_paged_attention`'s signature."""
+
+    name: str
+    # fn(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale, *,
+    #    sm_scale, sliding_window, soft_cap, block_sizes) -> [T, Hq, D]
+    fn: Callable[..., jax.Array]
+    # Reads an int8 / fp8 cache with its scales; a quantized call of an impl without runs the
+    # reference instead.
+    quantized_cache: bool
+    # The tile-config type it takes as block_sizes (None: it takes none and ignores them).
+    block_sizes_type: type | None
+
+
+def _reference_impl(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    block_sizes: BlockSizes | GpuBlockSizes | None,
+) -> jax.Array:
+    del block_sizes  # no tiles
+    return ref_ragged_paged_attention(
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+
+
+def _pallas_gpu_impl(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    block_sizes: BlockSizes | GpuBlockSizes | None,
+) -> jax.Array:
+    del k_scale, v_scale  # float caches only (quantized_cache=False)
+    return ragged_paged_attention_gpu(
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        block_sizes=block_sizes,
+    )  # fmt: skip
+
+
+# name -> implementation; `register_rpa_impl` adds one.
+RPA_IMPLS: dict[str, RpaImpl] = {
+    "reference": RpaImpl("reference", _reference_impl, True, None),
+    "pallas_tpu": RpaImpl("pallas_tpu", _pallas_tpu_attention, True, BlockSizes),
+    # The GPU kernel has no in-kernel dequantization: quantized caches take the reference.
+    "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, False, GpuBlockSizes),
+}
+
+
+def register_rpa_impl(impl: RpaImpl) -> None:
+    """Make `impl` selectable by its name (KernelConfig.rpa_impl)."""
+    if impl.name == "auto":
+        raise ValueError('"auto" is not an implementation name')
+    RPA_IMPLS[impl.name] = impl
+
+
 def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array) -> str:
     if impl != "auto":
         return impl
@@ -827,25 +909,13 @@ def ragged_paged_attention(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sliding_window, soft_cap, impl, k_scale, v_scale,
     )  # fmt: skip
-    resolved = _resolve_impl(impl, q, k_cache)
-    if resolved == "pallas_gpu" and k_scale is None:
-        if block_sizes is not None and not isinstance(block_sizes, GpuBlockSizes):
-            raise ValueError(f"pallas_gpu takes GpuBlockSizes, got {type(block_sizes).__name__}")
-        return ragged_paged_attention_gpu(
-            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            block_sizes=block_sizes,
-        )  # fmt: skip
-    # The GPU kernel has no in-kernel dequantization: quantized caches take the reference.
-    if resolved in ("reference", "pallas_gpu"):
-        return ref_ragged_paged_attention(
-            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"pallas_tpu takes BlockSizes, got {type(block_sizes).__name__}")
-    return _pallas_tpu_attention(
+    chosen = RPA_IMPLS[_resolve_impl(impl, q, k_cache)]
+    if k_scale is not None and not chosen.quantized_cache:
+        chosen = RPA_IMPLS["reference"]
+    want = chosen.block_sizes_type
+    if block_sizes is not None and want is not None and not isinstance(block_sizes, want):
+        raise ValueError(f"{chosen.name} takes {want.__name__}, got {type(block_sizes).__name__}")
+    return chosen.fn(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         block_sizes=block_sizes,

@@ -142,7 +142,7 @@ def default_gpu_tuning(head_dim: int, page_size: int, dtype: jnp.dtype) -> GpuTu
 
 
 # (head_dim, page_size, dtype name) -> GpuTuning. (128, 16, bf16) is measured on the H200
-# (`bench_rpa_gpu --sweep`, 2026-12-03, Llama-8B heads; median us of blocking calls): decode at
+# (`rpa_gpu --sweep`, 2026-12-03, Llama-8B heads; median us of blocking calls): decode at
 # batch 1 (433 keys) 255.6 with the starting point (16, 8 pages, 4 warps, 2 stages, up to 4 KV
 # splits) -> 173.8 with 3 stages and no split; batch 256 (~495 keys each) 638 -> 633 (a forced
 # 4-way split measured 557 there, but splitting only when the grid is small is what hurt batch

@@ -14,7 +14,6 @@ dequantizes what it reads. The scales are sharded over KV heads like the codes.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import jax
@@ -23,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.config import kernel_switch
 from xlaserve.kernels_pallas import ragged_paged_attention, write_kv
 from xlaserve.kernels_pallas.ragged_paged_attention import write_kv_quant
 from xlaserve.model_loader.spec import ModelSpec
@@ -50,9 +50,10 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # int32 [B+1]: start of each request's tokens in T
     num_seqs: jax.Array  # int32 [1]: real requests (rows past it are padding)
     mesh: Mesh | None = None  # static: the device mesh (axis "model") or None
-    # static: kernel implementation, "auto" unless $XLASERVE_RPA_IMPL names one (A/B benchmarks):
-    # "auto" | "reference" | "pallas_tpu" | "pallas_gpu" (see ragged_paged_attention).
-    impl: str = field(default_factory=lambda: os.environ.get("XLASERVE_RPA_IMPL", "auto"))
+    # static: kernel implementation, KernelConfig.rpa_impl (the runner passes it; built on its
+    # own: the default and its XLASERVE_RPA_IMPL override): "auto" | "reference" | "pallas_tpu" |
+    # "pallas_gpu" (see ragged_paged_attention).
+    impl: str = field(default_factory=lambda: kernel_switch("rpa_impl"))
 
 
 def paged_attention(

@@ -20,10 +20,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.config import KernelConfig, kernel_switch
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax import get_model_class
 from xlaserve.models_flax.layers import fp8_supported, quantize_linears
-from xlaserve.models_flax.moe import check_expert_parallel, enable_expert_parallel
+from xlaserve.models_flax.moe import FusedMoE, check_expert_parallel, enable_expert_parallel
 from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
 from xlaserve.quantization.scheme import check_fp8_support
 
@@ -123,14 +124,18 @@ def _normal_fn(
     return jax.jit(draw, out_shardings=sharding)
 
 
-def xla_quant_scheme(requested: str | None, spec: ModelSpec) -> QuantScheme | None:
+def xla_quant_scheme(
+    requested: str | None, spec: ModelSpec, kernels: KernelConfig | None = None
+) -> QuantScheme | None:
     """The scheme the XLA backend serves `spec` with: the checkpoint's own (GPTQ / AWQ /
     compressed-tensors, detected from config.json), else `requested` ("int8" | "int4" | "fp8")
     applied at load time, else None. fp8 needs a GPU with fp8 matmuls (compute capability >= 8.9):
-    elsewhere runtime fp8 raises (unless XLASERVE_FP8_EMULATION=1, tests) and an fp8 checkpoint is
-    emulated with a warning, as on the torch backend."""
+    elsewhere runtime fp8 raises (unless KernelConfig.fp8_emulation, tests) and an fp8 checkpoint
+    is emulated with a warning, as on the torch backend."""
     scheme = resolve_scheme(requested, spec.model_dir)
-    return check_fp8_support(scheme, fp8_supported, f"this platform: {jax.default_backend()}")
+    where = f"this platform: {jax.default_backend()}"
+    emulate = None if kernels is None else kernels.fp8_emulation
+    return check_fp8_support(scheme, fp8_supported, where, emulate)
 
 
 def _quantize_pairs(
@@ -173,11 +178,14 @@ def load_model(
     seed: int = 0,
     quant: QuantScheme | None = None,
     expert_parallel: bool = False,
+    kernels: KernelConfig | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of `spec`'s model with every parameter on the mesh.
 
     `expert_parallel`: MoE experts split on E over "model" (models_flax/moe.py); ValueError when
     the mesh size does not divide num_experts.
+
+    `kernels`: the MoE layers' grouped matmul (KernelConfig.gmm_impl; None = default + env).
 
     `quant` (see `xla_quant_scheme`): its eligible linears are `QuantLinear`s, filled from a
     pre-quantized checkpoint or quantized here from the float one. Raises ValueError for a
@@ -213,6 +221,10 @@ def load_model(
 
     def build() -> nnx.Module:
         model = cls(spec, dtype)
+        gmm_impl = kernel_switch("gmm_impl", kernels)
+        for _, m in nnx.iter_graph(model):
+            if isinstance(m, FusedMoE):
+                m.impl = gmm_impl
         if expert_parallel:
             enable_expert_parallel(model, mesh)
         if quant is not None:

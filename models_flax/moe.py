@@ -6,7 +6,7 @@ experts.w_down [E, H, I], shared_expert.{gate,up,down}_proj, shared_expert_gate.
 
 Experts run as grouped matmuls: the T*K (token, choice) rows are sorted by expert, pushed through
 `kernels_pallas.gmm` (the Pallas kernel on TPU, `ragged_dot` elsewhere) three times, un-sorted and
-summed with the router weights. The gmm implementation comes from $XLASERVE_GMM_IMPL ("auto").
+summed with the router weights. The gmm implementation is KernelConfig.gmm_impl ("auto"; load_model sets it).
 
 Under tensor parallelism the expert weights are replicated, unless expert parallelism is on
 (`enable_expert_parallel`, set by the loader through `enable_expert_parallel(model, mesh)`): then
@@ -21,14 +21,13 @@ tokens are sharded too (data-parallel attention), which xlaserve does not do.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from xlaserve.config import kernel_switch
 from xlaserve.kernels_pallas.gmm import gmm
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.layers import GatedMLP, Linear, _param, get_activation
@@ -202,7 +201,7 @@ class FusedMoE(nnx.Module):
             spec.moe_routed_scaling,
         )
         self.activation = spec.activation
-        self.impl = impl or os.environ.get("XLASERVE_GMM_IMPL", "auto")
+        self.impl = impl or kernel_switch("gmm_impl")  # load_model sets KernelConfig.gmm_impl
         self.ep_mesh: Mesh | None = None  # static: set by enable_expert_parallel
         self.router = Router(spec, dtype)
         self.experts = Experts(spec, dtype)

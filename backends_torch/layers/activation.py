@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xlaserve.backends_torch.layers.linear import MergedLinear, make_linear, make_merged_linear
+from xlaserve.config import KernelConfig
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -40,7 +41,11 @@ class MLP(nn.Module):
     `gate_up_proj` layer [2I, H] (gate rows first) instead of gate_proj and up_proj, one GEMM;
     its output [T, 2I] feeds the Triton act-and-mul kernel directly once `use_triton_ops` is set
     (CUDA + Triton attention, see CausalLMBase.set_triton_ops), else it is split (views).
+    `kernels` (set by the model's `use_kernels`; None = defaults + environment): the batch-1
+    gate-act GEMV switches.
     """
+
+    kernels: KernelConfig | None = None
 
     def __init__(
         self,
@@ -85,8 +90,8 @@ class MLP(nn.Module):
             and gu.part_sizes[0] * 2 == gu.weight.shape[0]
             and self.activation in ACT_CODES
             and gu.weight.dtype == x.dtype
-            and gate_act_gemv_enabled()
-            and use_dense_gemv(1, *gu.weight.shape, x.dtype, x.device)
+            and gate_act_gemv_enabled(self.kernels)
+            and use_dense_gemv(1, *gu.weight.shape, x.dtype, x.device, self.kernels)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,15 +102,16 @@ class MLP(nn.Module):
 
                 gu = self.gate_up_proj
                 a = dense_gemv_gate_act(
-                    x.reshape(1, -1).contiguous(), gu.weight, gu.bias, self.activation
-                )
+                    x.reshape(1, -1).contiguous(), gu.weight, gu.bias, self.activation,
+                    kernels=self.kernels,
+                )  # fmt: skip
                 return self.down_proj(a.reshape(*x.shape[:-1], -1))
             gu = self.gate_up_proj(x)  # [T, 2I] (this rank's gate | up shards under TP)
             kernel = _TRITON_GATED.get(self.activation) if self.use_triton_ops else None
             if kernel is not None and gu.dim() == 2:
                 from xlaserve import kernels_cuda
 
-                return self.down_proj(getattr(kernels_cuda, kernel)(gu))
+                return self.down_proj(getattr(kernels_cuda, kernel)(gu, kernels=self.kernels))
             gate, up = gu.chunk(2, dim=-1)
             return self.down_proj(act_and_mul(gate, up, self.activation))
         if self.gated:

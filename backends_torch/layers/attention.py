@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from xlaserve.config import KernelConfig
 from xlaserve.kernels_cuda.kv_quant import dequantize_kv, quantize_kv
 
 
@@ -50,9 +51,64 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Writes new K/V into the paged cache and attends over it. Stateless between steps."""
+    """The torch attention-backend contract: writes new K/V into the paged cache and attends over
+    it; stateless between steps. Chosen by name (KernelConfig.attention_backend) through the
+    registry below (`get_attention_backend`), never by a string test elsewhere.
+
+    - Metadata hook `build_metadata`: the step's ragged-batch tensors -> this backend's metadata
+      struct (`metadata_cls`: AttentionMetadata or a subclass with its launch knobs), built once
+      per step by the runner and handed whole to every layer and to the kernels.
+    - Graph-capture hook `graph_metadata` (backends with `cuda_graphs`): the metadata a decode
+      CUDA graph is captured with, its launch knobs fixed at capture.
+    - Kernels: `write_kv` and `forward`.
+    - Capabilities: `cuda_graphs`, `triton_kernels` (below); `kernels` carries the launch
+      switches (KernelConfig).
+    """
 
     name: str = "base"
+    # Kernel launch switches (KernelConfig.pdl, ...); set by `get_attention_backend`.
+    kernels: KernelConfig | None = None
+    # Capabilities (what the runner and the model ask, never the backend's name):
+    # decode steps may be captured in CUDA graphs: forward reads the metadata's device tensors
+    # only (no host sync, no host-dependent shapes), so a replay with new values is exact.
+    cuda_graphs: bool = False
+    # runs Triton kernels: the model's rotary and gated activation take Triton too (triton_ops
+    # "auto"), and a float8 KV cache needs compute capability >= 8.9 for their fp8 loads.
+    triton_kernels: bool = False
+    # The metadata struct this backend's kernels read.
+    metadata_cls: type[AttentionMetadata] = AttentionMetadata
+
+    def build_metadata(
+        self,
+        *,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        max_query_len: int,
+        max_seq_len: int,
+        query_start_loc_host: list[int],
+        seq_lens_host: list[int],
+    ) -> AttentionMetadata:
+        """Metadata hook: one step's batch (shapes as in AttentionMetadata; device tensors, host
+        lists) -> this backend's metadata struct."""
+        return self.metadata_cls(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc_host=query_start_loc_host,
+            seq_lens_host=seq_lens_host,
+        )
+
+    def graph_metadata(self, md: AttentionMetadata, num_kv_splits: int) -> AttentionMetadata:
+        """Graph-capture hook: `md` (over a decode graph's static buffers) with the launch knobs
+        the graph fixes at capture (num_kv_splits: the split-KV factor of its bucket)."""
+        raise NotImplementedError(
+            f"attention backend {self.name!r} cannot be captured in CUDA graphs (cuda_graphs=False)"
+        )
 
     def write_kv(
         self,
@@ -280,10 +336,14 @@ QUANT_KV_BACKENDS = ("torch_ref", "torch_batched", "triton")
 
 
 def check_kv_cache_dtype(
-    kv_cache_dtype: str, backend_name: str, device: torch.device
+    kv_cache_dtype: str,
+    backend_name: str,
+    device: torch.device,
+    backend: AttentionBackend | None = None,
 ) -> torch.dtype | None:
     """The cache code dtype for `kv_cache_dtype` (None for "auto"); a clear ValueError at start-up
-    for combinations that are not implemented (rather than wrong results later)."""
+    for combinations that are not implemented (rather than wrong results later). backend: the
+    instance registered as `backend_name` (None: made here), for its capabilities."""
     from xlaserve.kernels_cuda.kv_quant import kv_code_dtype
 
     code = kv_code_dtype(kv_cache_dtype)
@@ -297,7 +357,7 @@ def check_kv_cache_dtype(
     if (
         code == torch.float8_e4m3fn
         and device.type == "cuda"
-        and backend_name == "triton"
+        and (backend or get_attention_backend(backend_name)).triton_kernels
         and torch.cuda.get_device_capability(device) < (8, 9)
     ):
         raise ValueError(
@@ -307,13 +367,17 @@ def check_kv_cache_dtype(
     return code
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, kernels: KernelConfig | None = None) -> AttentionBackend:
+    """A new backend of the registered `name`, launching its kernels by `kernels` (None: the
+    KernelConfig defaults and their environment overrides, read at launch)."""
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; known: {', '.join(available_attention_backends())}"
         )
     module, _, cls = _BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    backend = getattr(importlib.import_module(module), cls)()
+    backend.kernels = kernels
+    return backend
 
 
 class Attention(nn.Module):

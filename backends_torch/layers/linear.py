@@ -15,13 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xlaserve.config import KernelConfig, kernel_switch
 from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
 from xlaserve.quantization.numpy_quant import FP8_E4M3, FP8_MAX
 from xlaserve.quantization.scheme import check_fp8_support
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b). x: [..., in] -> [..., out]."""
+    """y = x @ W.T (+ b). x: [..., in] -> [..., out]. `kernels` (set by the model's
+    `use_kernels`; None = defaults + environment) picks the batch-1 dense GEMV."""
+
+    kernels: KernelConfig | None = None
 
     def __init__(
         self,
@@ -44,17 +48,22 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)
 
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernels: KernelConfig | None = None,
+) -> torch.Tensor:
     """F.linear (x [..., K] @ weight [N, K]^T + bias), except one-row float16 / bfloat16 inputs
     (batch-1 decode) on CUDA, or on CPU under TRITON_INTERPRET=1, that the Triton dense GEMV
     serves (`kernels_cuda.dense_gemv.use_dense_gemv`: every shape on CUDA by default, the
-    DENSE_GEMV_SHAPES table, or $XLASERVE_DENSE_GEMV=1 / 0). The cheap checks here mirror
+    DENSE_GEMV_SHAPES table, or KernelConfig.dense_gemv on / off). The cheap checks here mirror
     use_dense_gemv's so that other calls never import Triton."""
     k = x.shape[-1]
     if (
@@ -66,8 +75,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from xlaserve.kernels_cuda.dense_gemv import dense_gemv, use_dense_gemv
 
         n = weight.shape[0]
-        if use_dense_gemv(1, n, k, x.dtype, x.device):
-            y = dense_gemv(x.reshape(1, k).contiguous(), weight, bias)
+        if use_dense_gemv(1, n, k, x.dtype, x.device, kernels):
+            y = dense_gemv(x.reshape(1, k).contiguous(), weight, bias, kernels=kernels)
             return y.reshape(*x.shape[:-1], n)
     return F.linear(x, weight, bias)
 
@@ -128,10 +137,10 @@ def fused_members(model: nn.Module) -> dict[str, FusedSlot]:
     return out
 
 
-def fuse_projections_enabled() -> bool:
-    """$XLASERVE_FUSE_PROJECTIONS (default "1"): "0" builds separate q/k/v and gate/up layers
+def fuse_projections_enabled(kernels: KernelConfig | None = None) -> bool:
+    """KernelConfig.fuse_projections (default on): off builds separate q/k/v and gate/up layers
     (the unfused layout, for A/B measurements)."""
-    return os.environ.get("XLASERVE_FUSE_PROJECTIONS", "1") != "0"
+    return bool(kernel_switch("fuse_projections", kernels))
 
 
 def _checkpoint_scheme(model_dir: str | None) -> QuantScheme | None:
@@ -146,13 +155,15 @@ def _checkpoint_scheme(model_dir: str | None) -> QuantScheme | None:
         return None  # the runner reports the unsupported format itself
 
 
-def can_fuse(model_dir: str | None, member_prefixes: Sequence[str]) -> bool:
+def can_fuse(
+    model_dir: str | None, member_prefixes: Sequence[str], kernels: KernelConfig | None = None
+) -> bool:
     """Whether the linears `member_prefixes` (canonical, one input) may be built fused: always
     for float checkpoints and runtime quantization (every format is per output row); for a
     pre-quantized checkpoint not with GPTQ act-order (each member has its own input permutation)
     nor when its ignore list keeps some members float and quantizes others. Also off with
-    $XLASERVE_FUSE_PROJECTIONS=0."""
-    if not fuse_projections_enabled():
+    KernelConfig.fuse_projections off."""
+    if not fuse_projections_enabled(kernels):
         return False
     scheme = _checkpoint_scheme(model_dir)
     if scheme is None:
@@ -164,6 +175,8 @@ def can_fuse(model_dir: str | None, member_prefixes: Sequence[str]) -> bool:
 
 class VocabEmbedding(nn.Module):
     """Token embedding table weight [V, H]; ids [T] -> [T, H]."""
+
+    kernels: KernelConfig | None = None  # the tied lm_head's dense GEMV (see Linear)
 
     def __init__(
         self,
@@ -182,7 +195,7 @@ class VocabEmbedding(nn.Module):
 
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied embeddings: hidden [B, H] -> logits [B, V]."""
-        return linear(hidden, self.weight)
+        return linear(hidden, self.weight, kernels=self.kernels)
 
 
 # ---- factories: the plain layer, or its tensor-parallel variant inside a TP worker ------------
@@ -321,6 +334,7 @@ class QuantLinear(nn.Module):
 
     part_names: tuple[str, ...] | None = None
     part_sizes: tuple[int, ...] | None = None
+    kernels: KernelConfig | None = None  # the GEMV launch switches (model.use_kernels)
 
     def __init__(
         self,
@@ -404,13 +418,15 @@ class QuantLinear(nn.Module):
             if on_cuda:
                 from xlaserve.kernels_cuda.quant_matmul import int8_matmul
 
-                return int8_matmul(x.contiguous(), self.qweight, self.scales)
+                return int8_matmul(x.contiguous(), self.qweight, self.scales, kernels=self.kernels)
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         if self.method == "int4":
             from xlaserve.kernels_cuda import quant_matmul as qm
 
             if on_cuda and qm.int4_block_k(self.group) is not None:
-                return qm.int4_matmul(x.contiguous(), self.qweight, self.scales, self.qzeros)
+                return qm.int4_matmul(
+                    x.contiguous(), self.qweight, self.scales, self.qzeros, kernels=self.kernels
+                )
             return F.linear(
                 x, qm.dequant_int4_torch(self.qweight, self.scales, self.qzeros, x.dtype)
             )
@@ -419,7 +435,9 @@ class QuantLinear(nn.Module):
             from xlaserve.kernels_cuda import quant_matmul as qm
 
             if qm.use_gemv("fp8", x.shape[0]):  # decode: weight-only, no per-token quant
-                return qm.fp8_weight_matmul(x.contiguous(), self.qweight, self.scales)
+                return qm.fp8_weight_matmul(
+                    x.contiguous(), self.qweight, self.scales, kernels=self.kernels
+                )
             if x.shape[1] % 16 == 0 and w8.shape[0] % 16 == 0:
                 return fp8_linear_scaled_mm(x, w8, self.scales)
         return fp8_linear_ref(x, w8, self.scales)
@@ -461,10 +479,13 @@ def torch_quant_scheme(
 ) -> QuantScheme | None:
     """The scheme the torch backend serves `spec` with (config: EngineConfig), checked against the
     device: fp8 on a device without fp8 matmuls raises, unless the checkpoint is pre-quantized
-    fp8 (then emulated, with a warning) or XLASERVE_FP8_EMULATION=1 (tests)."""
+    fp8 (then emulated, with a warning) or KernelConfig.fp8_emulation is on (tests)."""
     scheme = resolve_scheme(config.model.quantization, spec.model_dir, config.cache.kv_cache_dtype)
     return check_fp8_support(
-        scheme, lambda: fp8_supported(device), f"this device: {torch.device(device)}"
+        scheme,
+        lambda: fp8_supported(device),
+        f"this device: {torch.device(device)}",
+        emulate=config.kernels.fp8_emulation,
     )
 
 

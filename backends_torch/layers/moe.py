@@ -9,13 +9,12 @@ torch ops, loops over the experts that received tokens; any device) and "triton"
 (kernels_cuda/fused_moe.py: expert-sorted row blocks x expert weight tiles, no host sync;
 registered below via `register_moe_impl`; CPU tensors only under TRITON_INTERPRET=1). Every impl
 has the signature of `fused_experts_ref`. The default: the `moe_impl` argument, else
-$XLASERVE_MOE_IMPL, else "triton" on CUDA and "torch_ref" elsewhere (`default_moe_impl`).
+KernelConfig.moe_impl, "auto" = "triton" on CUDA and "torch_ref" elsewhere (`default_moe_impl`).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 
 from xlaserve.backends_torch.layers.activation import MLP, get_activation
 from xlaserve.backends_torch.layers.linear import Linear
+from xlaserve.config import KernelConfig, kernel_switch
 from xlaserve.model_loader.spec import ModelSpec
 
 ExpertsFn = Callable[..., torch.Tensor]
@@ -117,12 +117,12 @@ def available_moe_impls() -> list[str]:
 register_moe_impl("triton", "xlaserve.kernels_cuda.fused_moe:fused_experts")
 
 
-def default_moe_impl(device: torch.device | str) -> str:
-    """$XLASERVE_MOE_IMPL if set, else "triton" on CUDA (as the runner picks attention), else
-    "torch_ref"."""
-    env = os.environ.get("XLASERVE_MOE_IMPL")
-    if env:
-        return env
+def default_moe_impl(device: torch.device | str, kernels: KernelConfig | None = None) -> str:
+    """KernelConfig.moe_impl unless "auto"; "auto" = "triton" on CUDA (as the runner picks
+    attention), else "torch_ref". kernels None: the default and its environment override."""
+    name = kernel_switch("moe_impl", kernels)
+    if name != "auto":
+        return name
     return "triton" if torch.device(device).type == "cuda" else "torch_ref"
 
 
@@ -177,10 +177,11 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         moe_impl: str | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
-        self.moe_impl = moe_impl or default_moe_impl(device)
+        self.moe_impl = moe_impl or default_moe_impl(device, kernels)
         self._experts_fn = get_moe_impl(self.moe_impl)
         self.router = Router(spec, dtype, device)
         self.experts = Experts(spec, dtype, device)

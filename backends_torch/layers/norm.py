@@ -5,9 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xlaserve.config import KernelConfig
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * (offset + w). x: [..., dim]. offset is 1.0 for Gemma-style weights."""
+
+    kernels: KernelConfig | None = None  # fused add + norm launch switches (model.use_kernels)
 
     def __init__(
         self,
@@ -39,8 +43,9 @@ class RMSNorm(nn.Module):
             from xlaserve.kernels_cuda import fused_add_rms_norm
 
             return fused_add_rms_norm(
-                x, residual, self.weight, self.eps, self.weight_offset, inplace=False
-            )
+                x, residual, self.weight, self.eps, self.weight_offset, inplace=False,
+                kernels=self.kernels,
+            )  # fmt: skip
         if residual is not None:
             x = x + residual
         return self.forward(x), x

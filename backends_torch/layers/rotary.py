@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xlaserve.config import KernelConfig
 from xlaserve.model_loader.rope import rope_inv_freq
 from xlaserve.model_loader.spec import ModelSpec
 
@@ -47,7 +48,10 @@ class RotaryEmbedding(nn.Module):
     `enable_triton(table)`: rotate with the in-place Triton kernel (kernels_cuda/rotary.py) and a
     [P, R] = [cos | sin] table instead (one launch for q and k; CUDA, or CPU under
     TRITON_INTERPRET=1); `cos_sin_table` builds it, shared by every layer with the same rope.
+    `kernels`: the Triton kernels' launch switches (set by the model's `use_kernels`).
     """
+
+    kernels: KernelConfig | None = None
 
     def __init__(
         self, spec: ModelSpec, device: torch.device | str = "cpu", theta: float | None = None
@@ -108,8 +112,9 @@ class RotaryEmbedding(nn.Module):
         from xlaserve.kernels_cuda import rotary_embedding_write_kv
 
         rotary_embedding_write_kv(
-            q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True
-        )
+            q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True,
+            kernels=self.kernels,
+        )  # fmt: skip
         return q
 
     def forward(
@@ -121,7 +126,9 @@ class RotaryEmbedding(nn.Module):
         if self.cos_sin_cache is not None:
             from xlaserve.kernels_cuda import rotary_embedding
 
-            rotary_embedding(q, k, positions, self.cos_sin_cache, is_neox=True)
+            rotary_embedding(
+                q, k, positions, self.cos_sin_cache, is_neox=True, kernels=self.kernels
+            )
             return q, k
         cos, sin = self.cos_sin(positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

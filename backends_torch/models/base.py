@@ -8,6 +8,22 @@ import numpy as np
 import torch
 from torch import nn
 
+from xlaserve.config import KernelConfig, kernel_switch
+
+
+def triton_ops_default(
+    device: str | torch.device, backend: object, kernels: KernelConfig | None = None
+) -> bool:
+    """Whether a model routes rotary and the gated activation through the Triton kernels:
+    KernelConfig.triton_ops "on" / "off" forces it (on needs CUDA or TRITON_INTERPRET=1), "auto"
+    is on exactly when the device is CUDA and the attention backend (an AttentionBackend) runs
+    Triton kernels."""
+    mode = kernel_switch("triton_ops", kernels)
+    if mode != "auto":
+        return mode == "on"
+    return torch.device(device).type == "cuda" and backend.triton_kernels
+
+
 _NP_TO_TORCH = {
     np.dtype(np.float64): torch.float64,
     np.dtype(np.float32): torch.float32,
@@ -87,6 +103,14 @@ class CausalLMBase(nn.Module):
                 f"weights missing from the checkpoint: {', '.join(missing[:8])}"
                 + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
             )
+
+    def use_kernels(self, kernels: KernelConfig) -> None:
+        """Hand `kernels` to every layer that launches kernels by it (modules with a `kernels`
+        attribute: Linear, MLP, ...); run again after layers are swapped (quantization)."""
+        self.kernels = kernels
+        for m in self.modules():
+            if m is not self and hasattr(m, "kernels"):
+                m.kernels = kernels
 
     def set_triton_ops(self, enabled: bool) -> None:
         """Route rotary (in place on q/k) and the fused gate_up activation through the Triton

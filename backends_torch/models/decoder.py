@@ -11,98 +11,45 @@ module with different spec fields (the adapters in model_loader/registry.py set 
 - moe (Mixtral, Qwen2-MoE, Qwen3-MoE): FusedMoE in place of the MLP.
 - mla (DeepSeek-V3): MLA attention (models/mla.py) + FusedMoE.
 
-Parameter names are the canonical names of `model_loader/spec.py`, except that q/k/v and a gated
-MLP's gate/up are fused layers (`qkv_proj`, `gate_up_proj`: one GEMM each, output split into views);
-`CausalLMBase.load_weights` writes the canonical members into their rows. On CUDA with the Triton
-attention backend, rotary and act-and-mul run as Triton kernels (`set_triton_ops`); there, with a
-float KV cache, rope and the KV-cache write are one kernel (FUSED_ROPE_KV_WRITE).
+Parameter names are the canonical ones of `model_loader/spec.py` (layers/blocks.py builds the
+projections). With Triton attention kernels, rotary and act-and-mul run in Triton too (see
+`set_triton_ops`), rope + KV-cache write in one kernel on a float cache (fused_rope_kv).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-
 import torch
 from torch import nn
 
-from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
-from xlaserve.backends_torch.layers.activation import MLP
-from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from xlaserve.backends_torch.layers.linear import (
-    VocabEmbedding,
-    can_fuse,
-    make_linear,
-    make_lm_head,
-    make_merged_linear,
-    make_vocab_embedding,
+from xlaserve.backends_torch.layers.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionMetadata,
+    TorchRefAttention,
 )
+from xlaserve.backends_torch.layers.blocks import (
+    attention_heads,
+    build_qkv,
+    layer_rotary,
+    layer_window,
+    make_mlp,
+    project_qkv,
+    spec_norm,
+)
+from xlaserve.backends_torch.layers.linear import VocabEmbedding, make_lm_head, make_vocab_embedding
 from xlaserve.backends_torch.layers.moe import FusedMoE
-from xlaserve.backends_torch.layers.norm import make_norm
-from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
-from xlaserve.backends_torch.models.base import CausalLMBase
+from xlaserve.backends_torch.models.base import CausalLMBase, triton_ops_default
+from xlaserve.config import KernelConfig, kernel_switch
 from xlaserve.model_loader.spec import ModelSpec
+
+__all__ = ["DecoderAttention", "DecoderForCausalLM", "DecoderLayer", "layer_window"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def layer_window(spec: ModelSpec, i: int) -> int | None:
-    """Sliding window of layer i; accepts HF's "sliding_attention" as well as "sliding"."""
-    return spec.layer_sliding_window(i)
-
-
-def spec_norm(spec: ModelSpec, dim: int, dtype: torch.dtype, device: str) -> nn.Module:
-    """The spec's norm kind over `dim` features."""
-    return make_norm(
-        spec.norm_kind,
-        dim,
-        spec.norm_eps,
-        spec.norm_weight_offset,
-        bias=spec.norm_bias,
-        dtype=dtype,
-        device=device,
-    )
-
-
-def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | None:
-    """Rope of one layer (None for learned positions). Sliding layers of a spec with
-    rope_local_theta use plain rope with that theta (Gemma3)."""
-    if spec.position_embedding != "rope":
-        return None
-    if spec.rope_local_theta and layer_window(spec, layer) is not None:
-        spec = replace(spec, rope_theta=spec.rope_local_theta, rope_scaling=None)
-    return RotaryEmbedding(spec, device)
-
-
-def triton_ops_default(device: str | torch.device, backend: AttentionBackend) -> bool:
-    """Whether the model routes rotary and the gated activation through the Triton kernels:
-    $XLASERVE_TRITON_OPS "1" / "0" forces it on / off (on needs CUDA or TRITON_INTERPRET=1),
-    else on exactly when the device is CUDA and the attention backend is "triton"."""
-    env = os.environ.get("XLASERVE_TRITON_OPS", "auto")
-    if env in ("0", "1"):
-        return env == "1"
-    return torch.device(device).type == "cuda" and backend.name == "triton"
-
-
-# Fused rope + KV-cache write (kernels_cuda.rotary_embedding_write_kv: one launch instead of
-# rotary + write_kv) wherever the Triton rotary runs and the cache holds floats (a quantized
-# cache keeps the two kernels). $XLASERVE_FUSED_ROPE_KV "1" / "0" overrides this default.
-FUSED_ROPE_KV_WRITE = True
-
-
-def fused_rope_kv_enabled() -> bool:
-    """FUSED_ROPE_KV_WRITE unless $XLASERVE_FUSED_ROPE_KV is "1" / "0" (read at model build)."""
-    env = os.environ.get("XLASERVE_FUSED_ROPE_KV")
-    return env == "1" if env in ("0", "1") else FUSED_ROPE_KV_WRITE
-
-
 class DecoderAttention(nn.Module):
-    """x [T, H] -> [T, H]: q/k/v projections, optional qk-norm, rope, paged attention, o_proj.
-
-    q/k/v are one fused `qkv_proj` (weights [q; k; v] along the output dim; this rank's heads of
-    each under TP) whose output is split into views; separate q_proj/k_proj/v_proj only where
-    `can_fuse` says no (GPTQ act-order, partial ignore lists, $XLASERVE_FUSE_PROJECTIONS=0).
-    """
+    """x [T, H] -> [T, H]: q/k/v projections, optional qk-norm, rope, paged attention, o_proj
+    (the projections and this rank's heads from layers/blocks.py)."""
 
     def __init__(
         self,
@@ -111,30 +58,11 @@ class DecoderAttention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: str,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
-        # Heads of this rank (tensor parallelism splits heads; layers carry the split).
-        tp = tp_world_size()
-        self.hq, self.hkv, self.d = (
-            spec.num_heads // tp,
-            kv_heads_per_rank(spec.num_kv_heads),
-            spec.head_dim,
-        )
-        kv_rep = max(1, tp // spec.num_kv_heads)  # ranks sharing one KV head
-        h, qkvb = spec.hidden_size, spec.qkv_bias
-        members = [f"layers.{layer}.self_attn.{p}_proj" for p in "qkv"]
-        self.fused = can_fuse(spec.model_dir, members)
-        if self.fused:
-            self.qkv_proj = make_merged_linear(
-                h, [("q_proj", spec.q_size, 1), ("k_proj", spec.kv_size, kv_rep),
-                    ("v_proj", spec.kv_size, kv_rep)], qkvb, dtype, device,
-            )  # fmt: skip
-            self.qkv_sizes = self.qkv_proj.part_sizes  # this rank's q, k, v widths
-        else:
-            self.q_proj = make_linear(h, spec.q_size, qkvb, dtype, device, "column")
-            self.k_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
-            self.v_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
-        self.o_proj = make_linear(spec.q_size, h, spec.o_bias, dtype, device, "row")
+        (self.hq, self.hkv), self.d = attention_heads(spec), spec.head_dim
+        build_qkv(self, spec, layer, dtype, device, kernels)
         self.qk_norm = spec.qk_norm
         self.full_qk_norm = spec.qk_norm and spec.qk_norm_scope == "full"
         if spec.qk_norm:
@@ -142,26 +70,16 @@ class DecoderAttention(nn.Module):
             self.q_norm = spec_norm(spec, qd, dtype, device)
             self.k_norm = spec_norm(spec, kd, dtype, device)
         self.rotary = layer_rotary(spec, layer, device)
-        self.fuse_rope_kv = fused_rope_kv_enabled()
+        self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
         scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
-        self.attn = Attention(
-            self.hq,
-            self.hkv,
-            self.d,
-            scale,
-            backend,
-            layer_window(spec, layer),
-            spec.attn_logit_softcap,
-        )
+        window, cap = layer_window(spec, layer), spec.attn_logit_softcap
+        self.attn = Attention(self.hq, self.hkv, self.d, scale, backend, window, cap)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
-        if self.fused:  # views of one [T, q + 2 kv] output
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project_qkv(self, x)
         if self.full_qk_norm:  # OLMo2: normalise the whole projection before the head split
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.hq, self.d)  # [T, Hq, D]
@@ -189,6 +107,7 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: str,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         h = spec.hidden_size
@@ -202,26 +121,16 @@ class DecoderLayer(nn.Module):
         if spec.family == "mla":
             from xlaserve.backends_torch.models.mla import MLAttention
 
-            self.self_attn = MLAttention(spec, layer, backend, dtype, device)
+            self.self_attn = MLAttention(spec, layer, backend, dtype, device, kernels)
         else:
-            self.self_attn = DecoderAttention(spec, layer, backend, dtype, device)
+            self.self_attn = DecoderAttention(spec, layer, backend, dtype, device, kernels)
         if spec.sandwich_norms:
             self.post_attn_out_norm = spec_norm(spec, h, dtype, device)
             self.post_mlp_out_norm = spec_norm(spec, h, dtype, device)
         if spec.is_moe_layer(layer):
-            self.mlp = FusedMoE(spec, dtype, device)
+            self.mlp = FusedMoE(spec, dtype, device, kernels=kernels)
         else:
-            members = [f"layers.{layer}.mlp.{p}" for p in ("gate_proj", "up_proj")]
-            self.mlp = MLP(
-                h,
-                spec.intermediate_size,
-                spec.activation,
-                spec.gated_mlp,
-                spec.mlp_bias,
-                dtype,
-                device,
-                fused=can_fuse(spec.model_dir, members),
-            )
+            self.mlp = make_mlp(spec, layer, dtype, device, kernels)
 
     def forward(
         self,
@@ -269,12 +178,12 @@ class DecoderForCausalLM(CausalLMBase):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         attn_backend: AttentionBackend | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
-        if attn_backend is None:
-            from xlaserve.backends_torch.layers.attention import TorchRefAttention
-
-            attn_backend = TorchRefAttention()
+        # The runner passes the engine's switches; None (built on its own): defaults + env.
+        kc = kernels if kernels is not None else KernelConfig.from_env()
+        attn_backend = attn_backend if attn_backend is not None else TorchRefAttention()
         self.spec = spec
         self._norm_offset = spec.norm_weight_offset
         self.embed_tokens = make_vocab_embedding(spec.vocab_size, spec.hidden_size, dtype, device)
@@ -285,12 +194,14 @@ class DecoderForCausalLM(CausalLMBase):
         elif spec.position_embedding != "rope":
             raise ValueError(f"unknown position_embedding {spec.position_embedding!r}")
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, attn_backend, dtype, device) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, attn_backend, dtype, device, kc) for i in range(spec.num_layers)
         )
         self.norm = spec_norm(spec, spec.hidden_size, dtype, device)
         if not spec.tie_word_embeddings:
             self.lm_head = make_lm_head(spec.hidden_size, spec.vocab_size, dtype, device)
-        if triton_ops_default(device, attn_backend):
+        if kernels is not None:
+            self.use_kernels(kernels)
+        if triton_ops_default(device, attn_backend, kc):
             self.set_triton_ops(True)
 
     @torch.inference_mode()

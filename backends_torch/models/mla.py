@@ -23,6 +23,7 @@ from xlaserve.backends_torch.layers.linear import Linear, MergedLinear, can_fuse
 from xlaserve.backends_torch.layers.norm import RMSNorm
 from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
 from xlaserve.backends_torch.models.decoder import DecoderForCausalLM, layer_window
+from xlaserve.config import KernelConfig
 from xlaserve.model_loader.spec import ModelSpec
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -44,6 +45,7 @@ class MLAttention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: str,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
         ex = spec.extra
@@ -57,7 +59,9 @@ class MLAttention(nn.Module):
         q_name, q_out = ("q_a_proj", rq) if self.q_lora else ("q_proj", hq * dq)
         kv_out = self.rkv + self.dr
         self.fused = can_fuse(
-            spec.model_dir, [f"layers.{layer}.self_attn.{n}" for n in (q_name, "kv_a_proj")]
+            spec.model_dir,
+            [f"layers.{layer}.self_attn.{n}" for n in (q_name, "kv_a_proj")],
+            kernels,
         )
         if self.fused:
             self.fused_qkv_a_proj = MergedLinear(

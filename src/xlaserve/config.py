@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -322,6 +323,141 @@ class StructuredOutputConfig:
         _check(self.compile_workers >= 0, "grammar_compile_workers must be >= 0")
 
 
+TRISTATE = ("auto", "on", "off")
+# KernelConfig fields that take TRISTATE values.
+TRISTATE_SWITCHES = ("triton_ops", "dense_gemv", "fused_greedy")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Every kernel, fusion and graph switch of both backends, with its default.
+
+    The engine builds one (`EngineConfig.kernels`) and hands it to the runner, which passes it to
+    the model builder, the layers and the kernel launchers; nothing below reads the environment.
+    `XLASERVE_<FIELD>` environment variables (e.g. XLASERVE_PDL=0) override the defaults in
+    exactly one place, `KernelConfig.from_env` (and `kernel_switch` for a call that was given no
+    config: a kernel or layer used on its own, in tests and benchmarks). Tri-state fields are
+    "auto" | "on" | "off"; the environment also accepts "1" / "0" for on / off.
+    """
+
+    # Torch attention backend by name (backends_torch/layers/attention.py registry): "auto" =
+    # "triton" on CUDA (paged, graph-capturable), "torch_batched" elsewhere.
+    attention_backend: str = "auto"
+    # Torch: rotary and the gated activation as Triton kernels; "auto" = on exactly with CUDA and
+    # the Triton attention backend ("on" elsewhere needs TRITON_INTERPRET=1).
+    triton_ops: str = "auto"
+    # Torch: rope + KV-cache write in one kernel where the Triton rotary runs and the cache holds
+    # floats (a quantized cache keeps the two kernels).
+    fused_rope_kv: bool = True
+    # Torch: q/k/v and a gated MLP's gate/up as one fused linear each (one GEMM instead of 2-3);
+    # off builds the separate layers (A/B measurements).
+    fuse_projections: bool = True
+    # Torch fused MoE implementation ("triton", "torch_ref", or a registered one); "auto" =
+    # "triton" on CUDA, "torch_ref" elsewhere.
+    moe_impl: str = "auto"
+    # Torch: batch-1 (one-row) fp16 / bf16 linears through the Triton dense GEMV instead of
+    # cuBLAS; "auto" = the shapes of kernels_cuda.dense_gemv.DENSE_GEMV_SHAPES (None: every
+    # shape on CUDA), "on" = every shape, "off" = none.
+    dense_gemv: str = "auto"
+    # Dense GEMV: load the first weight tile before the PDL wait (H200 batch-1 graph replay
+    # 3.952 -> 3.888 ms).
+    gemv_prefetch: bool = True
+    # Gated MLP batch-1 decode: act(gate) * up in the gate_up GEMV's epilogue (one kernel fewer
+    # per layer; a tie with the prefetch on, H200).
+    gate_act_gemv: bool = True
+    # Programmatic dependent launch on Hopper+ (each kernel's launch overlaps the previous one's
+    # tail; ~0.65 us per kernel boundary of a batch-1 decode graph, H200).
+    pdl: bool = True
+    # Torch greedy fast path through the fused argmax kernel; "auto" = on CUDA only ("on" on the
+    # CPU needs TRITON_INTERPRET=1: tests).
+    fused_greedy: str = "auto"
+    # Largest split-KV factor a torch decode CUDA graph is captured with (a power of 2).
+    graph_max_kv_splits: int = 16
+    # fp8 weights emulated (dequantized matmul) where the device has no fp8 GEMM; otherwise
+    # runtime fp8 raises there (a pre-quantized fp8 checkpoint is emulated with a warning).
+    fp8_emulation: bool = False
+    # XLA ragged paged attention implementation (kernels_pallas): "auto" picks by platform;
+    # "reference", "pallas_gpu", ... force one (A/B benchmarks).
+    rpa_impl: str = "auto"
+    # XLA MoE grouped matmul implementation (kernels_pallas.gmm): "auto" picks by platform.
+    gmm_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in TRISTATE_SWITCHES:
+            value = {"1": "on", "0": "off"}.get(getattr(self, name), getattr(self, name))
+            object.__setattr__(self, name, value)  # "1" / "0" (the environment's spelling)
+            _check(value in TRISTATE, f"{name} must be one of {TRISTATE}, got {value!r}")
+        for name in ("attention_backend", "moe_impl", "rpa_impl", "gmm_impl"):
+            _check(bool(getattr(self, name)), f"{name} must be a non-empty name")
+        s = self.graph_max_kv_splits
+        _check(
+            isinstance(s, int) and s >= 1 and s & (s - 1) == 0,
+            f"graph_max_kv_splits must be a power of 2 >= 1, got {s!r}",
+        )
+
+    @staticmethod
+    def env_name(name: str) -> str:
+        """The environment variable that overrides field `name` (XLASERVE_<NAME>)."""
+        return f"XLASERVE_{name.upper()}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> KernelConfig:
+        """Defaults, then `XLASERVE_<FIELD>` variables of `environ` (default os.environ), then
+        `overrides` (explicit arguments win). The only reader of these variables."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(cls.env_name(f.name))
+            if raw is not None and raw != "":
+                values[f.name] = _parse_switch(f.name, raw)
+        values.update(overrides)
+        return cls(**values)
+
+
+_KERNEL_FIELDS: dict[str, Any] = {}
+
+
+def _parse_switch(name: str, raw: str) -> Any:
+    """An environment value for KernelConfig field `name`, as the field's type."""
+    if not _KERNEL_FIELDS:
+        _KERNEL_FIELDS.update({f.name: f.default for f in fields(KernelConfig)})
+    default = _KERNEL_FIELDS[name]
+    env = KernelConfig.env_name(name)
+    low = raw.strip().lower()
+    if isinstance(default, bool):
+        if low in ("1", "true", "on", "yes"):
+            return True
+        if low in ("0", "false", "off", "no"):
+            return False
+        raise ValueError(f"{env} must be 1 or 0, got {raw!r}")
+    if isinstance(default, int):
+        try:
+            return int(low)
+        except ValueError:
+            raise ValueError(f"{env} must be an integer, got {raw!r}") from None
+    if name in TRISTATE_SWITCHES:
+        value = {"1": "on", "0": "off"}.get(low, low)
+        if value not in TRISTATE:
+            raise ValueError(f"{env} must be one of {TRISTATE} (or 1 / 0), got {raw!r}")
+        return value
+    return raw.strip()
+
+
+def kernel_switch(name: str, kernels: KernelConfig | None = None) -> Any:
+    """Field `name` of `kernels`; with no config (a kernel or layer called on its own), the
+    field's default overridden by its environment variable, read here at call time."""
+    if kernels is not None:
+        return getattr(kernels, name)
+    raw = os.environ.get(KernelConfig.env_name(name))
+    if raw is None or raw == "":
+        if not _KERNEL_FIELDS:
+            _KERNEL_FIELDS.update({f.name: f.default for f in fields(KernelConfig)})
+        if name not in _KERNEL_FIELDS:
+            raise AttributeError(f"KernelConfig has no field {name!r}")
+        return _KERNEL_FIELDS[name]
+    return _parse_switch(name, raw)
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -411,6 +547,8 @@ class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     speculative: SpeculativeConfig | None = None
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    # Kernel / fusion / graph switches (defaults overridden by XLASERVE_<FIELD> variables).
+    kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
     # "auto" picks current_platform's default backend.
     backend: str = "auto"
     # Torch GPU: no CUDA graphs. XLA: compile buckets lazily instead of at start-up.
@@ -443,6 +581,7 @@ class EngineConfig:
             "parallel": ParallelConfig,
             "load": LoadConfig,
             "structured": StructuredOutputConfig,
+            "kernels": KernelConfig,
         }
         parts: dict[str, dict[str, Any]] = {g: {} for g in groups}
         top: dict[str, Any] = {}
@@ -460,12 +599,8 @@ class EngineConfig:
                 unknown.append(key)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        return cls(**{g: groups[g](**parts[g]) for g in groups}, **top)
+        kernels = KernelConfig.from_env(**parts.pop("kernels"))
+        return cls(**{g: groups[g](**parts[g]) for g in parts}, kernels=kernels, **top)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def env_flag(name: str, default: str | None = None) -> str | None:
-    """Read an `XLASERVE_*` environment variable."""
-    return os.environ.get(f"XLASERVE_{name.upper()}", default)

@@ -145,12 +145,14 @@ def test_dense_gemv_dispatch_in_bf16_decode(arch_dir, monkeypatch):  # noqa: ANN
     shapes: list[tuple[int, int]] = []
     real = dg.dense_gemv
     monkeypatch.setattr(
-        dg, "dense_gemv", lambda x, w, b=None: shapes.append(w.shape) or real(x, w, b)
+        dg, "dense_gemv", lambda x, w, b=None, **kw: shapes.append(w.shape) or real(x, w, b, **kw)
     )
     fused: list[tuple[int, int]] = []
     real_act = dg.dense_gemv_gate_act
     monkeypatch.setattr(
-        dg, "dense_gemv_gate_act", lambda x, w, b, a: fused.append(w.shape) or real_act(x, w, b, a)
+        dg,
+        "dense_gemv_gate_act",
+        lambda x, w, b, a, **kw: fused.append(w.shape) or real_act(x, w, b, a, **kw),
     )
     monkeypatch.setenv(dg.ENV_DENSE_GEMV, "1")
     for fuse_act in ("1", "0"):

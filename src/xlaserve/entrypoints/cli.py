@@ -43,12 +43,14 @@ _SECTIONS: list[tuple[str, type, str]] = [
     ("parallel", cfg.ParallelConfig, "Parallelism"),
     ("load", cfg.LoadConfig, "Weight loading"),
     ("structured", cfg.StructuredOutputConfig, "Structured output"),
+    ("kernels", cfg.KernelConfig, "Kernels"),
     ("engine", cfg.EngineConfig, "Engine"),
     ("server", cfg.ServerConfig, "Server"),
 ]
 # Fields that are not flags (the positional MODEL, nested sections).
 _SKIP = {("model", "model"), ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"),
-         ("engine", "parallel"), ("engine", "load"), ("engine", "structured")}  # fmt: skip
+         ("engine", "parallel"), ("engine", "load"), ("engine", "structured"),
+         ("engine", "kernels")}  # fmt: skip
 # Flag names that would collide or read ambiguously without their section.
 _RENAME = {
     ("structured", "backend"): "structured_output_backend",
@@ -80,7 +82,14 @@ _CHOICES = {
     ("model", "dtype"): cfg.DTYPES,
     ("engine", "backend"): cfg.BACKENDS,
     ("scheduler", "async_scheduling"): cfg.ASYNC_SCHEDULING,
+    **{
+        ("kernels", n): (*cfg.TRISTATE, "1", "0")
+        for n in ("triton_ops", "dense_gemv", "fused_greedy")
+    },
 }
+# Sections whose environment variables only `KernelConfig.from_env` reads: their flags default to
+# None (not given), so the variables and the config defaults apply in that one place.
+_ENV_IN_CONFIG = {"kernels"}
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -185,6 +194,9 @@ def _config_options(sections: set[str]) -> Callable[[Callable], Callable]:
                 envvar=f"XLASERVE_{dest.upper()}",
                 show_default=default is not None,
             )
+            if section in _ENV_IN_CONFIG:
+                kw.update(default=None, envvar=None, show_default=str(default))
+                kw["help"] = f"{help_} (env XLASERVE_{dest.upper()})"
             if is_bool:
                 decl = [f"{flag}/--no-{flag[2:]}", dest]
                 kw["is_flag"] = True
@@ -227,6 +239,9 @@ def build_engine_config(model: str | None, parts: dict[str, dict[str, Any]]) -> 
         parallel=cfg.ParallelConfig(**parts.get("parallel", {})),
         load=cfg.LoadConfig(**parts.get("load", {})),
         structured=cfg.StructuredOutputConfig(**parts.get("structured", {})),
+        kernels=cfg.KernelConfig.from_env(
+            **{k: v for k, v in parts.get("kernels", {}).items() if v is not None}
+        ),
         **engine,
     )
 
@@ -238,7 +253,9 @@ def _engine_config(ctx: click.Context, model: str | None) -> cfg.EngineConfig:
         raise click.UsageError(str(e)) from None
 
 
-_ENGINE_SECTIONS = {"model", "cache", "scheduler", "parallel", "load", "structured", "engine"}
+_ENGINE_SECTIONS = {
+    "model", "cache", "scheduler", "parallel", "load", "structured", "kernels", "engine"
+}  # fmt: skip
 
 
 class _LazyGroup(click.Group):

@@ -166,16 +166,22 @@ def resolve_scheme(
 
 
 def check_fp8_support(
-    scheme: QuantScheme | None, fp8_supported: Callable[[], bool], where: str
+    scheme: QuantScheme | None,
+    fp8_supported: Callable[[], bool],
+    where: str,
+    emulate: bool | None = None,
 ) -> QuantScheme | None:
     """Both backends' rule for fp8 where the hardware has no fp8 matmul (`fp8_supported()` False,
     asked only for an fp8 scheme; `where` names the device or platform for the messages):
-    runtime fp8 raises, unless
-    XLASERVE_FP8_EMULATION=1 (tests); a pre-quantized fp8 checkpoint is emulated with a warning.
-    Any other scheme passes through."""
+    runtime fp8 raises, unless `emulate` (KernelConfig.fp8_emulation; None = its default and
+    environment override) is on (tests); a pre-quantized fp8 checkpoint is emulated with a
+    warning. Any other scheme passes through."""
     if scheme is None or scheme.method != "fp8" or fp8_supported():
         return scheme
-    emulate = os.environ.get("XLASERVE_FP8_EMULATION", "0") == "1"
+    if emulate is None:
+        from xlaserve.config import kernel_switch
+
+        emulate = kernel_switch("fp8_emulation")
     if scheme.source == "runtime" and not emulate:
         raise RuntimeError(
             "quantization='fp8': fp8 needs an NVIDIA GPU with compute capability >= 8.9 "

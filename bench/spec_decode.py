@@ -1,7 +1,7 @@
 """Batch-1 speculative decoding measurement: tokens/s with and without speculation and the mean
 acceptance length (tokens emitted per verification step with drafts).
 
-    python -m xlaserve.spec_decode.bench [--model DIR] [--draft DIR] [--eagle DIR] [--k 3]
+    python -m xlaserve.bench.spec_decode [--model DIR] [--draft DIR] [--eagle DIR] [--k 3]
         [--max-tokens 64] [--backend torch|xla] [--output-json F]
 
 Defaults to the shipped demo model, its draft and its EAGLE head (`--eagle ""` skips EAGLE). Greedy decoding; the outputs of every

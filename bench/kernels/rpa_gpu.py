@@ -1,6 +1,6 @@
 """Benchmark: ragged paged attention on a GPU, jnp reference vs the Pallas GPU (Triton) kernel.
 
-    python -m xlaserve.kernels_pallas.bench_rpa_gpu --out rpa_gpu.json [--sweep] [--smoke]
+    python -m xlaserve.bench.kernels.rpa_gpu --out rpa_gpu.json [--sweep] [--smoke]
 
 Llama-3.1-8B attention shapes (Hq 32, Hkv 8, D 128, page 16, bfloat16): decode batches of 1, 32
 and 256 sequences (kv_len uniform in [384, 600]), one 2048-token prefill, and a mixed batch (4

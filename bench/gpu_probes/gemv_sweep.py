@@ -3,11 +3,11 @@
 (kernels_cuda/dense_gemv.py) against cuBLAS at M == 1 on the Llama-8B shapes, 36 tile configs
 per shape.
 
-    OUT=dir python tools/gpu_probes/gemv_sweep.py   # -> $OUT/gemv_sweep.json
+    OUT=dir python bench/gpu_probes/gemv_sweep.py   # -> $OUT/gemv_sweep.json
 
 Each timing is a CUDA graph of one call per weight copy (>= 512 MB of copies, so weights come
 from HBM), replayed 5 times; the median replay divided by the copies. The maintained sweep with
-the same method is `python -m xlaserve.kernels_cuda.bench_kernels --only dense_gemv`.
+the same method is `python -m xlaserve.bench.kernels.cuda_kernels --only dense_gemv`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Measure the XLA backend on this machine (CPU numbers go into the lead's notes).
 
-    python -m xlaserve.backends_xla.measure startup [--model DIR] [--tokens 2048] [--seqs 64]
+    python -m xlaserve.bench.xla_measure startup [--model DIR] [--tokens 2048] [--seqs 64]
         cold start-up of LLM(backend="xla") with a fresh compilation cache: seconds and the number
         of programs XLA compiled (and how many of them are the model forward).
-    python -m xlaserve.backends_xla.measure decode [--model DIR] [--batches 1,32] [--steps 32]
+    python -m xlaserve.bench.xla_measure decode [--model DIR] [--batches 1,32] [--steps 32]
         decode tokens/s of backend "xla" and backend "torch" side by side (same engine, same
         prompts; prefill and the first token excluded).
 

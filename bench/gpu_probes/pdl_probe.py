@@ -3,7 +3,7 @@
 (PDL) work from Triton inside a CUDA graph here, and what does it save on a chain of
 decode-shaped kernels?
 
-    OUT=dir python tools/gpu_probes/pdl_probe.py   # -> $OUT/pdl.json (ms per graph replay)
+    OUT=dir python bench/gpu_probes/pdl_probe.py   # -> $OUT/pdl.json (ms per graph replay)
 
 32 "layers" of four bf16 GEMVs of the Llama-8B shapes (optionally each preceded by a small
 one-program RMSNorm-like kernel), captured in one graph, replayed 20 times (median): without PDL,

@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the Triton kernels vs torch references / torch SDPA.
 
-Run on a CUDA machine: ``python -m xlaserve.kernels_cuda.bench_kernels --output-json out.json``
-(or ``python kernels_cuda/bench_kernels.py``). Times with CUDA events, median of ``--iters``
+Run on a CUDA machine: ``python -m xlaserve.bench.kernels.cuda_kernels --output-json out.json``
+(or ``python bench/kernels/cuda_kernels.py``). Times with CUDA events, median of ``--iters``
 after warm-up, and checks each kernel against its reference (max abs error) once per case.
 Self-contained: torch + triton only (the MoE and quantized-GEMV benches borrow backends_torch).
 ``--only qgemv`` sweeps the weight-only quantized GEMV configs (see `bench_qgemv`); the summary
@@ -838,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
+        print("cuda_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 """GPU probe behind bench/RESULTS.md "fourth session", calls 1, 3 and 5: Triton compiles and step
 times of the offline 256 / 256 benchmark, first run against second run in one process.
 
-    OUT=dir python tools/gpu_probes/offline_probe.py [NUM_PROMPTS]   # -> $OUT/probe.json
+    OUT=dir python bench/gpu_probes/offline_probe.py [NUM_PROMPTS]   # -> $OUT/probe.json
 
 Llama-3.1-8B shape, dummy bf16 weights, the gpu_bench engine settings. A hook on Triton's
 `JITFunction._do_compile` records every compile with its phase (init / run1 / run2); a hook on

@@ -2,7 +2,7 @@
 """GPU probe: where a decode step of the offline benchmark spends its GPU time, at real context
 lengths (the graph-replay profile in gpu_bench replays with whatever the last step left behind).
 
-    OUT=dir python tools/gpu_probes/decode_profile.py MAX_NUM_SEQS MAX_NUM_BATCHED_TOKENS [N]
+    OUT=dir python bench/gpu_probes/decode_profile.py MAX_NUM_SEQS MAX_NUM_BATCHED_TOKENS [N]
     # -> $OUT/decode_profile_<MAX_NUM_SEQS>.json
 
 Llama-3.1-8B shape, dummy bf16 weights, the gpu_bench engine settings except the two limits.

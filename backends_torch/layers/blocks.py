@@ -1,0 +1,115 @@
+"""The pieces a decoder block builds from a ModelSpec: norms, rotary, attention heads and
+projections, the MLP. Tensor parallelism and weight fusion are decided here (and carried out by
+linear.py's factories and backends_torch/distributed/), so model files mention neither:
+
+- heads: `attention_heads` gives this rank's query / KV heads (TP splits heads; KV heads are
+  replicated when there are fewer than ranks).
+- fusion: q/k/v (and a gated MLP's gate/up) become one fused linear each (`qkv_proj`,
+  `gate_up_proj`: one GEMM, output split into views) unless `can_fuse` says no (GPTQ act-order,
+  partial ignore lists, KernelConfig.fuse_projections off); parameter names stay canonical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
+from xlaserve.backends_torch.layers.activation import MLP
+from xlaserve.backends_torch.layers.linear import can_fuse, make_linear, make_merged_linear
+from xlaserve.backends_torch.layers.norm import make_norm
+from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
+from xlaserve.config import KernelConfig
+from xlaserve.model_loader.spec import ModelSpec
+
+
+def layer_window(spec: ModelSpec, i: int) -> int | None:
+    """Sliding window of layer i; accepts HF's "sliding_attention" as well as "sliding"."""
+    return spec.layer_sliding_window(i)
+
+
+def spec_norm(spec: ModelSpec, dim: int, dtype: torch.dtype, device: str) -> nn.Module:
+    """The spec's norm kind over `dim` features."""
+    return make_norm(
+        spec.norm_kind,
+        dim,
+        spec.norm_eps,
+        spec.norm_weight_offset,
+        bias=spec.norm_bias,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | None:
+    """Rope of one layer (None for learned positions). Sliding layers of a spec with
+    rope_local_theta use plain rope with that theta (Gemma3)."""
+    if spec.position_embedding != "rope":
+        return None
+    if spec.rope_local_theta and layer_window(spec, layer) is not None:
+        spec = replace(spec, rope_theta=spec.rope_local_theta, rope_scaling=None)
+    return RotaryEmbedding(spec, device)
+
+
+def attention_heads(spec: ModelSpec) -> tuple[int, int]:
+    """(query heads, KV heads) this rank holds."""
+    return spec.num_heads // tp_world_size(), kv_heads_per_rank(spec.num_kv_heads)
+
+
+def build_qkv(
+    mod: nn.Module,
+    spec: ModelSpec,
+    layer: int,
+    dtype: torch.dtype,
+    device: str,
+    kernels: KernelConfig | None = None,
+) -> None:
+    """Give attention module `mod` its input projections and o_proj under canonical names: one
+    fused `qkv_proj` ([q; k; v] rows, this rank's heads of each; `mod.qkv_sizes` its q, k, v
+    widths) or, where `can_fuse` says no, q_proj / k_proj / v_proj. Sets `mod.fused`."""
+    kv_rep = max(1, tp_world_size() // spec.num_kv_heads)  # ranks sharing one KV head
+    h, qkvb = spec.hidden_size, spec.qkv_bias
+    members = [f"layers.{layer}.self_attn.{p}_proj" for p in "qkv"]
+    mod.fused = can_fuse(spec.model_dir, members, kernels)
+    if mod.fused:
+        mod.qkv_proj = make_merged_linear(
+            h, [("q_proj", spec.q_size, 1), ("k_proj", spec.kv_size, kv_rep),
+                ("v_proj", spec.kv_size, kv_rep)], qkvb, dtype, device,
+        )  # fmt: skip
+        mod.qkv_sizes = mod.qkv_proj.part_sizes
+    else:
+        mod.q_proj = make_linear(h, spec.q_size, qkvb, dtype, device, "column")
+        mod.k_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
+        mod.v_proj = make_linear(h, spec.kv_size, qkvb, dtype, device, "column", kv_rep)
+    mod.o_proj = make_linear(spec.q_size, h, spec.o_bias, dtype, device, "row")
+
+
+def project_qkv(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] -> q [T, Hq*D], k, v [T, Hkv*D] of `mod` (built by `build_qkv`); fused: views of
+    one GEMM's output."""
+    if mod.fused:
+        return mod.qkv_proj(x).split(mod.qkv_sizes, dim=-1)
+    return mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)
+
+
+def make_mlp(
+    spec: ModelSpec,
+    layer: int,
+    dtype: torch.dtype,
+    device: str,
+    kernels: KernelConfig | None = None,
+) -> MLP:
+    """The dense MLP of `layer` (gate/up fused where `can_fuse` allows)."""
+    members = [f"layers.{layer}.mlp.{p}" for p in ("gate_proj", "up_proj")]
+    return MLP(
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.activation,
+        spec.gated_mlp,
+        spec.mlp_bias,
+        dtype,
+        device,
+        fused=can_fuse(spec.model_dir, members, kernels),
+    )

@@ -1,0 +1,1 @@
+"""Kernel micro-benchmarks (torch Triton/CUDA kernels, Pallas GPU attention) against their references."""
