@@ -3,7 +3,7 @@
 A second, small model (same tokenizer, vocabulary no larger than the target's) runs inside
 `TorchModelRunner` with its own paged KV cache (`runner.draft_kv_caches`) indexed by the SAME
 block tables (same num_blocks, plus a few scratch blocks per batch slot for proposal positions
-past the request's allocated blocks: `runner._draft_table`). Each step it catches up on the step's
+past the request's allocated blocks: `draft_table`). Each step it catches up on the step's
 verified tokens (writing its KV where the target wrote its own) and then proposes K tokens
 greedily (deterministic drafts: q is one-hot in the rejection sampler).
 """
@@ -22,6 +22,14 @@ from xlaserve.runner_core import draft_quota
 
 if TYPE_CHECKING:
     from xlaserve.backends_torch.runner import TorchModelRunner
+
+
+def draft_table(runner: TorchModelRunner, block_ids: list[int], slot: int) -> list[int]:
+    """The request's block table + its batch slot's scratch blocks (draft / EAGLE cache only)."""
+    if slot >= runner._draft_slots:
+        raise ValueError(f"draft batch slot {slot} >= max_num_seqs {runner._draft_slots}")
+    base = runner.num_blocks + slot * runner._draft_scratch
+    return block_ids + list(range(base, base + runner._draft_scratch))
 
 
 def draft_model_spec(config: EngineConfig, spec: ModelSpec) -> ModelSpec:
@@ -76,7 +84,7 @@ def propose(
         toks = st.token_ids[starts[b] : stop]
         if not toks:
             continue
-        chunks.append((toks, starts[b], r._draft_table(st.block_ids, len(chunks))))
+        chunks.append((toks, starts[b], draft_table(r, st.block_ids, len(chunks))))
         quota = draft_quota(st, r.num_spec_tokens, r.max_model_len) if rid in sampled_ok else 0
         if quota > 0:
             want.append((rid, len(chunks) - 1, quota))

@@ -16,7 +16,7 @@ argmax drafts token p + 1. Each step, after the target's forward and sampling:
 
 State: the head's own paged KV cache (one layer) indexed by the TARGET's block tables plus
 scratch blocks per batch slot for draft positions past the request's blocks (the draft model's
-scheme: runner._draft_table), stored as `runner.draft_kv_caches` so KV offload carries it. Its
+scheme: draft.draft_table), stored as `runner.draft_kv_caches` so KV offload carries it. Its
 KV at position p depends only on tokens 0..p, so it is as shareable as the target's: prefix-cache
 hits reuse it. The one input a request starting at a prefix hit c > 0 (new, or resumed after
 preemption) lacks is the feature of position c - 1; hits are whole blocks, so the runner keeps the
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from xlaserve.backends_torch.distributed.parallel_state import tp_world_size
+from xlaserve.backends_torch.draft import draft_table
 from xlaserve.backends_torch.layers.attention import AttentionBackend, AttentionMetadata
 from xlaserve.backends_torch.models.base import CausalLMBase
 from xlaserve.backends_torch.models.decoder import DecoderLayer
@@ -114,7 +115,7 @@ class EagleProposer:
         return self.runner.block_size * kv_bytes_per_token + self.spec.hidden_size * elem
 
     def init_cache(self, num_blocks: int) -> None:
-        """Head KV: num_blocks + scratch blocks (runner._draft_table); the feature store."""
+        """Head KV: num_blocks + scratch blocks (draft.draft_table); the feature store."""
         r = self.runner
         scratch = r._draft_scratch * r._draft_slots
         r.draft_kv_caches = r._alloc_caches(num_blocks + scratch, self.spec)
@@ -178,7 +179,7 @@ class EagleProposer:
             st.extra[_NEXT] = last + 1
             st.extra.pop(_Q, None)
             chunks.append(
-                (st.token_ids[lo : last + 1], lo, r._draft_table(st.block_ids, len(chunks)))
+                (st.token_ids[lo : last + 1], lo, draft_table(r, st.block_ids, len(chunks)))
             )
             quota = draft_quota(st, r.num_spec_tokens, r.max_model_len) if rid in sampled_ok else 0
             if quota > 0:

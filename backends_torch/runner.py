@@ -593,12 +593,3 @@ class TorchModelRunner(RunnerCore):
         q = self.eagle.draft_probs(rids, dl) if self.eagle is not None and any(dl) else None
         states = [self.requests[rid] for rid in rids]
         return sample_requests(self.sampler, logits, rids, states, dl, so.grammar_bitmask, q)
-
-    # ---- draft model ----------------------------------------------------------------------
-
-    def _draft_table(self, block_ids: list[int], slot: int) -> list[int]:
-        """The request's block table + its batch slot's scratch blocks (draft cache only)."""
-        if slot >= self._draft_slots:
-            raise ValueError(f"draft batch slot {slot} >= max_num_seqs {self._draft_slots}")
-        base = self.num_blocks + slot * self._draft_scratch
-        return block_ids + list(range(base, base + self._draft_scratch))

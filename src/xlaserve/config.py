@@ -495,8 +495,11 @@ class ServerConfig:
     # in the server's process on a thread (--no-engine-process).
     engine_process: bool = True
     # aiohttp front processes on the one port (SO_REUSEPORT), all clients of the one engine
-    # core process (needs --engine-process).
-    api_server_count: int = 1
+    # core process (needs --engine-process). None = auto (`resolve_api_server_count`): 2 on a
+    # CUDA host with >= 8 CPU cores and one data-parallel rank, else 1 (bench/RESULTS.md: on
+    # the H200 two fronts stream without bunching, mean ITL 1.09x TPOT against 3.1x with one;
+    # on a 2-core CPU a second front loses).
+    api_server_count: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -508,9 +511,10 @@ class ServerConfig:
             "cpu_workers",
         ):
             _check(getattr(self, name) > 0, f"{name} must be positive")
-        _check(self.api_server_count >= 1, "api_server_count must be >= 1")
+        n = self.api_server_count
+        _check(n is None or n >= 1, "api_server_count must be >= 1")
         _check(
-            self.api_server_count == 1 or self.engine_process,
+            n is None or n == 1 or self.engine_process,
             "api_server_count > 1 needs the engine core in its own process (--engine-process)",
         )
 

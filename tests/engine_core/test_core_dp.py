@@ -26,7 +26,9 @@ def test_dp_ranks_are_core_processes(model_path: str) -> None:
         results: list = []
 
         def one(i: int) -> None:
-            body = {"prompt": f"rank test {i} " * (i + 1), "max_tokens": 16, "ignore_eos": True}
+            # The number first: prompts that shared a first block ("rank test ...") all went
+            # to that block's replica by prefix affinity (up to max_imbalance), not by load.
+            body = {"prompt": f"{i} rank test " * (i + 1), "max_tokens": 16, "ignore_eos": True}
             status, _, data = http("POST", srv.base_url + "/v1/completions", body)
             results.append((status, json.loads(data)))
 
