@@ -190,6 +190,23 @@ def test_core_exits_when_server_is_killed(serve_proc: ServeProc) -> None:
     assert not alive
 
 
+def _wait_listening(sp: ServeProc, n: int, timeout: float = 30.0) -> set[int]:
+    """Pids of the server's children listening on its port, once n of them are (or at the
+    timeout): /health can answer from the first front while the second is still binding."""
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = {
+            p.pid
+            for p in sp.ps.children()
+            if any(c.laddr.port == sp.port and c.status == "LISTEN" for c in p.net_connections())
+        }
+        if len(pids) >= n:
+            break
+        time.sleep(0.1)
+    return pids
+
+
 def test_api_server_count_2(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
     """Two front processes on one port, one engine core: both listen, every request of many
     concurrent connections completes, and SIGTERM stops all of them."""
@@ -198,12 +215,9 @@ def test_api_server_count_2(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
         sp.wait_healthy()
         kids = [p for p in sp.ps.children() if "spawn_main" in " ".join(p.cmdline())]
         assert len(kids) == 3, sp.read_log()  # the core + 2 fronts
-        listening = [
-            p
-            for p in kids
-            if any(c.laddr.port == sp.port and c.status == "LISTEN" for c in p.net_connections())
-        ]
+        listening = _wait_listening(sp, 2)
         assert len(listening) == 2  # the fronts; the core has no TCP socket
+        assert listening <= {p.pid for p in kids}
         results: list = []
         threads = [
             threading.Thread(target=_complete, args=(sp.url, results, i), daemon=True)
@@ -242,23 +256,7 @@ def test_api_server_count_2_core_death_exits_nonzero(tiny_model_dir, tmp_path) -
     try:
         sp.wait_healthy()
         tree = [sp.ps, *sp.ps.children(recursive=True)]
-
-        def listening_fronts() -> set[int]:
-            return {
-                p.pid
-                for p in sp.ps.children()
-                if any(
-                    c.laddr.port == sp.port and c.status == "LISTEN" for c in p.net_connections()
-                )
-            }
-
-        # /health can answer from the first front while the second is still binding.
-        listening: set[int] = set()
-        for _ in range(300):
-            listening = listening_fronts()
-            if len(listening) == 2:
-                break
-            time.sleep(0.1)
+        listening = _wait_listening(sp, 2)
         assert len(listening) == 2
         cores = [
             p
