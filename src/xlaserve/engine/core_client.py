@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -318,21 +318,9 @@ class MPAsyncLLM:
             raise
         return stream
 
-    async def generate(
-        self,
-        prompt: str | list[int] | dict,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """As `AsyncLLM.generate`: cumulative outputs until finished; leaving early aborts."""
-        stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
-        async with contextlib.aclosing(self.iterate(stream)) as outputs:
-            async for out in outputs:
-                yield out
-
-    # The consumer side is the in-process AsyncLLM's (coalescing, abort on close, records).
+    # The consumer side is the in-process AsyncLLM's (add, then iterate; coalescing, abort on
+    # close, records).
+    generate = AsyncLLM.generate
     iterate = AsyncLLM.iterate
     _record = AsyncLLM._record
 

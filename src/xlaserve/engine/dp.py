@@ -270,18 +270,8 @@ class DataParallelAsyncLLM:
         finally:
             self._release(rid)
 
-    async def generate(
-        self,
-        prompt: str | list[int] | dict,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
-        async with contextlib.aclosing(self.iterate(stream)) as outputs:
-            async for out in outputs:
-                yield out
+    # add_request (placed on a replica), then iterate: AsyncLLM's generator over this class's.
+    generate = AsyncLLM.generate
 
     def abort(self, request_id: str) -> None:
         i = self._owner.get(request_id)
