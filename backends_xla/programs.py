@@ -22,7 +22,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
-from xlaserve.backends_xla.sampler import host_tensors, sample, token_logprobs, verify
+from xlaserve.backends_xla.sampler import (
+    host_tensors,
+    pack_params,
+    sample,
+    sampler_words,
+    token_logprobs,
+    unpack_params,
+    verify,
+)
+from xlaserve.models_flax.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from xlaserve.backends_xla.runner import XlaModelRunner
@@ -31,12 +40,20 @@ logger = logging.getLogger(__name__)
 
 FORWARD, SAMPLE, PROMPT_LOGPROBS, VERIFY = "forward", "sample", "prompt_logprobs", "verify"
 PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, V] logits materialized at once for prompt logprobs
+SMALLEST_PACKED_T = 1  # any T: lowering SAMPLE only needs a batch's sample_params region
 
 
 @dataclass
 class StepBatch:
-    """Host arrays of one padded step (T tokens, R = max_num_seqs request rows)."""
+    """Host arrays of one padded step (T tokens, R = max_num_seqs request rows).
 
+    Every int32 field is a view into ONE flat buffer, `packed` (layout: `step_layout`), so a step
+    costs one host -> device copy; the forward program slices it apart with static offsets."""
+
+    packed: np.ndarray  # i32 [L]: the fields below, back to back
+    # i32 [NS * R + 2] (sampler.SMALL_FIELDS): the SAMPLE program's per-row parameters; the
+    # forward passes this region through to it on the device.
+    sample_params: np.ndarray
     input_ids: np.ndarray  # i32 [T]
     positions: np.ndarray  # i32 [T]
     slot_mapping: np.ndarray  # i32 [T], -1 = padding
@@ -58,30 +75,71 @@ class StepBatch:
     drafts: list[list[int]] = field(default_factory=list)  # speculative drafts per request
 
 
+# StepBatch's packed fields in buffer order; shapes in terms of T, R, M (blocks per request),
+# N (= R * (1 + K) gathered rows) and S (the sampler's packed parameter words).
+_PACKED = ("sample_params", "input_ids", "positions", "slot_mapping", "kv_lens", "block_tables",
+           "cu_q_lens", "num_seqs", "logits_indices", "feed_dst", "feed_src")  # fmt: skip
+
+
+def step_layout(t: int, r: int, m: int, n: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(field, shape) of each packed StepBatch field, in buffer order."""
+    shapes = {"sample_params": (sampler_words(r),), "input_ids": (t,), "positions": (t,),
+              "slot_mapping": (t,), "kv_lens": (r,), "block_tables": (r, m), "cu_q_lens": (r + 1,),
+              "num_seqs": (1,), "logits_indices": (n,), "feed_dst": (r,), "feed_src": (r,)}  # fmt: skip
+    return [(name, shapes[name]) for name in _PACKED]
+
+
+def unpack_step(packed: jax.Array | np.ndarray, t: int, r: int, m: int, n: int) -> dict:
+    """Split a packed buffer (host or traced) into its fields (static slices)."""
+    out, off = {}, 0
+    for name, shape in step_layout(t, r, m, n):
+        size = int(np.prod(shape))
+        out[name] = packed[off : off + size].reshape(shape)
+        off += size
+    return out
+
+
 def dummy_batch(t: int, r: int, max_blocks: int, num_rows: int) -> StepBatch:
-    """An all-padding batch of token bucket t: no cache writes, no real request."""
-    z = np.zeros
-    return StepBatch(z(t, np.int32), z(t, np.int32), np.full(t, -1, np.int32), z(r, np.int32),
-                  z((r, max_blocks), np.int32), z(r + 1, np.int32), z(1, np.int32),
-                  z(num_rows, np.int32), np.full(r, t, np.int32), z(r, np.int32))  # fmt: skip
+    """An all-padding batch of token bucket t: no cache writes, no real request, greedy."""
+    size = sum(int(np.prod(s)) for _, s in step_layout(t, r, max_blocks, num_rows))
+    packed = np.zeros(size, np.int32)
+    batch = StepBatch(packed, **unpack_step(packed, t, r, max_blocks, num_rows))
+    batch.slot_mapping[:] = -1
+    batch.feed_dst[:] = t
+    pack_params(host_tensors(r, 1, extras=False), batch.sample_params)
+    return batch
 
 
 def make_jitted(
     graphdef: nnx.GraphDef,
+    treedef: jax.tree_util.PyTreeDef,
     kv_layer_shardings: tuple[NamedSharding, ...],
     replicated: NamedSharding,
-    max_num_seqs: int,
+    dims: tuple[int, int, int],
     num_spec_tokens: int,
+    md_static: dict,
 ) -> dict[str, Callable]:
-    """kind -> jitted function (not yet lowered) over (state, ...). The forward donates the KV
-    cache (argument 1) and pins its shardings so the donated cache always matches."""
+    """kind -> jitted function (not yet lowered). Programs take the model weights as the flat
+    leaf list of the nnx.State (`treedef` rebuilds it while tracing): flattening a list costs
+    microseconds per call, the nested State up to a millisecond for an 8B model. dims = (R, M, N):
+    request rows, blocks per request, gathered rows. The forward donates the KV cache (argument 1)
+    and pins its shardings so the donated cache always matches. md_static: AttentionMetadata's
+    static fields (mesh, impl)."""
     rep = replicated
+    r, m, n = dims
 
-    def forward(state, kv_caches, input_ids, positions, md, logits_indices, feed):  # noqa: ANN001, ANN202
-        prev, dst, src = feed  # async scheduling: inputs still on the device
-        input_ids = input_ids.at[dst].set(prev[src], mode="drop")
-        model = nnx.merge(graphdef, state)
-        hidden, kv_caches = model(input_ids, positions, kv_caches, md)
+    def model_of(leaves):  # noqa: ANN001, ANN202
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    def forward(leaves, kv_caches, packed, prev):  # noqa: ANN001, ANN202
+        """packed: i32 [L] (step_layout); prev: i32 [R], the last SAMPLE program's tokens (async
+        scheduling feeds the inputs that were still on the device)."""
+        t = (packed.shape[0] - sum(int(np.prod(s)) for _, s in step_layout(0, r, m, n))) // 3
+        f = unpack_step(packed, t, r, m, n)
+        input_ids = f["input_ids"].at[f["feed_dst"]].set(prev[f["feed_src"]], mode="drop")
+        md = AttentionMetadata(f["slot_mapping"], f["kv_lens"], f["block_tables"], f["cu_q_lens"],
+                               f["num_seqs"], **md_static)  # fmt: skip
+        hidden, kv_caches = model_of(leaves)(input_ids, f["positions"], kv_caches, md)
         # Pin shardings so the donated cache and the next programs' inputs always match.
         kv_caches = [
             tuple(
@@ -91,25 +149,26 @@ def make_jitted(
             for kv in kv_caches
         ]
         hidden = jax.lax.with_sharding_constraint(hidden, rep)
-        return hidden[logits_indices], hidden, kv_caches
+        return hidden[f["logits_indices"]], hidden, kv_caches, f["sample_params"]
 
-    def logits_and_sample(state, rows, st):  # noqa: ANN001, ANN202
-        b = st.temperature.shape[0]  # the request bucket; rows is [R, H]
-        res = sample(nnx.merge(graphdef, state).compute_logits(rows[:b]), st)
-        # The tokens padded to R rows: the next forward's `feed` (one shape for every b).
-        return res, jnp.pad(res.token_ids.astype(jnp.int32), (0, max_num_seqs - b))
+    def logits_and_sample(leaves, rows, params, dense):  # noqa: ANN001, ANN202
+        b = dense["bias"].shape[0]  # the request bucket; rows is [R, H]
+        st = unpack_params(params, r, b, dense)
+        res = sample(model_of(leaves).compute_logits(rows[:b]), st)
+        # The tokens padded to R rows: the next forward's `prev` (one shape for every b).
+        return res, jnp.pad(res.token_ids.astype(jnp.int32), (0, r - b))
 
-    r, k = max_num_seqs, num_spec_tokens
+    k = num_spec_tokens
 
-    def logits_and_verify(state, rows, st, drafts, num_drafts):  # noqa: ANN001, ANN202
+    def logits_and_verify(leaves, rows, st, drafts, num_drafts):  # noqa: ANN001, ANN202
         b = drafts.shape[0]  # the request bucket; rows is [R * (1 + K), H]
         h = rows.shape[-1]
         pre = rows[r : r + b * k].reshape(b, k, h)
         full = jnp.concatenate([pre, rows[:b, None]], axis=1).reshape(b * (k + 1), h)
-        return verify(nnx.merge(graphdef, state).compute_logits(full), st, drafts, num_drafts)
+        return verify(model_of(leaves).compute_logits(full), st, drafts, num_drafts)
 
-    def prompt_logprobs(state, hidden, targets):  # noqa: ANN001, ANN202
-        model = nnx.merge(graphdef, state)
+    def prompt_logprobs(leaves, hidden, targets):  # noqa: ANN001, ANN202
+        model = model_of(leaves)
         t, c = hidden.shape[0], PROMPT_LOGPROBS_CHUNK
         if t <= c or t % c:
             return token_logprobs(model.compute_logits(hidden), targets)
@@ -135,22 +194,22 @@ def lower_program(r: XlaModelRunner, kind: str, n: int) -> jax.stages.Lowered:
         return r.draft.lower(kind, n)
     fn = r._jitted[kind]
     if kind == FORWARD:
-        lowered = fn.lower(r.state, r.kv_caches, *r._device_inputs(r._dummy_batch(n)))
+        lowered = fn.lower(r.weights, r.kv_caches, *r._device_inputs(r._dummy_batch(n)))
         r._hidden_dtype = lowered.out_info[1].dtype
         return lowered
     h = r.spec.hidden_size
     if kind in (SAMPLE, VERIFY):
         rows = jax.ShapeDtypeStruct((r.num_rows, h), r._hidden_dtype, sharding=r._replicated)
         if kind == SAMPLE:
-            st = r._put_sampling(host_tensors(n, r.vocab, False), n)
-            return fn.lower(r.state, rows, st)
+            params = r._dummy_batch(SMALLEST_PACKED_T).sample_params
+            return fn.lower(r.weights, rows, r._put(params), r._dense_extras({}, n))
         m = n * (1 + r.num_spec_tokens)
         st = r._put_sampling(host_tensors(m, r.vocab, False), m)
         drafts = r._put(np.zeros((n, r.num_spec_tokens), np.int32))
-        return fn.lower(r.state, rows, st, drafts, r._put(np.zeros(n, np.int32)))
+        return fn.lower(r.weights, rows, st, drafts, r._put(np.zeros(n, np.int32)))
     hidden = jax.ShapeDtypeStruct((n, h), r._hidden_dtype, sharding=r._replicated)
     targets = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=r._replicated)
-    return fn.lower(r.state, hidden, targets)  # fmt: skip
+    return fn.lower(r.weights, hidden, targets)  # fmt: skip
 
 
 def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None:
@@ -180,7 +239,7 @@ def peak_activation_bytes(r: XlaModelRunner) -> int:
     kv = [kv_layer_structs(r, 1)] * r.spec.num_layers
     args = r._device_inputs(r._dummy_batch(t))
     try:
-        stats = r._jitted[FORWARD].lower(r.state, kv, *args).compile().memory_analysis()
+        stats = r._jitted[FORWARD].lower(r.weights, kv, *args).compile().memory_analysis()
         return int(stats.temp_size_in_bytes + stats.output_size_in_bytes) + sampler_bytes
     except Exception:  # noqa: BLE001 - memory analysis is optional on some backends
         h, i = r.spec.hidden_size, r.spec.intermediate_size

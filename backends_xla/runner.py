@@ -54,15 +54,21 @@ from xlaserve.backends_xla.programs import (
     peak_activation_bytes,
 )
 from xlaserve.backends_xla.sampler import (
+    DENSE_FIELDS,
+    SMALL_FIELDS,
+    STEPS_ROW,
     SamplerOutput,
     SamplingTensors,
     VerifyOutput,
     needs_extras,
     neutral_extras,
+    pack_params,
+    param_words,
     sampling_host,
     verify_rows,
 )
 from xlaserve.backends_xla.utils import (
+    apply_xla_gpu_flags,
     make_buckets,
     make_mesh,
     pick_bucket,
@@ -71,7 +77,6 @@ from xlaserve.backends_xla.utils import (
 )
 from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
-from xlaserve.models_flax.attention import AttentionMetadata
 from xlaserve.models_flax.loader import kv_heads_sharded, load_model, xla_quant_scheme
 from xlaserve.quantization.kv_quant import KV_CACHE_DTYPES
 from xlaserve.quantization.scheme import METHODS as QUANT_METHODS
@@ -102,6 +107,7 @@ class _ReqState(ReqState):
     seed: int = 0  # uint32 sampling seed: the request's own or drawn once by the runner
     output_counts: np.ndarray | None = None  # i32 [V], kept only when penalties are on
     prompt_mask: np.ndarray | None = None  # bool [V], kept only when penalties are on
+    param_words: np.ndarray | None = None  # i32 [NS]: its packed sampler row (steps 0)
 
 
 @dataclass
@@ -134,6 +140,7 @@ class XlaModelRunner(RunnerCore):
     def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
         super().__init__()  # the persistent batch: self.requests (runner_core.py)
         # Multi-host (nnodes > 1): join jax.distributed before any JAX backend starts (multihost.py).
+        apply_xla_gpu_flags(config.kernels)  # XLA_FLAGS: before any JAX backend starts
         self.multihost = init_multihost(config)
         # Quantized KV cache (int8 / fp8 codes + a float32 scale per token and KV head).
         self.kv_cache_dtype = config.cache.kv_cache_dtype
@@ -185,6 +192,7 @@ class XlaModelRunner(RunnerCore):
             self._kv_layer_shardings += (scale_sharding,) * 2
         self.graphdef: nnx.GraphDef | None = None
         self.state: nnx.State | None = None
+        self.weights: list[jax.Array] = []  # the state's leaves, as the programs take them
         self.kv_caches: list[tuple[jax.Array, ...]] | None = None
         self.num_kv_blocks = 0
         self.kv_offload = None  # host/disk tier copy engine (kv_offload.py), set by init_kv_cache
@@ -207,12 +215,21 @@ class XlaModelRunner(RunnerCore):
             quant=self.quant_scheme, expert_parallel=self.config.parallel.enable_expert_parallel,
             kernels=self.config.kernels,
         )  # fmt: skip
+        treedef = self.sync_weights()
+        dims = (self.max_num_seqs, self.max_blocks_per_seq, self.num_rows)
+        md_static = {"mesh": self.mesh, "impl": self.config.kernels.rpa_impl}
         self._jitted = make_jitted(
-            self.graphdef, self._kv_layer_shardings, self._replicated, self.max_num_seqs,
-            self.num_spec_tokens,
+            self.graphdef, treedef, self._kv_layer_shardings, self._replicated, dims,
+            self.num_spec_tokens, md_static,
         )  # fmt: skip
         if self.draft is not None:
             self.draft.load()
+
+    def sync_weights(self) -> jax.tree_util.PyTreeDef:
+        """Refresh `weights`, the flat leaf list the programs take (programs.make_jitted says
+        why), from `state`; call it after changing `state` in place."""
+        self.weights, treedef = jax.tree.flatten(self.state)
+        return treedef
 
     def _kv_block_bytes(self) -> int:
         """Bytes one KV block takes on one device."""
@@ -292,7 +309,7 @@ class XlaModelRunner(RunnerCore):
             self.multihost.stop()
         self.requests.clear()
         self.kv_caches = None
-        self.state = None
+        self.state, self.weights = None, []
         self.programs.clear()
         self._neutral.clear()
         if self.draft is not None:
@@ -344,8 +361,8 @@ class XlaModelRunner(RunnerCore):
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return launched
         batch = self._prepare(so)
-        rows_h, hidden = self._forward(batch)
         if any(batch.drafts):
+            rows_h, hidden, _ = self._forward(batch)
             self._verify_step(so, batch, rows_h, hidden, out)
             self._propose_drafts(batch, out)
             return launched
@@ -355,13 +372,10 @@ class XlaModelRunner(RunnerCore):
             for r, s in zip(batch.req_ids, batch.sampling, strict=True)
         ]
         rows += [None] * (b - len(rows))
-        extras = any(
-            needs_extras(r, rid, so.grammar_bitmask)
-            for r, rid in zip(rows, batch.req_ids, strict=False)
-        )
-        with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
-        st = self._sampling_tensors(rows, batch.req_ids, b, extras, with_lp, so.grammar_bitmask)
-        res, self._last_tokens = self._program(SAMPLE, b)(self.state, rows_h, st)
+        # The sampler's parameters travel in the forward's packed inputs (one copy per step).
+        dense = self._sampling_params(rows, batch, b, so.grammar_bitmask)
+        rows_h, hidden, params = self._forward(batch)
+        res, self._last_tokens = self._program(SAMPLE, b)(self.weights, rows_h, params, dense)
         if defer and self._deferrable(rows):
             self._defer(batch, res, launched)
             return launched
@@ -405,6 +419,7 @@ class XlaModelRunner(RunnerCore):
         seed = p.seed if p.seed is not None else int(self._seed_rng.integers(0, 2**32))
         r = _ReqState(list(nr.token_ids), nr.num_prompt_tokens, p, list(nr.block_ids),
                       nr.num_computed_tokens, seed=seed & 0xFFFFFFFF)  # fmt: skip
+        r.param_words = param_words(p, r.seed)
         if p.needs_penalties:
             n = r.num_prompt_tokens
             r.prompt_mask = np.zeros(self.vocab, bool)
@@ -452,24 +467,47 @@ class XlaModelRunner(RunnerCore):
         """Host arrays -> replicated device arrays (one sharding always, as compiled)."""
         return jax.device_put(tree, self._replicated)
 
-    def _device_inputs(self, batch: StepBatch) -> tuple:
-        ids, pos, slots, kv_lens, tables, cu, ns, li, dst, src = self._put(
-            (batch.input_ids, batch.positions, batch.slot_mapping, batch.kv_lens, batch.block_tables,
-             batch.cu_q_lens, batch.num_seqs, batch.logits_indices, batch.feed_dst, batch.feed_src)
-        )  # fmt: skip
-        md = AttentionMetadata(
-            slots, kv_lens, tables, cu, ns, mesh=self.mesh, impl=self.config.kernels.rpa_impl
-        )
-        return ids, pos, md, li, (self._last_tokens, dst, src)
+    def _device_inputs(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+        """The forward's inputs: the packed step (one copy) and the last sampled tokens."""
+        return self._put(batch.packed), self._last_tokens
 
-    def _forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-        """Run the model; keeps the (donated) cache; returns last-token rows [R, H], hidden [T, H]."""
-        rows, hidden, self.kv_caches = self._program(FORWARD, len(batch.input_ids))(
-            self.state, self.kv_caches, *self._device_inputs(batch)
+    def _forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Run the model; keeps the (donated) cache; returns last-token rows [R, H], hidden
+        [T, H] and the sampler's packed parameters (on the device)."""
+        rows, hidden, self.kv_caches, params = self._program(FORWARD, len(batch.input_ids))(
+            self.weights, self.kv_caches, *self._device_inputs(batch)
         )
-        return rows, hidden
+        return rows, hidden, params
 
     # ---------------------------------------------------------------- sampling inputs
+    def _sampling_params(
+        self, rows: list[_ReqState | None], batch: StepBatch, b: int, bitmasks: dict
+    ) -> dict[str, jax.Array]:
+        """Pack the SAMPLE program's per-row parameters into batch.sample_params; returns its
+        dense [B, V] inputs (device-resident neutral ones unless a row needs them)."""
+        extras = any(
+            needs_extras(r, rid, bitmasks) for r, rid in zip(rows, batch.req_ids, strict=False)
+        )
+        with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
+        if extras or with_lp:
+            h = sampling_host(rows, batch.req_ids, b, self.vocab, extras, with_lp, bitmasks)
+            pack_params(h, batch.sample_params)
+            return self._dense_extras(h, b)
+        # Fast path: each request's parameter words are packed once (`_new_state`).
+        grid = batch.sample_params[:-2].reshape(len(SMALL_FIELDS), -1)
+        live = [i for i, r in enumerate(rows) if r is not None]
+        if live:
+            grid[:, live] = np.stack([rows[i].param_words for i in live], axis=1)
+            grid[STEPS_ROW, live] = [rows[i].num_output for i in live]
+        return self._dense_extras({}, b)
+
+    def _dense_extras(self, host: dict[str, np.ndarray], b: int) -> dict[str, jax.Array]:
+        """The dense sampler fields: those in `host` copied, the rest device-resident neutral."""
+        if b not in self._neutral:
+            self._neutral[b] = self._put(neutral_extras(b, self.vocab))
+        dense = {k: host[k] for k in DENSE_FIELDS if k in host}
+        return {**self._neutral[b], **self._put(dense)} if dense else self._neutral[b]
+
     def _put_sampling(self, host: dict[str, np.ndarray], b: int) -> SamplingTensors:
         """Host fields -> SamplingTensors on the device; dense fields missing from `host` are
         the bucket's device-resident neutral ones (copied once)."""
@@ -522,7 +560,7 @@ class XlaModelRunner(RunnerCore):
         )
         res = jax.device_get(
             self._program(VERIFY, b)(
-                self.state, rows_h, st, self._put(drafts), self._put(num_drafts)
+                self.weights, rows_h, st, self._put(drafts), self._put(num_drafts)
             )
         )
         self._prompt_logprobs(batch, hidden, out)
@@ -585,7 +623,7 @@ class XlaModelRunner(RunnerCore):
         for rid, base, lo, hi in wanted:
             targets[base + lo - 1 : base + hi - 1] = self.requests[rid].token_ids[lo:hi]
         prog = self._program(PROMPT_LOGPROBS, t)
-        lps, ids, ranks = jax.device_get(prog(self.state, hidden, self._put(targets)))
+        lps, ids, ranks = jax.device_get(prog(self.weights, hidden, self._put(targets)))
         for rid, base, lo, hi in wanted:
             k = 1 + self.requests[rid].params.prompt_logprobs
             rows = range(base + lo - 1, base + hi - 1)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.runner_core import ReqState
+from xlaserve.sampling_params import SamplingParams
 
 # Top logprobs are always computed at the API maximum (SamplingParams allows <= 20) and cut on
 # the host, so the number asked never changes a compiled shape.
@@ -77,6 +78,60 @@ def neutral_extras(b: int, vocab: int) -> dict[str, np.ndarray]:
         bitmask=np.full((b, -(-vocab // 32)), -1, np.int32),
         output_counts=np.zeros((b, vocab), np.int32),
         prompt_mask=np.zeros((b, vocab), bool),
+    )
+
+
+# The per-row fields that travel packed (`pack_params`): one int32 word per row each (floats and
+# the uint32 seeds bit-cast), then the two flags. Dense [B, V] fields travel on their own.
+SMALL_FIELDS: list[tuple[str, np.dtype]] = [
+    ("temperature", np.dtype(np.float32)), ("top_k", np.dtype(np.int32)),
+    ("top_p", np.dtype(np.float32)), ("min_p", np.dtype(np.float32)),
+    ("seeds", np.dtype(np.uint32)), ("steps", np.dtype(np.int32)),
+    ("repetition_penalty", np.dtype(np.float32)), ("frequency_penalty", np.dtype(np.float32)),
+    ("presence_penalty", np.dtype(np.float32)),
+]  # fmt: skip
+DENSE_FIELDS = ("bias", "bitmask", "output_counts", "prompt_mask")
+
+
+STEPS_ROW = [name for name, _ in SMALL_FIELDS].index("steps")
+
+
+def param_words(p: SamplingParams, seed: int) -> np.ndarray:
+    """A request's packed sampler row (i32 [len(SMALL_FIELDS)], steps 0): computed once per
+    request so a step only stacks rows and writes the steps."""
+    vals = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                seeds=seed, steps=0, repetition_penalty=p.repetition_penalty,
+                frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty)  # fmt: skip
+    return np.array([np.asarray(vals[n], dt).view(np.int32) for n, dt in SMALL_FIELDS], np.int32)
+
+
+def sampler_words(r: int) -> int:
+    """int32 words of the packed parameters of up to r rows: [len(SMALL_FIELDS), r] + 2 flags."""
+    return len(SMALL_FIELDS) * r + 2
+
+
+def pack_params(h: dict[str, np.ndarray], out: np.ndarray) -> None:
+    """Write host fields (`host_tensors` / `sampling_host`, b <= r rows) into `out` (i32
+    [sampler_words(r)]): row k of the [NS, r] block = field k bit-cast to int32, rows past b
+    keep what `out` held; the last two words are use_extras and want_logprobs."""
+    r = (out.shape[0] - 2) // len(SMALL_FIELDS)
+    grid = out[:-2].reshape(len(SMALL_FIELDS), r)
+    for k, (name, dt) in enumerate(SMALL_FIELDS):
+        col = np.asarray(h[name], dt)
+        grid[k, : col.shape[0]] = col.view(np.int32)
+    out[-2], out[-1] = bool(h["use_extras"]), bool(h["want_logprobs"])
+
+
+def unpack_params(words: jax.Array, r: int, b: int, dense: dict[str, jax.Array]) -> SamplingTensors:
+    """Inside a program: packed i32 [sampler_words(r)] (first b rows used) + the dense fields
+    -> SamplingTensors of b rows."""
+    grid = words[:-2].reshape(len(SMALL_FIELDS), r)[:, :b]
+    small = {
+        name: grid[k] if dt == np.int32 else jax.lax.bitcast_convert_type(grid[k], dt)
+        for k, (name, dt) in enumerate(SMALL_FIELDS)
+    }
+    return SamplingTensors(
+        **small, **dense, use_extras=words[-2] != 0, want_logprobs=words[-1] != 0
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import logging
 import os
 
@@ -9,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+
+from xlaserve.config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +73,53 @@ def setup_compilation_cache(path: str | None) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+# XLA_FLAGS defaults on CUDA (KernelConfig.xla_command_buffer / xla_triton_gemm "auto"), from
+# the H200 step profile (bench/RESULTS.md, "XLA backend step profile"): None = XLA's default.
+XLA_GPU_COMMAND_BUFFER: str | None = None
+XLA_GPU_TRITON_GEMM: bool | None = None
+
+
+def _cuda_plugin() -> bool:
+    """A JAX CUDA plugin is installed (found without starting a backend)."""
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return True
+    return any("cuda" in ep.name for ep in importlib.metadata.entry_points(group="jax_plugins"))
+
+
+def xla_gpu_flags(kernels: KernelConfig) -> list[str]:
+    """The XLA_FLAGS KernelConfig asks for on CUDA (empty elsewhere or when nothing is asked)."""
+    flags = []
+    cb = (
+        XLA_GPU_COMMAND_BUFFER
+        if kernels.xla_command_buffer == "auto"
+        else kernels.xla_command_buffer
+    )
+    if cb is not None and cb != "off":
+        # One-kernel sequences too: a decode step's graphs are cut by every non-graphable thunk.
+        flags += [f"--xla_gpu_enable_command_buffer={cb}", "--xla_gpu_graph_min_graph_size=1"]
+    gemm = {"auto": XLA_GPU_TRITON_GEMM, "on": True, "off": False}[kernels.xla_triton_gemm]
+    if gemm is not None:
+        flags.append(f"--xla_gpu_enable_triton_gemm={str(gemm).lower()}")
+    return flags
+
+
+def apply_xla_gpu_flags(kernels: KernelConfig) -> list[str]:
+    """Add `xla_gpu_flags` to XLA_FLAGS before JAX starts its backends (a flag the user set
+    wins); returns the flags added. A no-op without a CUDA plugin or once a backend started
+    (logged: the process keeps the flags it started with)."""
+    from jax._src import xla_bridge
+
+    wanted = xla_gpu_flags(kernels)
+    if not wanted or not _cuda_plugin():
+        return []
+    if xla_bridge.backends_are_initialized():
+        logger.info("JAX backends already started; XLA flags %s not applied", wanted)
+        return []
+    current = os.environ.get("XLA_FLAGS", "")
+    added = [f for f in wanted if f.split("=")[0] not in current]
+    os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    if added:
+        logger.info("XLA_FLAGS += %s", " ".join(added))
+    return added

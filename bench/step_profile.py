@@ -3,7 +3,9 @@
 For each backend (each in its own subprocess) and each batch size: B requests of 128 random prompt
 tokens are prefilled, then `--steps` decode steps are timed. Per step:
 
-- ``wall_ms``: `LLMEngine.step()` wall time (median over the timed steps);
+- ``wall_ms_plain``: `LLMEngine.step()` wall time, median over `--steps` steps with nothing
+  timed or traced (the step as served); ``wall_ms_median``: the same over the next `--steps`
+  steps, timed by part and traced;
 - ``host_ms``: inclusive wall time of the engine's and the runner's parts, found by name (a part
   missing in this version of the code is left out): scheduling, the runner's state update, input
   preparation, host -> device puts, forward dispatch, sampling-tensor building, waits for device
@@ -50,6 +52,7 @@ _PARTS: list[tuple[str, str, str]] = [
     ("runner", "_device_inputs", "runner.device_inputs"),
     ("runner", "_forward", "runner.forward_dispatch"),
     ("runner", "_sampling_tensors", "runner.sampling_tensors"),
+    ("runner", "_sampling_params", "runner.sampling_params"),
     ("runner", "_emit", "runner.emit"),
 ]
 
@@ -201,6 +204,11 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
                 break
         for _ in range(args.warmup):
             engine.step()
+        plain = []  # untimed parts, no trace: the step as served
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            engine.step()
+            plain.append(time.perf_counter() - t)
         trace_dir = tempfile.mkdtemp(prefix="xla_trace_") if args.backend == "xla" else None
         walls = []
         timers.reset()
@@ -223,6 +231,7 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {
             "batch": b,
             "steps": args.steps,
+            "wall_ms_plain": 1e3 * statistics.median(plain),
             "wall_ms_median": 1e3 * statistics.median(walls),
             "wall_ms_mean": 1e3 * statistics.mean(walls),
             "tok_s": b / statistics.median(walls),

@@ -325,7 +325,7 @@ class StructuredOutputConfig:
 
 TRISTATE = ("auto", "on", "off")
 # KernelConfig fields that take TRISTATE values.
-TRISTATE_SWITCHES = ("triton_ops", "dense_gemv", "fused_greedy")
+TRISTATE_SWITCHES = ("triton_ops", "dense_gemv", "fused_greedy", "xla_triton_gemm")
 
 
 @dataclass(frozen=True)
@@ -381,6 +381,14 @@ class KernelConfig:
     rpa_impl: str = "auto"
     # XLA MoE grouped matmul implementation (kernels_pallas.gmm): "auto" picks by platform.
     gmm_impl: str = "auto"
+    # XLA on CUDA: command buffers (XLA's CUDA graphs) for these thunk kinds, a comma list of
+    # XLA's names (FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, CONDITIONAL, WHILE); "auto" =
+    # backends_xla.utils.XLA_GPU_COMMAND_BUFFER (measured), "off" = XLA's own default. Applied
+    # through XLA_FLAGS before JAX starts its GPU backend (a flag already there wins).
+    xla_command_buffer: str = "auto"
+    # XLA on CUDA: Triton GEMM fusions ("off" = cuBLAS for every dot); "auto" = the measured
+    # default of backends_xla.utils.XLA_GPU_TRITON_GEMM.
+    xla_triton_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         for name in TRISTATE_SWITCHES:

@@ -167,6 +167,7 @@ def test_nan_logits_fail_only_that_step(llama) -> None:  # noqa: ANN001
     w = runner.state["lm_head"]["weight"]
     saved = w.get_value()
     w.set_value(jax.device_put(np.full(saved.shape, np.nan, np.float32), saved.sharding))
+    runner.sync_weights()
     try:
         from xlaserve.runner import NewRequestData, SchedulerOutput
 
@@ -181,5 +182,6 @@ def test_nan_logits_fail_only_that_step(llama) -> None:  # noqa: ANN001
         assert "NaN" in out.errors["bad"] and "bad" not in out.sampled_token_ids
     finally:
         w.set_value(saved)
+        runner.sync_weights()
         runner.execute(type(so)(finished_req_ids={"bad"}))
     assert "bad" not in runner.requests

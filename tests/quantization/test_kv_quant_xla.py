@@ -54,7 +54,7 @@ def _teacher_logits(runner, tokens: list[int], chunk: int = 8) -> np.ndarray:  #
         so.num_scheduled_tokens["r"] = n
         so.total_num_scheduled_tokens = n
         runner._update_states(so)
-        _, hidden = runner._forward(runner._prepare(so))
+        _, hidden, _ = runner._forward(runner._prepare(so))
         out.append(np.asarray(model.compute_logits(hidden[:n]), np.float32))
         runner.requests["r"].num_computed_tokens += n
     runner._update_states(SchedulerOutput(finished_req_ids={"r"}))
