@@ -52,6 +52,7 @@ class DecoderLayer(nnx.Module):
         self.pre_norms, self.sandwich = spec.pre_norms, spec.sandwich_norms
         self.parallel, self.rm = spec.parallel_residual, spec.residual_multiplier
         self.local_rope = uses_local_rope(spec, layer)
+        self.use_rope = layer not in spec.nope_layers  # NoPE layers (SmolLM3, Cohere2, ...)
         if spec.pre_norms or spec.parallel_residual:
             self.input_layernorm = spec_norm(spec, h, dtype)
             self.post_attention_layernorm = spec_norm(spec, h, dtype)
@@ -106,7 +107,11 @@ class DecoderForCausalLM(nnx.Module):
         )
         self.layers = nnx.List([DecoderLayer(spec, i, dtype) for i in range(spec.num_layers)])
         self.norm = spec_norm(spec, h, dtype)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(h, spec.vocab_size, dtype)
+        self.lm_head = (
+            None
+            if spec.tie_word_embeddings
+            else Linear(h, spec.vocab_size, dtype, bias=spec.lm_head_bias)
+        )
         rotary = local_rotary = None  # assigned once below: nnx fixes an attribute's kind
         if spec.position_embedding == "rope":
             rope_spec = spec
@@ -142,7 +147,8 @@ class DecoderForCausalLM(nnx.Module):
             rope[True] = self.local_rotary.cos_sin(positions)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, kv = layer(x, *rope[layer.local_rope], kv, md)
+            cos_sin = rope[layer.local_rope] if layer.use_rope else (None, None)
+            x, kv = layer(x, *cos_sin, kv, md)
             new_caches.append(kv)
         return self.norm(x), new_caches
 

@@ -42,12 +42,14 @@ def select_experts(
     num_groups: int = 1,
     topk_groups: int = 1,
     routed_scaling: float = 1.0,
+    group_topn: int = 2,
 ) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int32).
 
     softmax: top-k of softmax(logits). sigmoid (DeepSeek-V3): scores = sigmoid(logits); experts
     are chosen on scores + score_bias within the best `topk_groups` of `num_groups` groups (a
-    group's score is the sum of its top-2); weights are the unbiased scores. Then optional
+    group's score is the sum of its top `group_topn`: 2 for V3, 1 = max for V2); weights are the
+    unbiased scores. Then optional
     renormalisation to sum 1, then * routed_scaling.
     """
     logits = logits.astype(jnp.float32)
@@ -61,7 +63,7 @@ def select_experts(
     if num_groups > 1:
         t, e = choice.shape
         grouped = choice.reshape(t, num_groups, e // num_groups)
-        group_scores = jax.lax.top_k(grouped, min(2, e // num_groups))[0].sum(-1)  # [T, G]
+        group_scores = jax.lax.top_k(grouped, min(group_topn, e // num_groups))[0].sum(-1)
         best = jax.lax.top_k(group_scores, topk_groups)[1]  # [T, topk_groups]
         keep = jnp.any(best[:, :, None] == jnp.arange(num_groups)[None, None, :], axis=1)
         choice = jnp.where(jnp.repeat(keep, e // num_groups, axis=1), choice, -jnp.inf)
@@ -199,6 +201,7 @@ class FusedMoE(nnx.Module):
             spec.moe_num_groups,
             spec.moe_topk_groups,
             spec.moe_routed_scaling,
+            spec.moe_group_topn,
         )
         self.activation = spec.activation
         self.impl = impl or kernel_switch("gmm_impl")  # load_model sets KernelConfig.gmm_impl
@@ -214,10 +217,10 @@ class FusedMoE(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        k, renorm, scoring, groups, topk_groups, scaling = self.routing
+        k, renorm, scoring, groups, topk_groups, scaling, topn = self.routing
         bias = None if self.router.bias is None else self.router.bias[...]
         weights, ids = select_experts(
-            self.router(x), k, renorm, scoring, bias, groups, topk_groups, scaling
+            self.router(x), k, renorm, scoring, bias, groups, topk_groups, scaling, topn
         )
         ex = self.experts
         w = (ex.w_gate[...], ex.w_up[...], ex.w_down[...])

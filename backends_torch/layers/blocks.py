@@ -44,9 +44,9 @@ def spec_norm(spec: ModelSpec, dim: int, dtype: torch.dtype, device: str) -> nn.
 
 
 def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | None:
-    """Rope of one layer (None for learned positions). Sliding layers of a spec with
-    rope_local_theta use plain rope with that theta (Gemma3)."""
-    if spec.position_embedding != "rope":
+    """Rope of one layer (None for learned positions and spec.nope_layers). Sliding layers of a
+    spec with rope_local_theta use plain rope with that theta (Gemma3)."""
+    if spec.position_embedding != "rope" or layer in spec.nope_layers:
         return None
     if spec.rope_local_theta and layer_window(spec, layer) is not None:
         spec = replace(spec, rope_theta=spec.rope_local_theta, rope_scaling=None)

@@ -38,12 +38,14 @@ def select_experts(
     num_groups: int = 1,
     topk_groups: int = 1,
     routed_scaling: float = 1.0,
+    group_topn: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64).
 
     softmax: top-k of softmax(logits). sigmoid (DeepSeek-V3): scores = sigmoid(logits); experts are
     chosen on scores + score_bias, restricted to the best `topk_groups` of `num_groups` groups (a
-    group's score is the sum of its top-2); weights are the unbiased scores of the chosen experts.
+    group's score is the sum of its top `group_topn`, 2 for V3, 1 = max for V2); weights are the
+    unbiased scores of the chosen experts.
     Then optional renormalisation to sum 1, then * routed_scaling.
     """
     logits = logits.float()
@@ -58,7 +60,7 @@ def select_experts(
     if num_groups > 1:
         t, e = choice.shape
         grouped = choice.view(t, num_groups, e // num_groups)
-        group_scores = grouped.topk(min(2, e // num_groups), dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_scores = grouped.topk(min(group_topn, e // num_groups), dim=-1)[0].sum(dim=-1)
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(topk_groups, dim=-1)[1], True)
         choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(t, e), -torch.inf)
@@ -215,6 +217,7 @@ class FusedMoE(nn.Module):
             s.moe_num_groups,
             s.moe_topk_groups,
             s.moe_routed_scaling,
+            s.moe_group_topn,
         )
         e = self.experts
         out = self._experts_fn(x, e.w_gate, e.w_up, e.w_down, weights, ids, s.activation)

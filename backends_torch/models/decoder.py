@@ -198,7 +198,9 @@ class DecoderForCausalLM(CausalLMBase):
         )
         self.norm = spec_norm(spec, spec.hidden_size, dtype, device)
         if not spec.tie_word_embeddings:
-            self.lm_head = make_lm_head(spec.hidden_size, spec.vocab_size, dtype, device)
+            self.lm_head = make_lm_head(
+                spec.hidden_size, spec.vocab_size, dtype, device, bias=spec.lm_head_bias
+            )
         if kernels is not None:
             self.use_kernels(kernels)
         if triton_ops_default(device, attn_backend, kc):

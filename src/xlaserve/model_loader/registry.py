@@ -751,3 +751,7 @@ def iter_canonical_weights(
     from xlaserve.quantization.hf_formats import prequantized_stream
 
     yield from prequantized_stream(_stack_experts(converted, spec), spec.model_dir)
+
+
+# Families declared as data (LlamaLike adapters: no backend code); registers on import.
+from xlaserve.model_loader import families as _families  # noqa: E402, F401

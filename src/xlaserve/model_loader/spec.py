@@ -36,6 +36,7 @@ Canonical weight names (what backends' models expect; adapters rename/split HF t
     Rope dims are stored de-interleaved (neox rotate_half layout) by the converter.
     norm.{weight,bias}                        [H]
     lm_head.weight                            [V, H]        (absent when tie_word_embeddings)
+    lm_head.bias                              [V]           (lm_head_bias only)
 Axis letters: T tokens, B requests, H hidden, Hq/Hkv heads, D head_dim, I intermediate, V vocab,
 E experts, P positions, N blocks, S block_size.
 """
@@ -75,7 +76,7 @@ class ModelSpec:
     # LayerNorm has a bias (norm_kind "layer": GPT-2, GPT-NeoX, StarCoder2); norms incl. the final.
     norm_bias: bool = False
     # --- mlp ---
-    activation: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu"
+    activation: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu" | "relu2" (relu squared)
     gated_mlp: bool = True
     # --- attention / positions ---
     position_embedding: str = "rope"  # "rope" | "learned"
@@ -93,6 +94,8 @@ class ModelSpec:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+    # Layers that apply no rope at all (NoPE: SmolLM3, Cohere2 / EXAONE 4 full-attention layers).
+    nope_layers: list[int] = field(default_factory=list)
     # Local rope theta for sliding layers (Gemma3). Sliding layers then use plain (unscaled) rope
     # with this theta; rope_scaling applies to full-attention layers only.
     rope_local_theta: float | None = None
@@ -101,6 +104,7 @@ class ModelSpec:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0  # logits divided by this (Granite)
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = False  # lm_head.bias [V] (Phi, GPT-J)
     # --- MoE ---
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -114,6 +118,9 @@ class ModelSpec:
     moe_router_bias: bool = False
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
+    # A group's score = sum of its best moe_group_topn expert scores (2: DeepSeek-V3; 1 = the
+    # group's max: DeepSeek-V2 group_limited_greedy).
+    moe_group_topn: int = 2
     # Routed expert output multiplied by this (DeepSeek-V3 routed_scaling_factor).
     moe_routed_scaling: float = 1.0
     # Shared expert output multiplied by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
