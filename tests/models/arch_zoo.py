@@ -192,6 +192,15 @@ def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers 
             attention_multiplier=0.15,
             logits_scaling=2.0,
         )
+    if name == "granitemoeshared":
+        return tf.GraniteMoeSharedConfig(
+            **{**c, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=48,
+        )
+    if name == "cwm":
+        return tf.CwmConfig(**c, head_dim=16, **sliding)
     if name == "gptj":
         return tf.GPTJConfig(**gpt, rotary_dim=8)
     if name == "phi":
@@ -301,6 +310,8 @@ ARCHS = {
     "exaone4": "Exaone4ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
+    "cwm": "CwmForCausalLM",
     "gptj": "GPTJForCausalLM",
     "phi": "PhiForCausalLM",
     "opt": "OPTForCausalLM",

@@ -227,8 +227,8 @@ register_llama_like(  # Arcee (AFM): plain relu^2 MLP (up / down, no gate)
     LlamaLike(fields=lambda cfg, kw: dict(gated_mlp=False, mlp_bias=bool(cfg.get("mlp_bias")))),
 )
 
-register_llama_like(  # Ministral: Mistral with per-layer sliding / full attention
-    ["MinistralForCausalLM"],
+register_llama_like(  # Ministral, CWM (Code World Model): per-layer sliding / full attention
+    ["MinistralForCausalLM", "CwmForCausalLM"],
     LlamaLike(fields=lambda cfg, kw: _sliding(cfg, kw)),
 )
 
@@ -418,21 +418,40 @@ def _granitemoe(cfg: dict, kw: dict) -> dict:
         num_experts_per_tok=cfg["num_experts_per_tok"],
         moe_intermediate_size=cfg["intermediate_size"],
         norm_topk_prob=True,  # softmax over the top-k logits == renormalised top-k softmax
+        shared_expert_intermediate_size=int(cfg.get("shared_intermediate_size") or 0),
     )
 
 
-register_llama_like(  # Granite-MoE (3.0 / 3.1 MoE): Granite multipliers + MoE (fused experts)
-    ["GraniteMoeForCausalLM"],
-    LlamaLike(
-        fields=_granitemoe,
-        renames=(
-            (r"\.block_sparse_moe\.", ".mlp."),
-            (r"\.mlp\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
-            (r"\.mlp\.output_linear\.weight$", ".mlp.experts.down_proj"),
-            (r"\.mlp\.router\.layer\.weight$", ".mlp.router.weight"),
-        ),
-        family="moe",
-    ),
+_GRANITE_MOE_NAMES = (
+    (r"\.block_sparse_moe\.", ".mlp."),
+    (r"\.mlp\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
+    (r"\.mlp\.output_linear\.weight$", ".mlp.experts.down_proj"),
+    (r"\.mlp\.router\.layer\.weight$", ".mlp.router.weight"),
+    (r"\.shared_mlp\.input_linear\.", ".mlp.shared_expert.gate_up_proj."),
+    (r"\.shared_mlp\.output_linear\.", ".mlp.shared_expert.down_proj."),
+)
+_GRANITE_MOE = LlamaLike(fields=_granitemoe, renames=_GRANITE_MOE_NAMES, family="moe")
+
+
+def _granitemoe_convert(
+    name: str, w: np.ndarray, spec: ModelSpec
+) -> Iterable[tuple[str, np.ndarray]]:
+    out = []
+    for n, a in _GRANITE_MOE.convert(name, w, spec):
+        if ".mlp.shared_expert.gate_up_proj." in n:  # [2 Is, H]: gate rows, then up rows
+            half = a.shape[0] // 2
+            out += [
+                (n.replace(".gate_up_proj.", ".gate_proj."), a[:half]),
+                (n.replace(".gate_up_proj.", ".up_proj."), a[half:]),
+            ]
+        else:
+            out.append((n, a))
+    return out
+
+
+register_architecture(  # Granite-MoE (3.0 / 3.1 MoE), + a shared expert (GraniteMoeShared)
+    ["GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"],
+    ArchAdapter(family="moe", build_spec=_GRANITE_MOE.build_spec, convert=_granitemoe_convert),
 )
 
 

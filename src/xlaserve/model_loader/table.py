@@ -62,6 +62,8 @@ NOTES: dict[str, str] = {
     "Exaone4ForCausalLM": "post-norms, per-head qk-norm, NoPE full layers",
     "OlmoeForCausalLM": "MoE, qk-norm over the full projection",
     "GraniteMoeForCausalLM": "Granite multipliers + MoE (fused input/output_linear experts)",
+    "GraniteMoeSharedForCausalLM": "+ a shared expert (fused input_linear split on load)",
+    "CwmForCausalLM": "Code World Model: Llama with per-layer sliding / full attention",
     "GPTJForCausalLM": "parallel block, interleaved partial rope, lm_head bias",
     "PhiForCausalLM": "parallel block, partial rope, lm_head bias",
     "OPTForCausalLM": "learned positions (offset 2), LayerNorm, ReLU MLP",
