@@ -378,8 +378,10 @@ def ref_ragged_paged_attention(
     impl: str = "reference",
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """Plain jnp ragged paged attention (same contract as `ragged_paged_attention`).
+    alibi_slopes: float32 [Hq] (reference only): logits += slope[h] * key position (ALiBi).
 
     Gathers, for every token, its sequence's M pages: k [T, M*S, Hkv, D] (dequantized to
     float32 with k_scale/v_scale [N, S, Hkv] for an int8/fp8 cache), then masks (causal,
@@ -407,6 +409,9 @@ def ref_ragged_paged_attention(
     logits = jnp.einsum("tkgd,tlkd->tkgl", qf, k) * sm_scale  # [T, Hkv, G, L]
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(1, hkv, g, 1)
+        logits = logits + slopes * kpos.astype(jnp.float32)[:, None, None, :]
     mask = (kpos < kv_lens[seq][:, None]) & (kpos <= pos[:, None]) & valid[:, None]
     if sliding_window is not None:
         mask &= kpos > pos[:, None] - sliding_window

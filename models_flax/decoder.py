@@ -96,7 +96,7 @@ class DecoderForCausalLM(nnx.Module):
     """See the module docstring."""
 
     def __init__(self, spec: ModelSpec, dtype: jnp.dtype) -> None:
-        if spec.position_embedding not in ("rope", "learned"):
+        if spec.position_embedding not in ("rope", "learned", "alibi"):
             raise ValueError(f"unknown position_embedding {spec.position_embedding!r}")
         h = spec.hidden_size
         self.embed_tokens = Embed(spec.vocab_size, h, dtype)
@@ -105,6 +105,7 @@ class DecoderForCausalLM(nnx.Module):
             if spec.position_embedding == "learned"
             else None
         )
+        self.embed_layernorm = spec_norm(spec, h, dtype) if spec.embed_norm else None  # Bloom
         self.layers = nnx.List([DecoderLayer(spec, i, dtype) for i in range(spec.num_layers)])
         self.norm = spec_norm(spec, h, dtype)
         self.lm_head = (
@@ -140,6 +141,8 @@ class DecoderForCausalLM(nnx.Module):
             x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions)
+        if self.embed_layernorm is not None:
+            x = self.embed_layernorm(x)
         rope = {False: (None, None), True: (None, None)}
         if self.rotary is not None:
             rope[False] = self.rotary.cos_sin(positions)

@@ -144,9 +144,11 @@ class AttentionBackend:
 
 class TorchRefAttention(AttentionBackend):
     """Reference backend from plain torch ops: per request, gather its blocks and run masked
-    attention in float32. Exact enough for parity tests; any device."""
+    attention in float32. Exact enough for parity tests; any device. Takes ALiBi slopes
+    (`alibi_slopes` [Hq] float32: logits += slope * key position)."""
 
     name = "torch_ref"
+    supports_alibi = True
 
     def write_kv(
         self,
@@ -182,6 +184,7 @@ class TorchRefAttention(AttentionBackend):
         logit_softcap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _, block_size, hkv, d = k_cache.shape
         hq = q.shape[1]
@@ -209,6 +212,8 @@ class TorchRefAttention(AttentionBackend):
                 scores = torch.tanh(scores / logit_softcap) * logit_softcap
             qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             kpos = torch.arange(kv_len, device=q.device)[None, :]
+            if alibi_slopes is not None:
+                scores = scores + alibi_slopes[:, None, None] * kpos.float()
             allowed = kpos <= qpos
             if sliding_window is not None:
                 # Same convention as HF: a query sees itself and the previous window - 1 tokens.
@@ -276,6 +281,7 @@ class TorchBatchedAttention(TorchRefAttention):
         logit_softcap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n, block_size, hkv, d = k_cache.shape
         t, hq, _ = q.shape
@@ -298,9 +304,14 @@ class TorchBatchedAttention(TorchRefAttention):
             allowed[:, None, None, :, :].expand(b, 1, group, mq, -1).reshape(b, 1, group * mq, -1)
         )
         # Padding query rows are fully masked: they come out NaN or garbage and are dropped below.
-        if logit_softcap:
+        if logit_softcap or alibi_slopes is not None:
             scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, Hkv, G * Mq, Mkv]
-            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+            if logit_softcap:
+                scores = torch.tanh(scores / logit_softcap) * logit_softcap
+            if alibi_slopes is not None:  # per query head (rows h = kv * G + g), key position
+                sl = alibi_slopes.view(1, hkv, group, 1, 1).expand(1, hkv, group, mq, 1)
+                kp = lay["kpos"].float()[:, None, None, :, :]  # [1, 1, 1, 1, Mkv]
+                scores = scores + (sl * kp).reshape(1, hkv, group * mq, -1)
             probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             o = torch.matmul(probs, v)  # [B, Hkv, G * Mq, D]
         else:  # the fused kernel: no [.., Mq, Mkv] score tensor kept around
@@ -397,8 +408,15 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
+        if alibi_slopes is not None and not getattr(backend, "supports_alibi", False):
+            raise ValueError(
+                f"ALiBi (Bloom, MPT) needs an attention backend that implements it (torch_ref, "
+                f"torch_batched); {getattr(backend, 'name', type(backend).__name__)!r} does not"
+            )
+        self.alibi_slopes = alibi_slopes  # float32 [Hq] or None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -406,6 +424,10 @@ class Attention(nn.Module):
         self.backend = backend
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+
+    def _alibi(self) -> dict[str, torch.Tensor]:
+        """The backend kwarg only when set (backends without ALiBi keep their signature)."""
+        return {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
 
     def forward(
         self,
@@ -429,12 +451,13 @@ class Attention(nn.Module):
                 )
             out = self.backend.forward(
                 q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap,
-                k_scale=ks, v_scale=vs,
+                k_scale=ks, v_scale=vs, **self._alibi(),
             )  # fmt: skip
         else:
             if not kv_written:
                 self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
             out = self.backend.forward(
-                q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap
-            )
+                q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap,
+                **self._alibi(),
+            )  # fmt: skip
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

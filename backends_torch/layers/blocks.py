@@ -53,6 +53,15 @@ def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | 
     return RotaryEmbedding(spec, device)
 
 
+def alibi_heads(spec: ModelSpec, device: str) -> torch.Tensor | None:
+    """ALiBi slopes float32 [Hq] of this rank's query heads (None without ALiBi)."""
+    if spec.alibi_slopes is None:
+        return None
+    if tp_world_size() > 1:
+        raise ValueError("ALiBi models (Bloom, MPT) do not run with tensor parallelism yet")
+    return torch.tensor(spec.alibi_slopes, dtype=torch.float32, device=device)
+
+
 def attention_heads(spec: ModelSpec) -> tuple[int, int]:
     """(query heads, KV heads) this rank holds."""
     return spec.num_heads // tp_world_size(), kv_heads_per_rank(spec.num_kv_heads)

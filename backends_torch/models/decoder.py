@@ -28,6 +28,7 @@ from xlaserve.backends_torch.layers.attention import (
     TorchRefAttention,
 )
 from xlaserve.backends_torch.layers.blocks import (
+    alibi_heads,
     attention_heads,
     build_qkv,
     layer_rotary,
@@ -73,7 +74,9 @@ class DecoderAttention(nn.Module):
         self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
         scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
         window, cap = layer_window(spec, layer), spec.attn_logit_softcap
-        self.attn = Attention(self.hq, self.hkv, self.d, scale, backend, window, cap)
+        self.attn = Attention(
+            self.hq, self.hkv, self.d, scale, backend, window, cap, alibi_heads(spec, device)
+        )
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
@@ -191,8 +194,10 @@ class DecoderForCausalLM(CausalLMBase):
             self.embed_positions = VocabEmbedding(
                 spec.max_position_embeddings, spec.hidden_size, dtype, device
             )
-        elif spec.position_embedding != "rope":
+        elif spec.position_embedding not in ("rope", "alibi"):
             raise ValueError(f"unknown position_embedding {spec.position_embedding!r}")
+        if spec.embed_norm:  # Bloom: a LayerNorm right after the embedding
+            self.embed_layernorm = spec_norm(spec, spec.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, attn_backend, dtype, device, kc) for i in range(spec.num_layers)
         )
@@ -219,6 +224,8 @@ class DecoderForCausalLM(CausalLMBase):
             x = x * self.spec.embedding_multiplier
         if self.spec.position_embedding == "learned":
             x = x + self.embed_positions(positions)
+        if self.spec.embed_norm:
+            x = self.embed_layernorm(x)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv, attn_metadata)

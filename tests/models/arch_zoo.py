@@ -226,6 +226,14 @@ def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers 
         )
     if name == "falcon_mqa":  # Falcon-7B layout: multi-query, one norm for a parallel block
         return tf.FalconConfig(**no_kv, multi_query=True, parallel_attn=True)
+    if name == "bloom":  # 6 heads: the non-power-of-two slope rule
+        return tf.BloomConfig(
+            vocab_size=VOCAB, hidden_size=96, n_layer=2, n_head=6, seq_length=256, **TOKENS
+        )
+    if name == "mpt":
+        return tf.MptConfig(
+            vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=6, max_seq_len=256, **TOKENS
+        )
     ds_moe = dict(
         n_routed_experts=8,
         num_experts_per_tok=2,
@@ -322,6 +330,8 @@ ARCHS = {
     "dots1": "Dots1ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "mpt": "MptForCausalLM",
 }
 
 

@@ -163,3 +163,17 @@ def test_unsupported_config_names_the_piece(
     path = _copy_config(arch_model_dir(name), str(tmp_path / name), **change)
     with pytest.raises(ValueError, match=message):
         build_spec(path)
+
+
+@pytest.mark.parametrize("heads", [1, 4, 6, 12, 16, 40])
+def test_alibi_slopes_match_transformers(heads: int) -> None:
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from xlaserve.model_loader.families import bloom_alibi_slopes, mpt_alibi_slopes
+
+    want = _get_alibi_slopes(heads, torch.device("cpu")).tolist()
+    np.testing.assert_allclose(bloom_alibi_slopes(heads), want, rtol=1e-6)
+    # MPT's tensor is slope * (k - (L - 1)); at k = L - 2 it is -slope.
+    mpt = -build_mpt_alibi_tensor(heads, 2).reshape(heads, 2)[:, 0]
+    np.testing.assert_allclose(mpt_alibi_slopes(heads), mpt.tolist(), rtol=1e-6)

@@ -25,6 +25,7 @@ What `LlamaLike.convert` does for every family, so adapters only declare what di
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -820,4 +821,146 @@ def _deepseek_v2_convert(
 register_architecture(
     ["DeepseekV2ForCausalLM"],
     ArchAdapter(family="mla", build_spec=_deepseek_v2_spec, convert=_deepseek_v2_convert),
+)
+
+
+# ---- ALiBi families (no rope: a per-head linear bias on key positions) -------------------------
+
+
+def bloom_alibi_slopes(n: int) -> list[float]:
+    """Bloom's ALiBi slopes for n heads: 2^(-8 i / n') for the largest power of two n' <= n,
+    then the odd powers of the next power's base for the remaining heads."""
+    p = 2 ** math.floor(math.log2(n))
+    base = 2.0 ** (-(2.0 ** -(math.log2(p) - 3)))
+    slopes = [base**i for i in range(1, p + 1)]
+    if p != n:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * p) - 3)))
+        slopes += [extra**i for i in range(1, 1 + 2 * min(p, n - p), 2)]
+    return slopes
+
+
+def mpt_alibi_slopes(n: int, bias_max: float = 8.0) -> list[float]:
+    """MPT's slopes: 1 / 2^(i * bias_max / n') over the next power of two n' >= n, odd-indexed
+    first when n is not a power of two."""
+    p = 2 ** math.ceil(math.log2(n))
+    slopes = [1.0 / 2.0 ** (i * bias_max / p) for i in range(1, p + 1)]
+    if p != n:
+        slopes = (slopes[1::2] + slopes[::2])[:n]
+    return slopes
+
+
+def _bloom(cfg: dict, kw: dict) -> dict:
+    hidden, heads = cfg.get("hidden_size") or cfg["n_embed"], cfg["n_head"]
+    return dict(
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden,
+        num_layers=cfg.get("n_layer") or cfg["num_hidden_layers"],
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        gated_mlp=False,
+        mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+        activation="gelu_tanh",
+        position_embedding="alibi",
+        alibi_slopes=bloom_alibi_slopes(heads),
+        embed_norm=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        extra=dict(qkv_layout="per_head"),
+    )
+
+
+class _BloomLike(LlamaLike):
+    def build_spec(self, cfg: dict, model_dir: str) -> ModelSpec:
+        heads = cfg.get("n_head") or cfg.get("n_heads") or cfg.get("num_attention_heads")
+        hidden = cfg.get("hidden_size") or cfg.get("n_embed") or cfg.get("d_model")
+        layers = cfg.get("n_layer") or cfg.get("n_layers") or cfg.get("num_hidden_layers")
+        full = {
+            **cfg,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_hidden_layers": layers,
+            # ALiBi has no table: the trained length (MPT max_seq_len, Bloom seq_length if set).
+            "max_position_embeddings": cfg.get("max_seq_len") or cfg.get("seq_length") or 2048,
+        }
+        return super().build_spec(full, model_dir)
+
+
+register_llama_like(  # BLOOM: ALiBi, embedding LayerNorm, per-head fused qkv, GELU (tanh)
+    ["BloomForCausalLM"],
+    _BloomLike(
+        fields=_bloom,
+        prefixes=("transformer.",),
+        renames=(
+            (r"^word_embeddings_layernorm\.", "embed_layernorm."),
+            (r"^word_embeddings\.", "embed_tokens."),
+            (r"^ln_f\.", "norm."),
+            (r"^h\.", "layers."),
+            (r"\.self_attention\.query_key_value\.", ".self_attn.qkv_proj."),
+            (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
+            (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."),
+            (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+        ),
+        family="gpt2",
+    ),
+)
+
+
+def _mpt(cfg: dict, kw: dict) -> dict:
+    att = cfg.get("attn_config") or {}
+    arch = cfg["architectures"][0]
+    for key, bad in (("clip_qkv", True), ("qk_ln", True), ("prefix_lm", True)):
+        if att.get(key) if bad is True else att.get(key) == bad:
+            raise ValueError(f"{arch} with attn_config.{key}={att.get(key)!r} is not supported")
+    if att.get("attn_type", "multihead_attention") != "multihead_attention":
+        raise ValueError(
+            f"{arch} with attn_config.attn_type={att.get('attn_type')!r} is not supported"
+        )
+    if not att.get("alibi", True):
+        raise ValueError(f"{arch} without ALiBi (learned_pos_emb only) is not supported")
+    if cfg.get("logit_scale") not in (None, 1, 1.0):
+        raise ValueError(f"{arch} with logit_scale={cfg.get('logit_scale')!r} is not supported")
+    heads, hidden = kw["num_heads"], kw["hidden_size"]
+    bias = not cfg.get("no_bias", True)
+    return dict(
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=int(cfg.get("expansion_ratio", 4) * hidden),
+        norm_kind="layer",
+        norm_bias=bias,
+        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        gated_mlp=False,
+        mlp_bias=bias,
+        qkv_bias=bias,
+        o_bias=bias,
+        activation="gelu",
+        position_embedding="alibi",
+        alibi_slopes=mpt_alibi_slopes(heads, float(att.get("alibi_bias_max", 8))),
+        attn_scale=att.get("softmax_scale"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
+register_llama_like(  # MPT (MosaicML): ALiBi, bias-free LayerNorm and projections
+    ["MptForCausalLM"],
+    _BloomLike(
+        fields=_mpt,
+        prefixes=("transformer.",),
+        renames=(
+            (r"^wte\.", "embed_tokens."),
+            (r"^norm_f\.", "norm."),
+            (r"^blocks\.", "layers."),
+            (r"\.norm_1\.", ".input_layernorm."),
+            (r"\.norm_2\.", ".post_attention_layernorm."),
+            (r"\.attn\.Wqkv\.", ".self_attn.qkv_proj."),
+            (r"\.attn\.out_proj\.", ".self_attn.o_proj."),
+            (r"\.ffn\.up_proj\.", ".mlp.up_proj."),
+            (r"\.ffn\.down_proj\.", ".mlp.down_proj."),
+        ),
+        family="gpt2",
+    ),
 )

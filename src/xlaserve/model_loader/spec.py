@@ -6,6 +6,7 @@ backends build their model from it, so an architecture added once is served by b
 Canonical weight names (what backends' models expect; adapters rename/split HF tensors into these):
     embed_tokens.weight                       [V, H]
     embed_positions.weight                    [P, H]        (learned positions only)
+    embed_layernorm.{weight,bias}             [H]           (embed_norm only)
     layers.{i}.input_layernorm.{weight,bias}  [H]
     layers.{i}.self_attn.q_proj.{weight,bias} [Hq*D, H] / [Hq*D]   (torch Linear layout: [out, in])
     layers.{i}.self_attn.k_proj.{weight,bias} [Hkv*D, H]
@@ -79,7 +80,11 @@ class ModelSpec:
     activation: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu" | "relu2" (relu squared)
     gated_mlp: bool = True
     # --- attention / positions ---
-    position_embedding: str = "rope"  # "rope" | "learned"
+    position_embedding: str = "rope"  # "rope" | "learned" | "alibi"
+    # ALiBi (position_embedding "alibi"): per query head h, logits += alibi_slopes[h] * key
+    # position (Bloom, MPT; the per-query constant of -slope * query position cancels in softmax).
+    alibi_slopes: list[float] | None = None
+    embed_norm: bool = False  # a norm right after the token embedding (Bloom: embed_layernorm)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict (type/rope_type, factor, ...)
     partial_rotary_factor: float = 1.0

@@ -73,6 +73,8 @@ NOTES: dict[str, str] = {
     "Dots1ForCausalLM": "qk-norm + DeepSeek-V3 routing, shared experts",
     "Ernie4_5_MoeForCausalLM": "softmax routing with a selection bias, shared experts",
     "DeepseekV2ForCausalLM": "MLA + softmax group-limited (max) routing, shared experts",
+    "BloomForCausalLM": "ALiBi (reference attention: torch_batched / jnp), embedding LayerNorm",
+    "MptForCausalLM": "ALiBi (MPT slopes), bias-free LayerNorm and projections",
 }
 
 
