@@ -1,6 +1,7 @@
 """HF `architectures` name -> adapter (ModelSpec builder + weight-name map), one table both
-backends use. Adding an architecture = one `ArchAdapter` here + (if it needs a new family) one
-model file per backend."""
+backends use. Adding an architecture = one `ArchAdapter` here, or for a variation of an existing
+family one `LlamaLike` in `families.py` (no backend code; docs/adding_an_architecture.md), + (if
+it needs a new block structure) one model file per backend."""
 
 from __future__ import annotations
 
