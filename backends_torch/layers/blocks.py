@@ -18,6 +18,7 @@ from torch import nn
 
 from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
 from xlaserve.backends_torch.layers.activation import MLP
+from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend
 from xlaserve.backends_torch.layers.linear import can_fuse, make_linear, make_merged_linear
 from xlaserve.backends_torch.layers.norm import make_norm
 from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
@@ -51,6 +52,20 @@ def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | 
     if spec.rope_local_theta and layer_window(spec, layer) is not None:
         spec = replace(spec, rope_theta=spec.rope_local_theta, rope_scaling=None)
     return RotaryEmbedding(spec, device)
+
+
+def make_attention(
+    spec: ModelSpec,
+    layer: int,
+    heads: tuple[int, int],
+    backend: AttentionBackend,
+    device: str,
+) -> Attention:
+    """The attention core of `layer` over this rank's (query, KV) heads: scale, sliding window,
+    soft-cap and ALiBi slopes from the spec."""
+    scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
+    window, cap = layer_window(spec, layer), spec.attn_logit_softcap
+    return Attention(*heads, spec.head_dim, scale, backend, window, cap, alibi_heads(spec, device))
 
 
 def alibi_heads(spec: ModelSpec, device: str) -> torch.Tensor | None:

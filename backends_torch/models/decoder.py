@@ -1,15 +1,9 @@
-"""One generic decoder-only transformer built from a ModelSpec; every dense/MoE family is this
-module with different spec fields (the adapters in model_loader/registry.py set them):
-
-- llama (Llama, Mistral, Qwen2/3, Phi3): RMS pre-norms, rope, gated MLP, optional qkv bias/qk-norm.
-- granite: + embedding/residual multipliers, attention multiplier (attn_scale), logits_scaling.
-- gemma (Gemma, Gemma2, Gemma3 text): norm weight offset 1, sqrt(H) embedding scale, sandwich
-  norms, attention/final logit soft-caps, per-layer sliding windows, local rope theta.
-- olmo2: no pre-norms, post-norms only, qk-norm over the full projection.
-- gpt2 / gpt_neox / starcoder2: LayerNorm with bias, plain MLP, learned positions (gpt2),
-  parallel residual and partial rotary (gpt_neox).
-- moe (Mixtral, Qwen2-MoE, Qwen3-MoE): FusedMoE in place of the MLP.
-- mla (DeepSeek-V3): MLA attention (models/mla.py) + FusedMoE.
+"""One generic decoder-only transformer built from a ModelSpec; every dense / MoE family is this
+module with different spec fields, set by the adapters (model_loader/registry.py, families.py; the
+README's models table lists them): norm kind / offset / placement (pre, sandwich, post-only), rope
+(partial, local theta, NoPE layers), learned positions or ALiBi, qkv / o / MLP / lm_head biases,
+qk-norm, sliding windows, soft-caps, multipliers, parallel residual, FusedMoE in place of the MLP;
+mla (DeepSeek) swaps in MLA attention (models/mla.py).
 
 Parameter names are the canonical ones of `model_loader/spec.py` (layers/blocks.py builds the
 projections). With Triton attention kernels, rotary and act-and-mul run in Triton too (see
@@ -22,17 +16,16 @@ import torch
 from torch import nn
 
 from xlaserve.backends_torch.layers.attention import (
-    Attention,
     AttentionBackend,
     AttentionMetadata,
     TorchRefAttention,
 )
 from xlaserve.backends_torch.layers.blocks import (
-    alibi_heads,
     attention_heads,
     build_qkv,
     layer_rotary,
     layer_window,
+    make_attention,
     make_mlp,
     project_qkv,
     spec_norm,
@@ -72,11 +65,7 @@ class DecoderAttention(nn.Module):
             self.k_norm = spec_norm(spec, kd, dtype, device)
         self.rotary = layer_rotary(spec, layer, device)
         self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
-        scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
-        window, cap = layer_window(spec, layer), spec.attn_logit_softcap
-        self.attn = Attention(
-            self.hq, self.hkv, self.d, scale, backend, window, cap, alibi_heads(spec, device)
-        )
+        self.attn = make_attention(spec, layer, (self.hq, self.hkv), backend, device)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
