@@ -29,7 +29,7 @@ from xlaserve.kernels_pallas.ragged_paged_attention import (
     write_kv_quant,
 )
 from xlaserve.model_loader.spec import ModelSpec
-from xlaserve.models_flax.layers import Linear, apply_rotary, make_norm
+from xlaserve.models_flax.layers import Linear, _param, apply_rotary, make_norm
 
 # (k, v), each [N, S, Hkv, D]; quantized cache: (k codes, v codes, k scales, v scales), codes
 # [N, S, Hkv, D] int8 / float8_e4m3fn, scales float32 [N, S, Hkv].
@@ -71,15 +71,17 @@ def paged_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]. k_scale, v_scale: float32
-    [N, S, Hkv] for an int8 / fp8 cache (None for a float cache). alibi_slopes [Hq]: ALiBi,
-    which only the jnp reference implements (Bloom, MPT run it on every platform)."""
-    if alibi_slopes is not None:
+    [N, S, Hkv] for an int8 / fp8 cache (None for a float cache). alibi_slopes [Hq] (ALiBi) and
+    sinks [Hq] (attention sinks): only the jnp reference implements them (Bloom, MPT, gpt-oss
+    run it on every platform)."""
+    if alibi_slopes is not None or sinks is not None:
         return ref_ragged_paged_attention(
             q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+            k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks,
         )  # fmt: skip
     call = functools.partial(
         ragged_paged_attention,
@@ -123,6 +125,7 @@ def write_and_attend(
     sliding_window: int | None,
     soft_cap: float | None,
     alibi_slopes: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Write this step's k, v [T, Hkv, D] into the layer's cache (quantizing them for an int8 /
     fp8 cache), then attend with q [T, Hq, D]. Returns ([T, Hq, D], the updated cache)."""
@@ -141,6 +144,7 @@ def write_and_attend(
         k_scale=kv[2] if len(kv) == 4 else None,
         v_scale=kv[3] if len(kv) == 4 else None,
         alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     return o, kv
 
@@ -168,6 +172,8 @@ class Attention(nnx.Module):
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
         # Static (a tuple, not an array attribute: nnx would treat an array as state).
         self.alibi = tuple(spec.alibi_slopes) if spec.alibi_slopes is not None else None
+        # gpt-oss attention sinks: one learned logit per query head [Hq] (float32).
+        self.sinks = _param((spec.num_heads,), jnp.float32) if spec.attn_sinks else None
 
     def __call__(
         self,
@@ -193,6 +199,6 @@ class Attention(nnx.Module):
         o, kv = write_and_attend(
             q, k, v, kv, md,
             sm_scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
-            alibi_slopes=alibi,
+            alibi_slopes=alibi, sinks=None if self.sinks is None else self.sinks[...],
         )  # fmt: skip
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv

@@ -60,12 +60,19 @@ def make_attention(
     heads: tuple[int, int],
     backend: AttentionBackend,
     device: str,
-) -> Attention:
-    """The attention core of `layer` over this rank's (query, KV) heads: scale, sliding window,
-    soft-cap and ALiBi slopes from the spec."""
+) -> tuple[Attention, nn.Parameter | None]:
+    """The attention core of `layer` over this rank's (query, KV) heads (scale, sliding window,
+    soft-cap and ALiBi slopes from the spec) and, for spec.attn_sinks (gpt-oss), the layer's
+    sink logits float32 [Hq] (a parameter its attention module owns as `sinks`), else None."""
     scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
     window, cap = layer_window(spec, layer), spec.attn_logit_softcap
-    return Attention(*heads, spec.head_dim, scale, backend, window, cap, alibi_heads(spec, device))
+    attn = Attention(*heads, spec.head_dim, scale, backend, window, cap, alibi_heads(spec, device))
+    if not spec.attn_sinks:
+        return attn, None
+    if tp_world_size() > 1:
+        raise ValueError("attention sinks (gpt-oss) do not run with tensor parallelism yet")
+    sinks = torch.zeros(heads[0], dtype=torch.float32, device=device)
+    return attn, nn.Parameter(sinks, requires_grad=False)
 
 
 def alibi_heads(spec: ModelSpec, device: str) -> torch.Tensor | None:

@@ -65,7 +65,8 @@ class DecoderAttention(nn.Module):
             self.k_norm = spec_norm(spec, kd, dtype, device)
         self.rotary = layer_rotary(spec, layer, device)
         self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
-        self.attn = make_attention(spec, layer, (self.hq, self.hkv), backend, device)
+        # sinks: gpt-oss attention sinks [Hq] (a parameter) or None
+        self.attn, self.sinks = make_attention(spec, layer, (self.hq, self.hkv), backend, device)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
@@ -83,9 +84,10 @@ class DecoderAttention(nn.Module):
             if self.fuse_rope_kv and self.rotary.triton_enabled and len(kv) == 2:
                 # One kernel rotates q / k and writes k / v into the (float) paged cache.
                 q = self.rotary.forward_write_kv(positions, q, k, v, kv[0], kv[1], md.slot_mapping)
-                return self.o_proj(self.attn(q, None, None, kv, md, kv_written=True))
+                out = self.attn(q, None, None, kv, md, kv_written=True, sinks=self.sinks)
+                return self.o_proj(out)
             q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv, md))
+        return self.o_proj(self.attn(q, k, v, kv, md, sinks=self.sinks))
 
 
 class DecoderLayer(nn.Module):

@@ -234,6 +234,24 @@ def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers 
         return tf.MptConfig(
             vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=6, max_seq_len=256, **TOKENS
         )
+    if name == "gpt_oss":
+        return tf.GptOssConfig(
+            **{**c, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=1.0,  # small so that the clamps bite at these weight scales
+            **sliding,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 64,
+                "truncate": False,
+            },
+        )
     ds_moe = dict(
         n_routed_experts=8,
         num_experts_per_tok=2,
@@ -332,6 +350,7 @@ ARCHS = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "bloom": "BloomForCausalLM",
     "mpt": "MptForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

@@ -177,3 +177,13 @@ def test_alibi_slopes_match_transformers(heads: int) -> None:
     # MPT's tensor is slope * (k - (L - 1)); at k = L - 2 it is -slope.
     mpt = -build_mpt_alibi_tensor(heads, 2).reshape(heads, 2)[:, 0]
     np.testing.assert_allclose(mpt_alibi_slopes(heads), mpt.tolist(), rtol=1e-6)
+
+
+def test_gpt_oss_mxfp4_experts_are_named(arch_model_dir, tmp_path) -> None:  # noqa: ANN001
+    path = arch_model_dir("gpt_oss")
+
+    def mxfp4(t: dict) -> dict:
+        return {**t, "model.layers.0.mlp.experts.gate_up_proj_blocks": np.zeros(4, np.uint8)}
+
+    with pytest.raises(ValueError, match="MXFP4"):
+        _canonical(_rewrite(path, str(tmp_path / "mxfp4"), mxfp4))

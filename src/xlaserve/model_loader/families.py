@@ -964,3 +964,63 @@ register_llama_like(  # MPT (MosaicML): ALiBi, bias-free LayerNorm and projectio
         family="gpt2",
     ),
 )
+
+
+# ---- gpt-oss (attention sinks, sliding / full layers, biased clamped-SwiGLU MoE) --------------
+
+
+def _gpt_oss(cfg: dict, kw: dict) -> dict:
+    return dict(
+        **_sliding(cfg, kw),
+        qkv_bias=bool(cfg.get("attention_bias", True)),
+        o_bias=bool(cfg.get("attention_bias", True)),
+        attn_sinks=True,
+        num_experts=cfg["num_local_experts"],
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["intermediate_size"],
+        norm_topk_prob=True,  # softmax over the top-k logits == renormalised top-k softmax
+        moe_router_logit_bias=True,
+        moe_expert_bias=True,
+        moe_glu="swiglu_clamp",
+        extra=dict(
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        ),
+    )
+
+
+_GPT_OSS = LlamaLike(fields=_gpt_oss, family="moe")
+
+
+def _gpt_oss_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[str, np.ndarray]]:
+    """Experts ship as gate_up_proj [E, H, 2I] with gate / up interleaved on the last axis (and
+    its bias [E, 2I]), down_proj [E, I, H] (+ bias [E, H]): transposed and split here."""
+    if name.endswith(("_blocks", "_scales")):
+        raise ValueError(
+            f"{name}: MXFP4-quantized gpt-oss experts are not supported; load a bf16 checkpoint"
+        )
+    base = name[len("model.") :] if name.startswith("model.") else name
+    if base.endswith(".mlp.experts.gate_up_proj"):
+        head = base[: -len("gate_up_proj")]
+        t = np.swapaxes(w, 1, 2)  # [E, 2I, H]
+        return [
+            (head + "w_gate", np.ascontiguousarray(t[:, ::2])),
+            (head + "w_up", np.ascontiguousarray(t[:, 1::2])),
+        ]
+    if base.endswith(".mlp.experts.gate_up_proj_bias"):
+        head = base[: -len("gate_up_proj_bias")]
+        return [
+            (head + "b_gate", np.ascontiguousarray(w[:, ::2])),
+            (head + "b_up", np.ascontiguousarray(w[:, 1::2])),
+        ]
+    if base.endswith(".mlp.experts.down_proj"):
+        return [(base[: -len("down_proj")] + "w_down", np.ascontiguousarray(np.swapaxes(w, 1, 2)))]
+    if base.endswith(".mlp.experts.down_proj_bias"):
+        return [(base[: -len("down_proj_bias")] + "b_down", w)]
+    return _GPT_OSS.convert(name, w, spec)
+
+
+register_architecture(  # gpt-oss (OpenAI): sinks, alternating sliding / full, biased clamped MoE
+    ["GptOssForCausalLM"],
+    ArchAdapter(family="moe", build_spec=_GPT_OSS.build_spec, convert=_gpt_oss_convert),
+)

@@ -25,6 +25,8 @@ Canonical weight names (what backends' models expect; adapters rename/split HF t
     layers.{i}.mlp.experts.w_gate             [E, I, H]
     layers.{i}.mlp.experts.w_up               [E, I, H]
     layers.{i}.mlp.experts.w_down             [E, H, I]
+    layers.{i}.mlp.experts.b_gate / b_up      [E, I]; b_down [E, H]   (moe_expert_bias)
+    layers.{i}.self_attn.sinks                [Hq]          (attn_sinks)
     layers.{i}.mlp.shared_expert.{gate_proj,up_proj,down_proj}.weight  (Is = shared_expert_intermediate_size)
     layers.{i}.mlp.shared_expert_gate.weight  [1, H]        (shared_expert_gate: sigmoid gate)
   MLA (family "mla"; Dn/Dr/Dv/Rq/Rkv from spec.extra, see ModelSpec.extra):
@@ -85,6 +87,9 @@ class ModelSpec:
     # position (Bloom, MPT; the per-query constant of -slope * query position cancels in softmax).
     alibi_slopes: list[float] | None = None
     embed_norm: bool = False  # a norm right after the token embedding (Bloom: embed_layernorm)
+    # Attention sinks (gpt-oss): a learned logit per query head (layers.{i}.self_attn.sinks [Hq])
+    # joins every softmax denominator: it takes probability mass and attends to nothing.
+    attn_sinks: bool = False
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict (type/rope_type, factor, ...)
     partial_rotary_factor: float = 1.0
@@ -126,6 +131,15 @@ class ModelSpec:
     # A group's score = sum of its best moe_group_topn expert scores (2: DeepSeek-V3; 1 = the
     # group's max: DeepSeek-V2 group_limited_greedy).
     moe_group_topn: int = 2
+    # router.bias [E] is part of the router logits, so of the weights too (gpt-oss), not only
+    # of the selection (moe_router_bias).
+    moe_router_logit_bias: bool = False
+    # Expert biases experts.b_gate / b_up [E, I], b_down [E, H] (gpt-oss).
+    moe_expert_bias: bool = False
+    # The experts' gate: "act" = act(gate) * up; "swiglu_clamp" (gpt-oss) = g * sigmoid(alpha *
+    # g) * (clamp(up, -L, L) + 1) with g = min(gate, L); alpha, L = extra["swiglu_alpha"],
+    # extra["swiglu_limit"].
+    moe_glu: str = "act"
     # Routed expert output multiplied by this (DeepSeek-V3 routed_scaling_factor).
     moe_routed_scaling: float = 1.0
     # Shared expert output multiplied by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).

@@ -75,6 +75,8 @@ NOTES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "MLA + softmax group-limited (max) routing, shared experts",
     "BloomForCausalLM": "ALiBi (reference attention: torch_batched / jnp), embedding LayerNorm",
     "MptForCausalLM": "ALiBi (MPT slopes), bias-free LayerNorm and projections",
+    "GptOssForCausalLM": "attention sinks, sliding / full layers, biased clamped-SwiGLU MoE "
+    "(reference attention and experts paths; bf16 checkpoints, not MXFP4)",
 }
 
 
