@@ -131,6 +131,8 @@ class TorchModelRunner(RunnerCore):
         # CUDA: Triton paged attention (graph-capturable); elsewhere one batched torch attention.
         self.kernels = config.kernels
         default_attn = "triton" if self.device.type == "cuda" else "torch_batched"
+        if spec.alibi_slopes is not None or spec.attn_sinks:  # no Triton kernel takes them yet
+            default_attn = "torch_batched"
         ab = self.kernels.attention_backend
         self.attn_backend_name = default_attn if ab == "auto" else ab
         self.attn_backend = get_attention_backend(self.attn_backend_name, self.kernels)

@@ -378,8 +378,13 @@ def ref_ragged_paged_attention(
     impl: str = "reference",
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Plain jnp ragged paged attention (same contract as `ragged_paged_attention`).
+    alibi_slopes: float32 [Hq] (reference only): logits += slope[h] * key position (ALiBi).
+    sinks: float32 [Hq] (reference only): one more logit per head in each softmax denominator
+    (gpt-oss attention sinks).
 
     Gathers, for every token, its sequence's M pages: k [T, M*S, Hkv, D] (dequantized to
     float32 with k_scale/v_scale [N, S, Hkv] for an int8/fp8 cache), then masks (causal,
@@ -407,15 +412,23 @@ def ref_ragged_paged_attention(
     logits = jnp.einsum("tkgd,tlkd->tkgl", qf, k) * sm_scale  # [T, Hkv, G, L]
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(1, hkv, g, 1)
+        logits = logits + slopes * kpos.astype(jnp.float32)[:, None, None, :]
     mask = (kpos < kv_lens[seq][:, None]) & (kpos <= pos[:, None]) & valid[:, None]
     if sliding_window is not None:
         mask &= kpos > pos[:, None] - sliding_window
     mask = mask[:, None, None, :]  # [T, 1, 1, L]
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, g, 1)
+    if sink is not None:
+        row_max = jnp.maximum(row_max, sink)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - row_max)
     p = p / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("tkgl,tlkd->tkgd", p, v)
     return out.reshape(t, hq, d).astype(q.dtype)

@@ -24,9 +24,12 @@ from jax.sharding import PartitionSpec as P
 
 from xlaserve.config import kernel_switch
 from xlaserve.kernels_pallas import ragged_paged_attention, write_kv
-from xlaserve.kernels_pallas.ragged_paged_attention import write_kv_quant
+from xlaserve.kernels_pallas.ragged_paged_attention import (
+    ref_ragged_paged_attention,
+    write_kv_quant,
+)
 from xlaserve.model_loader.spec import ModelSpec
-from xlaserve.models_flax.layers import Linear, apply_rotary, make_norm
+from xlaserve.models_flax.layers import Linear, _param, apply_rotary, make_norm
 
 # (k, v), each [N, S, Hkv, D]; quantized cache: (k codes, v codes, k scales, v scales), codes
 # [N, S, Hkv, D] int8 / float8_e4m3fn, scales float32 [N, S, Hkv].
@@ -67,9 +70,19 @@ def paged_attention(
     soft_cap: float | None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]. k_scale, v_scale: float32
-    [N, S, Hkv] for an int8 / fp8 cache (None for a float cache)."""
+    [N, S, Hkv] for an int8 / fp8 cache (None for a float cache). alibi_slopes [Hq] (ALiBi) and
+    sinks [Hq] (attention sinks): only the jnp reference implements them (Bloom, MPT, gpt-oss
+    run it on every platform)."""
+    if alibi_slopes is not None or sinks is not None:
+        return ref_ragged_paged_attention(
+            q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks,
+        )  # fmt: skip
     call = functools.partial(
         ragged_paged_attention,
         sm_scale=sm_scale,
@@ -111,6 +124,8 @@ def write_and_attend(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    alibi_slopes: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Write this step's k, v [T, Hkv, D] into the layer's cache (quantizing them for an int8 /
     fp8 cache), then attend with q [T, Hq, D]. Returns ([T, Hq, D], the updated cache)."""
@@ -128,6 +143,8 @@ def write_and_attend(
         soft_cap=soft_cap,
         k_scale=kv[2] if len(kv) == 4 else None,
         v_scale=kv[3] if len(kv) == 4 else None,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     return o, kv
 
@@ -153,6 +170,10 @@ class Attention(nnx.Module):
         self.sliding_window = spec.layer_sliding_window(layer)
         self.soft_cap = spec.attn_logit_softcap
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
+        # Static (a tuple, not an array attribute: nnx would treat an array as state).
+        self.alibi = tuple(spec.alibi_slopes) if spec.alibi_slopes is not None else None
+        # gpt-oss attention sinks: one learned logit per query head [Hq] (float32).
+        self.sinks = _param((spec.num_heads,), jnp.float32) if spec.attn_sinks else None
 
     def __call__(
         self,
@@ -174,8 +195,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        alibi = None if self.alibi is None else jnp.asarray(self.alibi, jnp.float32)
         o, kv = write_and_attend(
             q, k, v, kv, md,
             sm_scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+            alibi_slopes=alibi, sinks=None if self.sinks is None else self.sinks[...],
         )  # fmt: skip
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv

@@ -52,6 +52,7 @@ class DecoderLayer(nnx.Module):
         self.pre_norms, self.sandwich = spec.pre_norms, spec.sandwich_norms
         self.parallel, self.rm = spec.parallel_residual, spec.residual_multiplier
         self.local_rope = uses_local_rope(spec, layer)
+        self.use_rope = layer not in spec.nope_layers  # NoPE layers (SmolLM3, Cohere2, ...)
         if spec.pre_norms or spec.parallel_residual:
             self.input_layernorm = spec_norm(spec, h, dtype)
             self.post_attention_layernorm = spec_norm(spec, h, dtype)
@@ -95,7 +96,7 @@ class DecoderForCausalLM(nnx.Module):
     """See the module docstring."""
 
     def __init__(self, spec: ModelSpec, dtype: jnp.dtype) -> None:
-        if spec.position_embedding not in ("rope", "learned"):
+        if spec.position_embedding not in ("rope", "learned", "alibi"):
             raise ValueError(f"unknown position_embedding {spec.position_embedding!r}")
         h = spec.hidden_size
         self.embed_tokens = Embed(spec.vocab_size, h, dtype)
@@ -104,9 +105,14 @@ class DecoderForCausalLM(nnx.Module):
             if spec.position_embedding == "learned"
             else None
         )
+        self.embed_layernorm = spec_norm(spec, h, dtype) if spec.embed_norm else None  # Bloom
         self.layers = nnx.List([DecoderLayer(spec, i, dtype) for i in range(spec.num_layers)])
         self.norm = spec_norm(spec, h, dtype)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(h, spec.vocab_size, dtype)
+        self.lm_head = (
+            None
+            if spec.tie_word_embeddings
+            else Linear(h, spec.vocab_size, dtype, bias=spec.lm_head_bias)
+        )
         rotary = local_rotary = None  # assigned once below: nnx fixes an attribute's kind
         if spec.position_embedding == "rope":
             rope_spec = spec
@@ -135,6 +141,8 @@ class DecoderForCausalLM(nnx.Module):
             x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions)
+        if self.embed_layernorm is not None:
+            x = self.embed_layernorm(x)
         rope = {False: (None, None), True: (None, None)}
         if self.rotary is not None:
             rope[False] = self.rotary.cos_sin(positions)
@@ -142,7 +150,8 @@ class DecoderForCausalLM(nnx.Module):
             rope[True] = self.local_rotary.cos_sin(positions)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, kv = layer(x, *rope[layer.local_rope], kv, md)
+            cos_sin = rope[layer.local_rope] if layer.use_rope else (None, None)
+            x, kv = layer(x, *cos_sin, kv, md)
             new_caches.append(kv)
         return self.norm(x), new_caches
 

@@ -42,12 +42,14 @@ def select_experts(
     num_groups: int = 1,
     topk_groups: int = 1,
     routed_scaling: float = 1.0,
+    group_topn: int = 2,
 ) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int32).
 
     softmax: top-k of softmax(logits). sigmoid (DeepSeek-V3): scores = sigmoid(logits); experts
     are chosen on scores + score_bias within the best `topk_groups` of `num_groups` groups (a
-    group's score is the sum of its top-2); weights are the unbiased scores. Then optional
+    group's score is the sum of its top `group_topn`: 2 for V3, 1 = max for V2); weights are the
+    unbiased scores. Then optional
     renormalisation to sum 1, then * routed_scaling.
     """
     logits = logits.astype(jnp.float32)
@@ -61,7 +63,7 @@ def select_experts(
     if num_groups > 1:
         t, e = choice.shape
         grouped = choice.reshape(t, num_groups, e // num_groups)
-        group_scores = jax.lax.top_k(grouped, min(2, e // num_groups))[0].sum(-1)  # [T, G]
+        group_scores = jax.lax.top_k(grouped, min(group_topn, e // num_groups))[0].sum(-1)
         best = jax.lax.top_k(group_scores, topk_groups)[1]  # [T, topk_groups]
         keep = jnp.any(best[:, :, None] == jnp.arange(num_groups)[None, None, :], axis=1)
         choice = jnp.where(jnp.repeat(keep, e // num_groups, axis=1), choice, -jnp.inf)
@@ -101,6 +103,47 @@ def _expert_rows(
     y = gmm(h, w_down, sizes, True, impl)  # [T*K, H]
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return jnp.take(y, inv, axis=0).reshape(t, k, -1).astype(jnp.float32)
+
+
+def expert_glu(gate: jax.Array, up: jax.Array, glu: tuple) -> jax.Array:
+    """The experts' gated activation (ModelSpec.moe_glu): glu = ("act", activation) ->
+    act(gate) * up; ("swiglu_clamp", alpha, limit) -> gpt-oss's clamped SwiGLU."""
+    if glu[0] == "swiglu_clamp":
+        _, alpha, lim = glu
+        g = jnp.minimum(gate, lim)
+        return g * jax.nn.sigmoid(g * alpha) * (jnp.clip(up, -lim, lim) + 1)
+    return get_activation(glu[1])(gate) * up
+
+
+def fused_experts_biased(
+    x: jax.Array,
+    w: tuple[jax.Array, ...],
+    b: tuple[jax.Array | None, ...],
+    weights: jax.Array,
+    ids: jax.Array,
+    glu: tuple,
+    impl: str = "auto",
+) -> jax.Array:
+    """`fused_experts` with expert biases b = (b_gate [E, I], b_up [E, I], b_down [E, H]) and
+    `expert_glu` (gpt-oss): x [T, H] -> [T, H]. Rows sorted by expert, three grouped matmuls."""
+    w_gate, w_up, w_down = w
+    t, k = ids.shape
+    e = w_gate.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = jnp.take(x, order // k, axis=0)  # [T*K, H]
+    row_e = jnp.take(flat, order)  # expert of each sorted row
+
+    def bias(y: jax.Array, bb: jax.Array | None) -> jax.Array:
+        return y if bb is None else y + jnp.take(bb, row_e, axis=0).astype(y.dtype)
+
+    gate = bias(gmm(xs, w_gate, sizes, True, impl), b[0])
+    up = bias(gmm(xs, w_up, sizes, True, impl), b[1])
+    y = bias(gmm(expert_glu(gate, up, glu), w_down, sizes, True, impl), b[2])  # [T*K, H]
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = jnp.take(y, inv, axis=0).reshape(t, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkh,tk->th", y, weights).astype(x.dtype)
 
 
 def fused_experts(
@@ -168,11 +211,14 @@ class Router(nnx.Module):
 
     def __init__(self, spec: ModelSpec, dtype: jnp.dtype) -> None:
         self.weight = _param((spec.num_experts, spec.hidden_size), dtype)
-        self.bias = _param((spec.num_experts,), dtype) if spec.moe_router_bias else None
+        with_bias = spec.moe_router_bias or spec.moe_router_logit_bias
+        self.bias = _param((spec.num_experts,), dtype) if with_bias else None
+        self.logit_bias = spec.moe_router_logit_bias  # gpt-oss: the bias is part of the logits
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...].astype(jnp.float32)
-        return jnp.einsum("th,eh->te", x.astype(jnp.float32), w)
+        logits = jnp.einsum("th,eh->te", x.astype(jnp.float32), w)
+        return logits + self.bias[...].astype(jnp.float32) if self.logit_bias else logits
 
 
 class Experts(nnx.Module):
@@ -185,6 +231,13 @@ class Experts(nnx.Module):
             nnx.Param(jnp.zeros(shape, dtype), ep_axis=0)
             for shape in ((e, i, h), (e, i, h), (e, h, i))
         )
+        # gpt-oss expert biases (each attribute assigned once: nnx fixes an attribute's kind)
+        biases = (
+            [nnx.Param(jnp.zeros(shape, dtype), ep_axis=0) for shape in ((e, i), (e, i), (e, h))]
+            if spec.moe_expert_bias
+            else [None, None, None]
+        )
+        self.b_gate, self.b_up, self.b_down = biases
 
 
 class FusedMoE(nnx.Module):
@@ -199,8 +252,15 @@ class FusedMoE(nnx.Module):
             spec.moe_num_groups,
             spec.moe_topk_groups,
             spec.moe_routed_scaling,
+            spec.moe_group_topn,
         )
         self.activation = spec.activation
+        self.biased = spec.moe_expert_bias or spec.moe_glu != "act"
+        self.glu = (
+            ("swiglu_clamp", float(spec.extra["swiglu_alpha"]), float(spec.extra["swiglu_limit"]))
+            if spec.moe_glu == "swiglu_clamp"
+            else ("act", spec.activation)
+        )
         self.impl = impl or kernel_switch("gmm_impl")  # load_model sets KernelConfig.gmm_impl
         self.ep_mesh: Mesh | None = None  # static: set by enable_expert_parallel
         self.router = Router(spec, dtype)
@@ -214,14 +274,19 @@ class FusedMoE(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        k, renorm, scoring, groups, topk_groups, scaling = self.routing
-        bias = None if self.router.bias is None else self.router.bias[...]
+        k, renorm, scoring, groups, topk_groups, scaling, topn = self.routing
+        bias = None if self.router.bias is None or self.router.logit_bias else self.router.bias[...]
         weights, ids = select_experts(
-            self.router(x), k, renorm, scoring, bias, groups, topk_groups, scaling
+            self.router(x), k, renorm, scoring, bias, groups, topk_groups, scaling, topn
         )
         ex = self.experts
         w = (ex.w_gate[...], ex.w_up[...], ex.w_down[...])
-        if self.ep_mesh is not None:
+        if self.biased:
+            if self.ep_mesh is not None:
+                raise ValueError("expert biases (gpt-oss) do not run expert-parallel yet")
+            b = tuple(None if p is None else p[...] for p in (ex.b_gate, ex.b_up, ex.b_down))
+            out = fused_experts_biased(x, w, b, weights, ids, self.glu, self.impl)
+        elif self.ep_mesh is not None:
             out = fused_experts_ep(x, *w, weights, ids, self.ep_mesh, self.activation, self.impl)
         else:
             out = fused_experts(x, *w, weights, ids, self.activation, self.impl)

@@ -144,9 +144,12 @@ class AttentionBackend:
 
 class TorchRefAttention(AttentionBackend):
     """Reference backend from plain torch ops: per request, gather its blocks and run masked
-    attention in float32. Exact enough for parity tests; any device."""
+    attention in float32. Exact enough for parity tests; any device. Takes ALiBi slopes
+    (`alibi_slopes` [Hq] float32: logits += slope * key position)."""
 
     name = "torch_ref"
+    supports_alibi = True
+    supports_sinks = True  # `sinks` [Hq] float32: one more logit in each softmax (gpt-oss)
 
     def write_kv(
         self,
@@ -182,6 +185,8 @@ class TorchRefAttention(AttentionBackend):
         logit_softcap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _, block_size, hkv, d = k_cache.shape
         hq = q.shape[1]
@@ -209,12 +214,18 @@ class TorchRefAttention(AttentionBackend):
                 scores = torch.tanh(scores / logit_softcap) * logit_softcap
             qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             kpos = torch.arange(kv_len, device=q.device)[None, :]
+            if alibi_slopes is not None:
+                scores = scores + alibi_slopes[:, None, None] * kpos.float()
             allowed = kpos <= qpos
             if sliding_window is not None:
                 # Same convention as HF: a query sees itself and the previous window - 1 tokens.
                 allowed = allowed & (kpos > qpos - sliding_window)
             scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            if sinks is not None:  # the sink's column takes mass in the softmax, then drops
+                sink = sinks.float()[:, None, None].expand(hq, q_len, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
             out[q0:q1] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
         return out
 
@@ -276,6 +287,8 @@ class TorchBatchedAttention(TorchRefAttention):
         logit_softcap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n, block_size, hkv, d = k_cache.shape
         t, hq, _ = q.shape
@@ -298,10 +311,21 @@ class TorchBatchedAttention(TorchRefAttention):
             allowed[:, None, None, :, :].expand(b, 1, group, mq, -1).reshape(b, 1, group * mq, -1)
         )
         # Padding query rows are fully masked: they come out NaN or garbage and are dropped below.
-        if logit_softcap:
+        if logit_softcap or alibi_slopes is not None or sinks is not None:
             scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, Hkv, G * Mq, Mkv]
-            scores = torch.tanh(scores / logit_softcap) * logit_softcap
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            if logit_softcap:
+                scores = torch.tanh(scores / logit_softcap) * logit_softcap
+            if alibi_slopes is not None:  # per query head (rows h = kv * G + g), key position
+                sl = alibi_slopes.view(1, hkv, group, 1, 1).expand(1, hkv, group, mq, 1)
+                kp = lay["kpos"].float()[:, None, None, :, :]  # [1, 1, 1, 1, Mkv]
+                scores = scores + (sl * kp).reshape(1, hkv, group * mq, -1)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            if sinks is not None:  # [Hq] -> one extra column per query row, dropped after
+                sink = sinks.float().view(1, hkv, group, 1, 1).expand(b, hkv, group, mq, 1)
+                scores = torch.cat([scores, sink.reshape(b, hkv, group * mq, 1)], dim=-1)
+                probs = torch.softmax(scores, dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
             o = torch.matmul(probs, v)  # [B, Hkv, G * Mq, D]
         else:  # the fused kernel: no [.., Mq, Mkv] score tensor kept around
             o = torch.nn.functional.scaled_dot_product_attention(
@@ -397,8 +421,15 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
+        if alibi_slopes is not None and not getattr(backend, "supports_alibi", False):
+            raise ValueError(
+                f"ALiBi (Bloom, MPT) needs an attention backend that implements it (torch_ref, "
+                f"torch_batched); {getattr(backend, 'name', type(backend).__name__)!r} does not"
+            )
+        self.alibi_slopes = alibi_slopes  # float32 [Hq] or None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -406,6 +437,10 @@ class Attention(nn.Module):
         self.backend = backend
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+
+    def _alibi(self) -> dict[str, torch.Tensor]:
+        """The backend kwarg only when set (backends without ALiBi keep their signature)."""
+        return {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
 
     def forward(
         self,
@@ -415,9 +450,19 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, ...],
         md: AttentionMetadata,
         kv_written: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """kv_cache: (k, v) or, quantized, (k codes, v codes, k scales, v scales).
-        kv_written: K/V of this step are already in the cache (see the class doc)."""
+        kv_written: K/V of this step are already in the cache (see the class doc).
+        sinks: attention-sink logits [Hq] (gpt-oss), for backends with `supports_sinks`."""
+        extra = self._alibi()
+        if sinks is not None:
+            if not getattr(self.backend, "supports_sinks", False):
+                raise ValueError(
+                    "attention sinks (gpt-oss) need an attention backend that implements them "
+                    f"(torch_ref, torch_batched); {getattr(self.backend, 'name', '?')!r} does not"
+                )
+            extra["sinks"] = sinks
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if not kv_written and (k is None or v is None):
             raise ValueError("Attention: k and v are needed unless kv_written")
@@ -429,12 +474,13 @@ class Attention(nn.Module):
                 )
             out = self.backend.forward(
                 q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap,
-                k_scale=ks, v_scale=vs,
+                k_scale=ks, v_scale=vs, **extra,
             )  # fmt: skip
         else:
             if not kv_written:
                 self.backend.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
             out = self.backend.forward(
-                q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap
-            )
+                q, k_cache, v_cache, md, self.scale, self.sliding_window, self.logit_softcap,
+                **extra,
+            )  # fmt: skip
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -18,6 +18,7 @@ from torch import nn
 
 from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
 from xlaserve.backends_torch.layers.activation import MLP
+from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend
 from xlaserve.backends_torch.layers.linear import can_fuse, make_linear, make_merged_linear
 from xlaserve.backends_torch.layers.norm import make_norm
 from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
@@ -44,13 +45,43 @@ def spec_norm(spec: ModelSpec, dim: int, dtype: torch.dtype, device: str) -> nn.
 
 
 def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | None:
-    """Rope of one layer (None for learned positions). Sliding layers of a spec with
-    rope_local_theta use plain rope with that theta (Gemma3)."""
-    if spec.position_embedding != "rope":
+    """Rope of one layer (None for learned positions and spec.nope_layers). Sliding layers of a
+    spec with rope_local_theta use plain rope with that theta (Gemma3)."""
+    if spec.position_embedding != "rope" or layer in spec.nope_layers:
         return None
     if spec.rope_local_theta and layer_window(spec, layer) is not None:
         spec = replace(spec, rope_theta=spec.rope_local_theta, rope_scaling=None)
     return RotaryEmbedding(spec, device)
+
+
+def make_attention(
+    spec: ModelSpec,
+    layer: int,
+    heads: tuple[int, int],
+    backend: AttentionBackend,
+    device: str,
+) -> tuple[Attention, nn.Parameter | None]:
+    """The attention core of `layer` over this rank's (query, KV) heads (scale, sliding window,
+    soft-cap and ALiBi slopes from the spec) and, for spec.attn_sinks (gpt-oss), the layer's
+    sink logits float32 [Hq] (a parameter its attention module owns as `sinks`), else None."""
+    scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
+    window, cap = layer_window(spec, layer), spec.attn_logit_softcap
+    attn = Attention(*heads, spec.head_dim, scale, backend, window, cap, alibi_heads(spec, device))
+    if not spec.attn_sinks:
+        return attn, None
+    if tp_world_size() > 1:
+        raise ValueError("attention sinks (gpt-oss) do not run with tensor parallelism yet")
+    sinks = torch.zeros(heads[0], dtype=torch.float32, device=device)
+    return attn, nn.Parameter(sinks, requires_grad=False)
+
+
+def alibi_heads(spec: ModelSpec, device: str) -> torch.Tensor | None:
+    """ALiBi slopes float32 [Hq] of this rank's query heads (None without ALiBi)."""
+    if spec.alibi_slopes is None:
+        return None
+    if tp_world_size() > 1:
+        raise ValueError("ALiBi models (Bloom, MPT) do not run with tensor parallelism yet")
+    return torch.tensor(spec.alibi_slopes, dtype=torch.float32, device=device)
 
 
 def attention_heads(spec: ModelSpec) -> tuple[int, int]:

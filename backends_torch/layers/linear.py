@@ -264,11 +264,18 @@ def make_vocab_embedding(
 
 
 def make_lm_head(
-    hidden: int, vocab: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    hidden: int,
+    vocab: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    bias: bool = False,
 ) -> nn.Module:
-    """Untied lm head: hidden [B, H] -> logits [B, V] (vocab-split and all-gathered with TP)."""
+    """Untied lm head: hidden [B, H] -> logits [B, V] (vocab-split and all-gathered with TP).
+    bias: an lm_head.bias [V] (Phi, GPT-J; single device only)."""
     if not _tp_active():
-        return Linear(hidden, vocab, False, dtype, device)
+        return Linear(hidden, vocab, bias, dtype, device)
+    if bias:
+        raise ValueError("an lm_head with a bias is not supported with tensor parallelism")
     from xlaserve.backends_torch.distributed.layers import ParallelLMHead
 
     return ParallelLMHead(vocab, hidden, dtype, device)

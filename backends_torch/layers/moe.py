@@ -38,12 +38,14 @@ def select_experts(
     num_groups: int = 1,
     topk_groups: int = 1,
     routed_scaling: float = 1.0,
+    group_topn: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int64).
 
     softmax: top-k of softmax(logits). sigmoid (DeepSeek-V3): scores = sigmoid(logits); experts are
     chosen on scores + score_bias, restricted to the best `topk_groups` of `num_groups` groups (a
-    group's score is the sum of its top-2); weights are the unbiased scores of the chosen experts.
+    group's score is the sum of its top `group_topn`, 2 for V3, 1 = max for V2); weights are the
+    unbiased scores of the chosen experts.
     Then optional renormalisation to sum 1, then * routed_scaling.
     """
     logits = logits.float()
@@ -58,7 +60,7 @@ def select_experts(
     if num_groups > 1:
         t, e = choice.shape
         grouped = choice.view(t, num_groups, e // num_groups)
-        group_scores = grouped.topk(min(2, e // num_groups), dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_scores = grouped.topk(min(group_topn, e // num_groups), dim=-1)[0].sum(dim=-1)
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(topk_groups, dim=-1)[1], True)
         choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(t, e), -torch.inf)
@@ -94,6 +96,41 @@ def fused_experts_ref(
         xe = x[tok]
         h = act(F.linear(xe, w_gate[e])) * F.linear(xe, w_up[e])
         y = F.linear(h, w_down[e])
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)
+
+
+def expert_glu(gate: torch.Tensor, up: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """The experts' gated activation [.., I] (ModelSpec.moe_glu): act(gate) * up, or gpt-oss's
+    clamped SwiGLU g * sigmoid(alpha * g) * (clamp(up, -L, L) + 1), g = min(gate, L)."""
+    if spec.moe_glu == "swiglu_clamp":
+        lim, alpha = float(spec.extra["swiglu_limit"]), float(spec.extra["swiglu_alpha"])
+        g = gate.clamp(max=lim)
+        return g * torch.sigmoid(g * alpha) * (up.clamp(-lim, lim) + 1)
+    if spec.moe_glu != "act":
+        raise ValueError(f"unknown moe_glu {spec.moe_glu!r} (expected 'act' or 'swiglu_clamp')")
+    return get_activation(spec.activation)(gate) * up
+
+
+def fused_experts_biased_ref(
+    x: torch.Tensor,
+    experts: nn.Module,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    spec: ModelSpec,
+) -> torch.Tensor:
+    """`fused_experts_ref` with expert biases and `expert_glu` (gpt-oss): x [T, H] -> [T, H].
+    The Triton MoE kernel takes neither, so such models run this loop on every device."""
+    e_ = experts
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids.reshape(-1)).tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        xe = x[tok]
+        gate = F.linear(xe, e_.w_gate[e], None if e_.b_gate is None else e_.b_gate[e])
+        up = F.linear(xe, e_.w_up[e], None if e_.b_up is None else e_.b_up[e])
+        y = F.linear(
+            expert_glu(gate, up, spec), e_.w_down[e], None if e_.b_down is None else e_.b_down[e]
+        )
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)
 
@@ -145,12 +182,14 @@ class Router(nn.Module):
         # The selection bias is kept in float32 whatever the model dtype (as checkpoints ship it).
         self.bias = (
             nn.Parameter(torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False)
-            if spec.moe_router_bias
+            if spec.moe_router_bias or spec.moe_router_logit_bias
             else None
         )
+        self.logit_bias = spec.moe_router_logit_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float())
+        return logits + self.bias if self.logit_bias else logits
 
 
 class Experts(nn.Module):
@@ -166,6 +205,9 @@ class Experts(nn.Module):
             )
 
         self.w_gate, self.w_up, self.w_down = p(e, i, h), p(e, i, h), p(e, h, i)
+        self.b_gate = self.b_up = self.b_down = None
+        if spec.moe_expert_bias:  # gpt-oss
+            self.b_gate, self.b_up, self.b_down = p(e, i), p(e, i), p(e, h)
 
 
 class FusedMoE(nn.Module):
@@ -211,13 +253,17 @@ class FusedMoE(nn.Module):
             s.num_experts_per_tok,
             s.norm_topk_prob,
             s.moe_scoring,
-            self.router.bias,
+            None if s.moe_router_logit_bias else self.router.bias,
             s.moe_num_groups,
             s.moe_topk_groups,
             s.moe_routed_scaling,
+            s.moe_group_topn,
         )
         e = self.experts
-        out = self._experts_fn(x, e.w_gate, e.w_up, e.w_down, weights, ids, s.activation)
+        if s.moe_expert_bias or s.moe_glu != "act":
+            out = fused_experts_biased_ref(x, e, weights, ids, s)
+        else:
+            out = self._experts_fn(x, e.w_gate, e.w_up, e.w_down, weights, ids, s.activation)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

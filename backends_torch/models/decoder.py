@@ -1,15 +1,9 @@
-"""One generic decoder-only transformer built from a ModelSpec; every dense/MoE family is this
-module with different spec fields (the adapters in model_loader/registry.py set them):
-
-- llama (Llama, Mistral, Qwen2/3, Phi3): RMS pre-norms, rope, gated MLP, optional qkv bias/qk-norm.
-- granite: + embedding/residual multipliers, attention multiplier (attn_scale), logits_scaling.
-- gemma (Gemma, Gemma2, Gemma3 text): norm weight offset 1, sqrt(H) embedding scale, sandwich
-  norms, attention/final logit soft-caps, per-layer sliding windows, local rope theta.
-- olmo2: no pre-norms, post-norms only, qk-norm over the full projection.
-- gpt2 / gpt_neox / starcoder2: LayerNorm with bias, plain MLP, learned positions (gpt2),
-  parallel residual and partial rotary (gpt_neox).
-- moe (Mixtral, Qwen2-MoE, Qwen3-MoE): FusedMoE in place of the MLP.
-- mla (DeepSeek-V3): MLA attention (models/mla.py) + FusedMoE.
+"""One generic decoder-only transformer built from a ModelSpec; every dense / MoE family is this
+module with different spec fields, set by the adapters (model_loader/registry.py, families.py; the
+README's models table lists them): norm kind / offset / placement (pre, sandwich, post-only), rope
+(partial, local theta, NoPE layers), learned positions or ALiBi, qkv / o / MLP / lm_head biases,
+qk-norm, sliding windows, soft-caps, multipliers, parallel residual, FusedMoE in place of the MLP;
+mla (DeepSeek) swaps in MLA attention (models/mla.py).
 
 Parameter names are the canonical ones of `model_loader/spec.py` (layers/blocks.py builds the
 projections). With Triton attention kernels, rotary and act-and-mul run in Triton too (see
@@ -22,7 +16,6 @@ import torch
 from torch import nn
 
 from xlaserve.backends_torch.layers.attention import (
-    Attention,
     AttentionBackend,
     AttentionMetadata,
     TorchRefAttention,
@@ -32,6 +25,7 @@ from xlaserve.backends_torch.layers.blocks import (
     build_qkv,
     layer_rotary,
     layer_window,
+    make_attention,
     make_mlp,
     project_qkv,
     spec_norm,
@@ -71,9 +65,8 @@ class DecoderAttention(nn.Module):
             self.k_norm = spec_norm(spec, kd, dtype, device)
         self.rotary = layer_rotary(spec, layer, device)
         self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
-        scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
-        window, cap = layer_window(spec, layer), spec.attn_logit_softcap
-        self.attn = Attention(self.hq, self.hkv, self.d, scale, backend, window, cap)
+        # sinks: gpt-oss attention sinks [Hq] (a parameter) or None
+        self.attn, self.sinks = make_attention(spec, layer, (self.hq, self.hkv), backend, device)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
@@ -91,9 +84,10 @@ class DecoderAttention(nn.Module):
             if self.fuse_rope_kv and self.rotary.triton_enabled and len(kv) == 2:
                 # One kernel rotates q / k and writes k / v into the (float) paged cache.
                 q = self.rotary.forward_write_kv(positions, q, k, v, kv[0], kv[1], md.slot_mapping)
-                return self.o_proj(self.attn(q, None, None, kv, md, kv_written=True))
+                out = self.attn(q, None, None, kv, md, kv_written=True, sinks=self.sinks)
+                return self.o_proj(out)
             q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv, md))
+        return self.o_proj(self.attn(q, k, v, kv, md, sinks=self.sinks))
 
 
 class DecoderLayer(nn.Module):
@@ -191,14 +185,18 @@ class DecoderForCausalLM(CausalLMBase):
             self.embed_positions = VocabEmbedding(
                 spec.max_position_embeddings, spec.hidden_size, dtype, device
             )
-        elif spec.position_embedding != "rope":
+        elif spec.position_embedding not in ("rope", "alibi"):
             raise ValueError(f"unknown position_embedding {spec.position_embedding!r}")
+        if spec.embed_norm:  # Bloom: a LayerNorm right after the embedding
+            self.embed_layernorm = spec_norm(spec, spec.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, attn_backend, dtype, device, kc) for i in range(spec.num_layers)
         )
         self.norm = spec_norm(spec, spec.hidden_size, dtype, device)
         if not spec.tie_word_embeddings:
-            self.lm_head = make_lm_head(spec.hidden_size, spec.vocab_size, dtype, device)
+            self.lm_head = make_lm_head(
+                spec.hidden_size, spec.vocab_size, dtype, device, bias=spec.lm_head_bias
+            )
         if kernels is not None:
             self.use_kernels(kernels)
         if triton_ops_default(device, attn_backend, kc):
@@ -217,6 +215,8 @@ class DecoderForCausalLM(CausalLMBase):
             x = x * self.spec.embedding_multiplier
         if self.spec.position_embedding == "learned":
             x = x + self.embed_positions(positions)
+        if self.spec.embed_norm:
+            x = self.embed_layernorm(x)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv, attn_metadata)

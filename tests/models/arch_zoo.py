@@ -134,7 +134,168 @@ def _config(name: str):  # noqa: ANN202, PLR0911 - a transformers config
             v_head_dim=16,
             routed_scaling_factor=2.5,
         )
-    raise ValueError(name)
+    cfg = _config_more(name)
+    if cfg is None:
+        raise ValueError(name)
+    return cfg
+
+
+def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers config or None
+    """Families declared as data in model_loader/families.py (issue 26)."""
+    import transformers as tf
+
+    c = COMMON
+    no_kv = {k: v for k, v in c.items() if k != "num_key_value_heads"}
+    gpt = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, **TOKENS)
+    sliding = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    if name == "helium":
+        return tf.HeliumConfig(**c, head_dim=16, attention_bias=True)
+    if name == "seed_oss":
+        return tf.SeedOssConfig(**c, head_dim=16, attention_bias=True, attention_out_bias=True)
+    if name == "ernie4_5":
+        return tf.Ernie4_5Config(**c, head_dim=16, use_bias=True)
+    if name == "arcee":
+        return tf.ArceeConfig(**c)
+    if name == "ministral":
+        return tf.MinistralConfig(**c, head_dim=16, **sliding)
+    if name == "smollm3":
+        return tf.SmolLM3Config(**c, no_rope_layers=[1, 0])
+    if name == "glm":
+        return tf.GlmConfig(**{**c, "intermediate_size": 96}, head_dim=16)
+    if name == "glm4":
+        return tf.Glm4Config(**{**c, "intermediate_size": 96}, head_dim=16)
+    if name == "nemotron":
+        return tf.NemotronConfig(**c, head_dim=16)
+    if name == "stablelm":
+        return tf.StableLmConfig(**c, use_qkv_bias=True)
+    if name == "stablelm_par":
+        return tf.StableLmConfig(**c, use_parallel_residual=True)
+    if name == "cohere":
+        return tf.CohereConfig(**c, logit_scale=0.5)
+    if name == "cohere2":
+        return tf.Cohere2Config(**c, logit_scale=0.5, **sliding)
+    if name == "olmo3":
+        return tf.Olmo3Config(**c, **sliding)
+    if name == "exaone4":
+        return tf.Exaone4Config(**c, **sliding)
+    if name == "olmoe":
+        return tf.OlmoeConfig(
+            **{**c, "intermediate_size": 32}, num_experts=4, num_experts_per_tok=2
+        )
+    if name == "granitemoe":
+        return tf.GraniteMoeConfig(
+            **{**c, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.15,
+            logits_scaling=2.0,
+        )
+    if name == "granitemoeshared":
+        return tf.GraniteMoeSharedConfig(
+            **{**c, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=48,
+        )
+    if name == "cwm":
+        return tf.CwmConfig(**c, head_dim=16, **sliding)
+    if name == "gptj":
+        return tf.GPTJConfig(**gpt, rotary_dim=8)
+    if name == "phi":
+        return tf.PhiConfig(**no_kv)
+    if name == "opt":
+        return tf.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            **TOKENS,
+        )
+    if name == "gpt_bigcode":
+        return tf.GPTBigCodeConfig(**gpt)
+    if name == "falcon":  # Falcon-40B/180B layout: grouped qkv, ln_attn + ln_mlp
+        # eos 383: HF generate(min_new_tokens) masks eos, and these weights pick token 0 once.
+        return tf.FalconConfig(
+            **{**no_kv, "tie_word_embeddings": True, "eos_token_id": VOCAB - 1},
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+        )
+    if name == "falcon_mqa":  # Falcon-7B layout: multi-query, one norm for a parallel block
+        return tf.FalconConfig(**no_kv, multi_query=True, parallel_attn=True)
+    if name == "bloom":  # 6 heads: the non-power-of-two slope rule
+        return tf.BloomConfig(
+            vocab_size=VOCAB, hidden_size=96, n_layer=2, n_head=6, seq_length=256, **TOKENS
+        )
+    if name == "mpt":
+        return tf.MptConfig(
+            vocab_size=VOCAB, d_model=96, n_layers=2, n_heads=6, max_seq_len=256, **TOKENS
+        )
+    if name == "gpt_oss":
+        return tf.GptOssConfig(
+            **{**c, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=1.0,  # small so that the clamps bite at these weight scales
+            **sliding,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 64,
+                "truncate": False,
+            },
+        )
+    ds_moe = dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+    if name == "glm4_moe":
+        return tf.Glm4MoeConfig(**c, head_dim=16, use_qk_norm=True, **ds_moe)
+    if name == "dots1":
+        return tf.Dots1Config(**c, head_dim=16, **ds_moe)
+    if name == "ernie4_5_moe":
+        return tf.Ernie4_5_MoeConfig(
+            **c,
+            head_dim=16,
+            moe_intermediate_size=32,
+            moe_k=2,
+            moe_num_experts=4,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+        )
+    if name == "deepseek_v2":  # V2 routing: group_limited_greedy (a group's max), no renorm
+        return tf.DeepseekV2Config(
+            **{**c, "num_key_value_heads": 4},
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,  # V2-Lite: plain q_proj
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            routed_scaling_factor=2.0,
+        )
+    return None
 
 
 # name -> HF architectures[0] it produces
@@ -157,6 +318,39 @@ ARCHS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    # issue 26: families declared as data (model_loader/families.py)
+    "helium": "HeliumForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "nemotron": "NemotronForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "stablelm_par": "StableLmForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
+    "cwm": "CwmForCausalLM",
+    "gptj": "GPTJForCausalLM",
+    "phi": "PhiForCausalLM",
+    "opt": "OPTForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "falcon": "FalconForCausalLM",
+    "falcon_mqa": "FalconForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "mpt": "MptForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

@@ -1,6 +1,7 @@
 """HF `architectures` name -> adapter (ModelSpec builder + weight-name map), one table both
-backends use. Adding an architecture = one `ArchAdapter` here + (if it needs a new family) one
-model file per backend."""
+backends use. Adding an architecture = one `ArchAdapter` here, or for a variation of an existing
+family one `LlamaLike` in `families.py` (no backend code; docs/adding_an_architecture.md), + (if
+it needs a new block structure) one model file per backend."""
 
 from __future__ import annotations
 
@@ -751,3 +752,7 @@ def iter_canonical_weights(
     from xlaserve.quantization.hf_formats import prequantized_stream
 
     yield from prequantized_stream(_stack_experts(converted, spec), spec.model_dir)
+
+
+# Families declared as data (LlamaLike adapters: no backend code); registers on import.
+from xlaserve.model_loader import families as _families  # noqa: E402, F401

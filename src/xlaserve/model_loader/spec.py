@@ -6,6 +6,7 @@ backends build their model from it, so an architecture added once is served by b
 Canonical weight names (what backends' models expect; adapters rename/split HF tensors into these):
     embed_tokens.weight                       [V, H]
     embed_positions.weight                    [P, H]        (learned positions only)
+    embed_layernorm.{weight,bias}             [H]           (embed_norm only)
     layers.{i}.input_layernorm.{weight,bias}  [H]
     layers.{i}.self_attn.q_proj.{weight,bias} [Hq*D, H] / [Hq*D]   (torch Linear layout: [out, in])
     layers.{i}.self_attn.k_proj.{weight,bias} [Hkv*D, H]
@@ -24,6 +25,8 @@ Canonical weight names (what backends' models expect; adapters rename/split HF t
     layers.{i}.mlp.experts.w_gate             [E, I, H]
     layers.{i}.mlp.experts.w_up               [E, I, H]
     layers.{i}.mlp.experts.w_down             [E, H, I]
+    layers.{i}.mlp.experts.b_gate / b_up      [E, I]; b_down [E, H]   (moe_expert_bias)
+    layers.{i}.self_attn.sinks                [Hq]          (attn_sinks)
     layers.{i}.mlp.shared_expert.{gate_proj,up_proj,down_proj}.weight  (Is = shared_expert_intermediate_size)
     layers.{i}.mlp.shared_expert_gate.weight  [1, H]        (shared_expert_gate: sigmoid gate)
   MLA (family "mla"; Dn/Dr/Dv/Rq/Rkv from spec.extra, see ModelSpec.extra):
@@ -36,6 +39,7 @@ Canonical weight names (what backends' models expect; adapters rename/split HF t
     Rope dims are stored de-interleaved (neox rotate_half layout) by the converter.
     norm.{weight,bias}                        [H]
     lm_head.weight                            [V, H]        (absent when tie_word_embeddings)
+    lm_head.bias                              [V]           (lm_head_bias only)
 Axis letters: T tokens, B requests, H hidden, Hq/Hkv heads, D head_dim, I intermediate, V vocab,
 E experts, P positions, N blocks, S block_size.
 """
@@ -75,10 +79,17 @@ class ModelSpec:
     # LayerNorm has a bias (norm_kind "layer": GPT-2, GPT-NeoX, StarCoder2); norms incl. the final.
     norm_bias: bool = False
     # --- mlp ---
-    activation: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu"
+    activation: str = "silu"  # "silu" | "gelu" | "gelu_tanh" | "relu" | "relu2" (relu squared)
     gated_mlp: bool = True
     # --- attention / positions ---
-    position_embedding: str = "rope"  # "rope" | "learned"
+    position_embedding: str = "rope"  # "rope" | "learned" | "alibi"
+    # ALiBi (position_embedding "alibi"): per query head h, logits += alibi_slopes[h] * key
+    # position (Bloom, MPT; the per-query constant of -slope * query position cancels in softmax).
+    alibi_slopes: list[float] | None = None
+    embed_norm: bool = False  # a norm right after the token embedding (Bloom: embed_layernorm)
+    # Attention sinks (gpt-oss): a learned logit per query head (layers.{i}.self_attn.sinks [Hq])
+    # joins every softmax denominator: it takes probability mass and attends to nothing.
+    attn_sinks: bool = False
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict (type/rope_type, factor, ...)
     partial_rotary_factor: float = 1.0
@@ -93,6 +104,8 @@ class ModelSpec:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+    # Layers that apply no rope at all (NoPE: SmolLM3, Cohere2 / EXAONE 4 full-attention layers).
+    nope_layers: list[int] = field(default_factory=list)
     # Local rope theta for sliding layers (Gemma3). Sliding layers then use plain (unscaled) rope
     # with this theta; rope_scaling applies to full-attention layers only.
     rope_local_theta: float | None = None
@@ -101,6 +114,7 @@ class ModelSpec:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0  # logits divided by this (Granite)
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = False  # lm_head.bias [V] (Phi, GPT-J)
     # --- MoE ---
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -114,6 +128,18 @@ class ModelSpec:
     moe_router_bias: bool = False
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
+    # A group's score = sum of its best moe_group_topn expert scores (2: DeepSeek-V3; 1 = the
+    # group's max: DeepSeek-V2 group_limited_greedy).
+    moe_group_topn: int = 2
+    # router.bias [E] is part of the router logits, so of the weights too (gpt-oss), not only
+    # of the selection (moe_router_bias).
+    moe_router_logit_bias: bool = False
+    # Expert biases experts.b_gate / b_up [E, I], b_down [E, H] (gpt-oss).
+    moe_expert_bias: bool = False
+    # The experts' gate: "act" = act(gate) * up; "swiglu_clamp" (gpt-oss) = g * sigmoid(alpha *
+    # g) * (clamp(up, -L, L) + 1) with g = min(gate, L); alpha, L = extra["swiglu_alpha"],
+    # extra["swiglu_limit"].
+    moe_glu: str = "act"
     # Routed expert output multiplied by this (DeepSeek-V3 routed_scaling_factor).
     moe_routed_scaling: float = 1.0
     # Shared expert output multiplied by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
