@@ -751,3 +751,7 @@ def iter_canonical_weights(
     from xlaserve.quantization.hf_formats import prequantized_stream
 
     yield from prequantized_stream(_stack_experts(converted, spec), spec.model_dir)
+
+
+# State-space architectures (Mamba, Mamba2) register themselves in their own module.
+from xlaserve.model_loader import ssm as _ssm  # noqa: E402,F401

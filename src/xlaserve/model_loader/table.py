@@ -45,6 +45,12 @@ NOTES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "MoE + sigmoid-gated shared expert",
     "Qwen3MoeForCausalLM": "MoE, qk-norm",
     "DeepseekV3ForCausalLM": "MLA (full per-head K/V cached) + sigmoid group-limited MoE",
+    # State-space models (issue 25): the cache kinds they use (core/cache_spec.py); every other
+    # architecture uses paged attention K/V only.
+    "MambaForCausalLM": "cache: recurrent state only (conv window + SSM state [I, N] per layer); "
+    "no prefix caching, no speculative decoding",
+    "Mamba2ForCausalLM": "cache: recurrent state only (conv window + SSD state [Hs, P, N] per "
+    "layer); no prefix caching, no speculative decoding",
 }
 
 

@@ -1,0 +1,181 @@
+"""State-space architectures (Mamba, Mamba2): HF config -> ModelSpec, weight names, cache layout.
+
+Spec fields (ModelSpec.extra):
+    layer_kinds: list[str]      per layer "mamba" | "mamba2" | "attention"
+    ssm: dict                   kind ("mamba"|"mamba2"), d_inner (I), n_heads (Hs; Mamba: I),
+                                head_dim (P; Mamba: 1), state_size (N), n_groups (G; Mamba: 1),
+                                conv_kernel (K), conv_bias, proj_bias, dt_rank (Mamba),
+                                dt_limit (lo, hi), residual_in_fp32, chunk_size
+
+Canonical weights of a Mamba2 layer i (HF names without `backbone.`):
+    layers.{i}.norm.weight [H]
+    layers.{i}.mixer.in_proj.weight [I + (I + 2GN) + Hs, H]   (gate z | conv input xBC | dt)
+    layers.{i}.mixer.conv1d.weight [I + 2GN, K], conv1d.bias [I + 2GN]
+    layers.{i}.mixer.{dt_bias, A_log, D} [Hs], norm.weight [I], out_proj.weight [H, I]
+Mamba layer i:
+    layers.{i}.mixer.in_proj.weight [2I, H] (x | z), conv1d.weight [I, K], conv1d.bias [I]
+    layers.{i}.mixer.x_proj.weight [R + 2N, I], dt_proj.{weight [I, R], bias [I]}
+    layers.{i}.mixer.A_log [I, N], D [I], out_proj.weight [H, I]
+Model: embed_tokens.weight [V, H], norm.weight [H], lm_head.weight [V, H] (absent when tied).
+
+State per request and Mamba/Mamba2 layer (core/cache_spec.py): conv window [C, K-1] (C = the conv
+channels) and SSM state [Hs, P, N], both float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from xlaserve.core.cache_spec import CacheLayout, PagedAttentionSpec, RecurrentStateSpec
+from xlaserve.model_loader.registry import (
+    ArchAdapter,
+    _eos_ids,
+    register_architecture,
+)
+from xlaserve.model_loader.spec import ModelSpec
+
+STATE_KINDS = ("mamba", "mamba2")
+
+
+def is_state_model(spec: ModelSpec) -> bool:
+    """Whether any layer keeps a recurrent state (needs state slots)."""
+    return any(k in STATE_KINDS for k in spec.extra.get("layer_kinds", ()))
+
+
+def conv_channels(ssm: dict) -> int:
+    if ssm["kind"] == "mamba2":
+        return ssm["d_inner"] + 2 * ssm["n_groups"] * ssm["state_size"]
+    return ssm["d_inner"]
+
+
+def state_shapes(spec: ModelSpec) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One state layer's (conv state [C, K-1], ssm state [Hs, P, N]) shapes."""
+    s = spec.extra["ssm"]
+    return (conv_channels(s), s["conv_kernel"] - 1), (s["n_heads"], s["head_dim"], s["state_size"])
+
+
+def cache_layout(spec: ModelSpec, dtype_bytes: int, block_size: int) -> CacheLayout:
+    """The model's cache groups: paged K/V of its attention layers, state of its SSM layers."""
+    kinds = spec.extra.get("layer_kinds") or ["attention"] * spec.num_layers
+    attn = tuple(i for i, k in enumerate(kinds) if k == "attention")
+    state = tuple(i for i, k in enumerate(kinds) if k in STATE_KINDS)
+    groups: list = []
+    if attn:
+        per_block = 2 * block_size * spec.num_kv_heads * spec.head_dim * dtype_bytes * len(attn)
+        groups.append(PagedAttentionSpec(attn, per_block))
+    if state:
+        (c, k1), (hs, p, n) = state_shapes(spec)
+        groups.append(RecurrentStateSpec(state, 4 * (c * k1 + hs * p * n) * len(state)))
+    return CacheLayout(tuple(groups))
+
+
+def _common(cfg: dict, model_dir: str, kind: str) -> dict:
+    h = cfg["hidden_size"]
+    return dict(
+        architecture=cfg["architectures"][0],
+        family=kind,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=h,
+        num_layers=cfg["num_hidden_layers"],
+        # No attention: one placeholder head (the spec's attention fields are unused).
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=h,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),  # no limit in HF
+        model_dir=model_dir,
+        checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        position_embedding="none",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", kind == "mamba")),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg, model_dir),
+    )
+
+
+def _float(v: object) -> float:
+    """A JSON number; transformers writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(v, dict) and "__float__" in v:
+        return float(v["__float__"])
+    return float(v)
+
+
+def _dt_limit(cfg: dict) -> tuple[float, float]:
+    lo, hi = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return _float(lo), _float(hi)
+
+
+def mamba2_spec(cfg: dict, model_dir: str) -> ModelSpec:
+    kw = _common(cfg, model_dir, "mamba2")
+    d_inner = int(cfg.get("expand", 2) * cfg["hidden_size"])
+    ssm = dict(
+        kind="mamba2",
+        d_inner=d_inner,
+        n_heads=cfg["num_heads"],
+        head_dim=cfg["head_dim"],
+        state_size=cfg["state_size"],
+        n_groups=cfg.get("n_groups", 1),
+        conv_kernel=cfg.get("conv_kernel", 4),
+        conv_bias=bool(cfg.get("use_conv_bias", True)),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        dt_limit=_dt_limit(cfg),
+        residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
+        chunk_size=cfg.get("chunk_size", 256),
+    )
+    if ssm["n_heads"] * ssm["head_dim"] != d_inner:
+        raise ValueError(f"Mamba2: num_heads * head_dim != expand * hidden_size ({d_inner})")
+    kw.update(
+        intermediate_size=d_inner, extra={"ssm": ssm, "layer_kinds": ["mamba2"] * kw["num_layers"]}
+    )
+    return ModelSpec(**kw)
+
+
+def mamba_spec(cfg: dict, model_dir: str) -> ModelSpec:
+    kw = _common(cfg, model_dir, "mamba")
+    h = cfg["hidden_size"]
+    d_inner = int(cfg.get("intermediate_size") or cfg.get("expand", 2) * h)
+    rank = cfg.get("time_step_rank", "auto")
+    ssm = dict(
+        kind="mamba",
+        d_inner=d_inner,
+        n_heads=d_inner,
+        head_dim=1,
+        state_size=cfg["state_size"],
+        n_groups=1,
+        conv_kernel=cfg.get("conv_kernel", 4),
+        conv_bias=bool(cfg.get("use_conv_bias", True)),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        dt_rank=math.ceil(h / 16) if rank == "auto" else int(rank),
+        dt_limit=(0.0, float("inf")),
+        residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
+        chunk_size=256,
+    )
+    kw.update(
+        intermediate_size=d_inner, extra={"ssm": ssm, "layer_kinds": ["mamba"] * kw["num_layers"]}
+    )
+    return ModelSpec(**kw)
+
+
+def mamba_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[str, np.ndarray]]:
+    """backbone.X -> X; embeddings -> embed_tokens, norm_f -> norm; conv1d [C, 1, K] -> [C, K]."""
+    if name == "lm_head.weight" and spec.tie_word_embeddings:
+        return []
+    name = name.removeprefix("backbone.")
+    if name in ("embeddings.weight", "embedding.weight"):
+        name = "embed_tokens.weight"
+    elif name.startswith("norm_f."):
+        name = "norm." + name.removeprefix("norm_f.")
+    if name.endswith("conv1d.weight") and w.ndim == 3:
+        w = w[:, 0, :]
+    return [(name, w)]
+
+
+register_architecture(
+    ["Mamba2ForCausalLM"],
+    ArchAdapter(family="mamba2", build_spec=mamba2_spec, convert=mamba_convert),
+)
+register_architecture(
+    ["MambaForCausalLM"], ArchAdapter(family="mamba", build_spec=mamba_spec, convert=mamba_convert)
+)
