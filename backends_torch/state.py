@@ -19,60 +19,28 @@ from typing import TYPE_CHECKING
 import torch
 
 from xlaserve.model_loader.spec import ModelSpec
-from xlaserve.model_loader.ssm import cache_layout, is_state_model, state_shapes
+from xlaserve.model_loader.ssm import (
+    check_state_model_config,
+    is_state_model,
+    plan_state_cache,
+    state_shapes,
+)
 
 if TYPE_CHECKING:
     from xlaserve.backends_torch.layers.attention import AttentionMetadata
     from xlaserve.backends_torch.runner import TorchModelRunner
-    from xlaserve.config import EngineConfig
     from xlaserve.runner_core import ReqState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_state_model"]
-
-
-def check_state_model_config(config: EngineConfig, spec: ModelSpec) -> None:
-    """Raise ValueError for features these models do not support (before loading anything)."""
-    if not is_state_model(spec):
-        return
-    arch = spec.architecture
-    if config.speculative is not None:
-        raise ValueError(
-            f"{arch} keeps a recurrent state per request: speculative decoding is not supported "
-            "for it (a rejected draft token would need the state rewound); drop "
-            "speculative_config"
-        )
-    if config.cache.kv_offload_bytes:
-        raise ValueError(f"{arch}: KV offload is not supported for recurrent-state models")
-    if config.cache.kv_cache_dtype != "auto":
-        raise ValueError(f"{arch}: kv_cache_dtype must be 'auto' for recurrent-state models")
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError(f"{arch}: tensor parallelism is not supported for recurrent-state models")
+__all__ = ["check_state_model_config", "is_state_model"]
 
 
 def split_cache(runner: TorchModelRunner, budget_bytes: int | None) -> tuple[int, int]:
-    """(num KV blocks, num state slots). An explicit num_kv_blocks keeps its blocks and takes
-    num_state_slots (default max_num_seqs) slots beside them; else the budget is split
-    (CacheLayout.split). An explicit num_state_slots always wins."""
-    cc, sc = runner.config.cache, runner.config.scheduler
+    """(num KV blocks, num state slots) of the runner's model (ssm.plan_state_cache)."""
     elem = torch.empty((), dtype=runner.dtype).element_size()
-    layout = cache_layout(runner.spec, elem, runner.block_size)
-    if cc.num_kv_blocks is not None:
-        return cc.num_kv_blocks, cc.num_state_slots or sc.max_num_seqs
-    blocks, slots = layout.split(
-        budget_bytes, runner.block_size, sc.max_num_seqs, runner.max_model_len
-    )
-    if cc.num_state_slots is not None:
-        freed = (slots - cc.num_state_slots) * layout.bytes_per_slot
-        if layout.bytes_per_block:
-            blocks += freed // layout.bytes_per_block
-        slots = cc.num_state_slots
-    logger.info(
-        "cache kinds %s: %d KV blocks, %d state slots (%d B each)",
-        "+".join(layout.kinds), blocks, slots, layout.bytes_per_slot,
-    )  # fmt: skip
-    return int(blocks), int(slots)
+    return plan_state_cache(runner.spec, runner.config, elem, runner.block_size,
+                            runner.max_model_len, budget_bytes)  # fmt: skip
 
 
 def alloc_caches(

@@ -24,8 +24,10 @@ channels) and SSM state [Hs, P, N], both float32.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,12 +39,36 @@ from xlaserve.model_loader.registry import (
 )
 from xlaserve.model_loader.spec import ModelSpec
 
+if TYPE_CHECKING:
+    from xlaserve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
 STATE_KINDS = ("mamba", "mamba2")
 
 
 def is_state_model(spec: ModelSpec) -> bool:
     """Whether any layer keeps a recurrent state (needs state slots)."""
     return any(k in STATE_KINDS for k in spec.extra.get("layer_kinds", ()))
+
+
+def check_state_model_config(config: EngineConfig, spec: ModelSpec) -> None:
+    """Raise ValueError for features these models do not support (before loading anything)."""
+    if not is_state_model(spec):
+        return
+    arch = spec.architecture
+    if config.speculative is not None:
+        raise ValueError(
+            f"{arch} keeps a recurrent state per request: speculative decoding is not supported "
+            "for it (a rejected draft token would need the state rewound); drop "
+            "speculative_config"
+        )
+    if config.cache.kv_offload_bytes:
+        raise ValueError(f"{arch}: KV offload is not supported for recurrent-state models")
+    if config.cache.kv_cache_dtype != "auto":
+        raise ValueError(f"{arch}: kv_cache_dtype must be 'auto' for recurrent-state models")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError(f"{arch}: tensor parallelism is not supported for recurrent-state models")
 
 
 def conv_channels(ssm: dict) -> int:
@@ -70,6 +96,34 @@ def cache_layout(spec: ModelSpec, dtype_bytes: int, block_size: int) -> CacheLay
         (c, k1), (hs, p, n) = state_shapes(spec)
         groups.append(RecurrentStateSpec(state, 4 * (c * k1 + hs * p * n) * len(state)))
     return CacheLayout(tuple(groups))
+
+
+def plan_state_cache(
+    spec: ModelSpec,
+    config: EngineConfig,
+    dtype_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    budget_bytes: int | None,
+) -> tuple[int, int]:
+    """(num KV blocks, num state slots). An explicit num_kv_blocks keeps its blocks and takes
+    num_state_slots (default max_num_seqs) slots beside them; else the one budget is split
+    (CacheLayout.split). An explicit num_state_slots always wins."""
+    cc, sc = config.cache, config.scheduler
+    layout = cache_layout(spec, dtype_bytes, block_size)
+    if cc.num_kv_blocks is not None:
+        return cc.num_kv_blocks, cc.num_state_slots or sc.max_num_seqs
+    blocks, slots = layout.split(budget_bytes, block_size, sc.max_num_seqs, max_model_len)
+    if cc.num_state_slots is not None:
+        freed = (slots - cc.num_state_slots) * layout.bytes_per_slot
+        if layout.bytes_per_block:
+            blocks += freed // layout.bytes_per_block
+        slots = cc.num_state_slots
+    logger.info(
+        "cache kinds %s: %d KV blocks, %d state slots (%d B each)",
+        "+".join(layout.kinds), blocks, slots, layout.bytes_per_slot,
+    )  # fmt: skip
+    return int(blocks), int(slots)
 
 
 def _common(cfg: dict, model_dir: str, kind: str) -> dict:
