@@ -56,6 +56,9 @@ class StepBatch:
     counts: list[int] = field(default_factory=list)  # tokens computed this step
     sampling: list[bool] = field(default_factory=list)  # chunk reaches the end of known tokens
     drafts: list[list[int]] = field(default_factory=list)  # speculative drafts per request
+    # i32 [R]: recurrent-state slot per request row (state-space models; padding rows: the slot
+    # count, so their writes drop); None for attention-only models.
+    state_slots: np.ndarray | None = None
 
 
 def dummy_batch(t: int, r: int, max_blocks: int, num_rows: int) -> StepBatch:
