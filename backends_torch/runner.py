@@ -256,7 +256,8 @@ class TorchModelRunner(RunnerCore):
     def _dummy_forward(self, tokens: int, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(tokens, device=self.device)
-        nblk = caches[0][0].shape[0]
+        # (A state model's first layer may hold state slots, not blocks.)
+        nblk = -(-tokens // self.block_size) if self.state_model else caches[0][0].shape[0]
         md = self.attn_backend.build_metadata(
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),

@@ -19,6 +19,7 @@ _FAMILIES: dict[str, str] = {
     # State-space models (issue 25): recurrent state slots beside / instead of paged K/V.
     "mamba": "mamba:MambaForCausalLM",
     "mamba2": "mamba:MambaForCausalLM",
+    "hybrid": "mamba:HybridForCausalLM",
 }
 
 

@@ -176,3 +176,68 @@ def alloc_state_caches(
             out.append((jnp.zeros((num_slots, c, k1), jnp.float32),
                         jnp.zeros((num_slots, hs, p, n), jnp.float32)))  # fmt: skip
     return jax.device_put(out, runner._replicated)
+
+
+class HybridLayer(nnx.Module):
+    """Bamba-style block: x + mixer(norm(x)), then + mlp(norm(x)); the mixer is paged
+    attention or a Mamba2 SSM mixer, per spec.extra["layer_kinds"]."""
+
+    def __init__(self, spec: ModelSpec, layer: int, dtype: jnp.dtype) -> None:
+        from xlaserve.models_flax.attention import Attention
+        from xlaserve.models_flax.decoder import spec_norm
+        from xlaserve.models_flax.layers import GatedMLP
+
+        h = spec.hidden_size
+        self.attention = spec.extra["layer_kinds"][layer] == "attention"
+        self.input_layernorm = spec_norm(spec, h, dtype)
+        self.post_attention_layernorm = spec_norm(spec, h, dtype)
+        self.self_attn = Attention(spec, layer, dtype) if self.attention else None
+        self.mixer = None if self.attention else SSMMixer(spec, dtype)
+        self.mlp = GatedMLP(h, spec.intermediate_size, spec.activation, dtype, spec.mlp_bias)
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: tuple, md: AttentionMetadata
+    ) -> tuple[jax.Array, tuple]:
+        h = self.input_layernorm(x)
+        if self.attention:
+            h, cache = self.self_attn(h, cos, sin, cache, md)
+        else:
+            h, cache = self.mixer(h, cache, md)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class HybridForCausalLM(nnx.Module):
+    """Attention + Mamba2 hybrids (Bamba): per layer (K, V) or (conv, ssm) caches."""
+
+    def __init__(self, spec: ModelSpec, dtype: jnp.dtype) -> None:
+        from xlaserve.model_loader.rope import rope_inv_freq
+        from xlaserve.models_flax.decoder import spec_norm
+        from xlaserve.models_flax.layers import Rotary
+
+        h = spec.hidden_size
+        self.embed_tokens = Embed(spec.vocab_size, h, dtype)
+        self.layers = nnx.List([HybridLayer(spec, i, dtype) for i in range(spec.num_layers)])
+        self.norm = spec_norm(spec, h, dtype)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(h, spec.vocab_size, dtype)
+        self.rotary = Rotary(*rope_inv_freq(spec))
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_caches: list[tuple],
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, list[tuple]]:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        new = []
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x, cache = layer(x, cos, sin, cache, md)
+            new.append(cache)
+        return self.norm(x), new
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [T, H] -> float32 logits [T, V]."""
+        head = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return head.astype(jnp.float32)

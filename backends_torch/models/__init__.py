@@ -21,6 +21,7 @@ _FAMILIES: dict[str, str] = {
     # State-space models (issue 25): recurrent state slots beside / instead of paged K/V.
     "mamba": "xlaserve.backends_torch.models.mamba:MambaForCausalLM",
     "mamba2": "xlaserve.backends_torch.models.mamba:MambaForCausalLM",
+    "hybrid": "xlaserve.backends_torch.models.mamba:HybridForCausalLM",
 }
 
 

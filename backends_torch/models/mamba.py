@@ -237,3 +237,93 @@ class MambaForCausalLM(CausalLMBase):
                 a = torch.arange(1, n_a + 1, dtype=torch.float32).log()
                 m.A_log.copy_(a.expand_as(m.A_log))
                 m.D.fill_(1.0)
+
+
+class HybridLayer(nn.Module):
+    """Bamba-style block: x + mixer(norm(x)), then + mlp(norm(x)); the mixer is paged
+    attention (DecoderAttention) or a Mamba2 SSM mixer, per spec.extra["layer_kinds"]."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        kernels: KernelConfig | None,
+    ) -> None:
+        super().__init__()
+        from xlaserve.backends_torch.layers.blocks import make_mlp, spec_norm
+        from xlaserve.backends_torch.models.decoder import DecoderAttention
+
+        h = spec.hidden_size
+        self.attention = spec.extra["layer_kinds"][layer] == "attention"
+        self.input_layernorm = spec_norm(spec, h, dtype, device)
+        self.post_attention_layernorm = spec_norm(spec, h, dtype, device)
+        if self.attention:
+            self.self_attn = DecoderAttention(spec, layer, backend, dtype, device, kernels)
+        else:
+            self.mixer = SSMMixer(spec, dtype, device)
+        self.mlp = make_mlp(spec, layer, dtype, device, kernels)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cache: tuple[torch.Tensor, ...],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.self_attn(positions, h, cache, md) if self.attention else self.mixer(h, cache, md)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridForCausalLM(MambaForCausalLM):
+    """Attention + Mamba2 hybrids (Bamba): caches hold (K, V) for attention layers and (conv,
+    ssm) states for the others (backends_torch/state.py allocates both)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        attn_backend: AttentionBackend | None = None,
+        kernels: KernelConfig | None = None,
+    ) -> None:
+        from xlaserve.backends_torch.layers.attention import TorchRefAttention
+
+        CausalLMBase.__init__(self)
+        backend = attn_backend if attn_backend is not None else TorchRefAttention()
+        self.spec = spec
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            HybridLayer(spec, i, backend, dtype, device, kernels) for i in range(spec.num_layers)
+        )
+        self.norm = SimpleRMSNorm(spec.hidden_size, spec.norm_eps, dtype, device)
+        if not spec.tie_word_embeddings:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+        if kernels is not None:
+            self.use_kernels(kernels)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, cache, attn_metadata)
+        return self.norm(x)
+
+    def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        CausalLMBase.init_dummy_weights(self, seed, std)
+        with torch.no_grad():
+            for layer in self.layers:
+                if not layer.attention:
+                    m = layer.mixer
+                    m.A_log.copy_(torch.arange(1, m.A_log.shape[0] + 1, dtype=torch.float32).log())
+                    m.D.fill_(1.0)

@@ -8,7 +8,11 @@ VOCAB = 384  # tests/tiny_models.py's tokenizer size
 TOKENS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 # name -> HF architecture
-SSM_ARCHS = {"mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+SSM_ARCHS = {
+    "mamba": "MambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "bamba": "BambaForCausalLM",
+}
 
 
 def _config(name: str):  # noqa: ANN202 - a transformers config
@@ -23,6 +27,14 @@ def _config(name: str):  # noqa: ANN202 - a transformers config
         return tf.Mamba2Config(
             vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
             n_groups=2, expand=2, conv_kernel=4, num_hidden_layers=2, chunk_size=8,
+            tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "bamba":  # attention at layers 1 and 3 of 4
+        return tf.BambaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
             tie_word_embeddings=False, **TOKENS,
         )  # fmt: skip
     raise ValueError(name)

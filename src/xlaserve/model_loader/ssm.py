@@ -35,6 +35,7 @@ from xlaserve.core.cache_spec import CacheLayout, PagedAttentionSpec, RecurrentS
 from xlaserve.model_loader.registry import (
     ArchAdapter,
     _eos_ids,
+    base_spec_kwargs,
     register_architecture,
 )
 from xlaserve.model_loader.spec import ModelSpec
@@ -226,10 +227,74 @@ def mamba_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[s
     return [(name, w)]
 
 
+def bamba_spec(cfg: dict, model_dir: str) -> ModelSpec:
+    """Bamba: Mamba2 layers and (at attn_layer_indices) rope attention layers (partial rotary
+    0.5), each followed by a gated MLP; family "hybrid"."""
+    kw = base_spec_kwargs(cfg, model_dir)
+    h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    d_inner = int(cfg.get("mamba_expand", 2) * h)
+    n_heads = cfg.get("mamba_n_heads", 128)
+    d_head = cfg.get("mamba_d_head", "auto")
+    ssm = dict(
+        kind="mamba2",
+        d_inner=d_inner,
+        n_heads=n_heads,
+        head_dim=d_inner // n_heads if d_head == "auto" else int(d_head),
+        state_size=cfg.get("mamba_d_state", 256),
+        n_groups=cfg.get("mamba_n_groups", 1),
+        conv_kernel=cfg.get("mamba_d_conv", 4),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        dt_limit=_dt_limit(cfg),
+        residual_in_fp32=False,
+        chunk_size=cfg.get("mamba_chunk_size", 256),
+    )
+    attn = set(cfg.get("attn_layer_indices") or ())
+    bias = bool(cfg.get("attention_bias", False))
+    kw.update(
+        family="hybrid",
+        partial_rotary_factor=float(cfg.get("partial_rotary_factor", 0.5)),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        extra={
+            "ssm": ssm,
+            "layer_kinds": ["attention" if i in attn else "mamba2" for i in range(n_layers)],
+        },
+    )
+    return ModelSpec(**kw)
+
+
+_HYBRID_NAMES = [
+    ("final_layernorm.", "norm."),
+    (".pre_ff_layernorm.", ".post_attention_layernorm."),
+    (".feed_forward.", ".mlp."),
+    (".mamba.", ".mixer."),
+]
+
+
+def hybrid_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[str, np.ndarray]]:
+    """model.X -> X; Bamba's final_layernorm / pre_ff_layernorm / feed_forward / mamba -> the
+    canonical norm / post_attention_layernorm / mlp / mixer; conv1d [C, 1, K] -> [C, K]."""
+    if "rotary_emb" in name or (name == "lm_head.weight" and spec.tie_word_embeddings):
+        return []
+    name = name.removeprefix("model.")
+    for old, new in _HYBRID_NAMES:
+        if old in name or name.startswith(old):
+            name = name.replace(old, new)
+    if name.endswith("conv1d.weight") and w.ndim == 3:
+        w = w[:, 0, :]
+    return [(name, w)]
+
+
 register_architecture(
     ["Mamba2ForCausalLM"],
     ArchAdapter(family="mamba2", build_spec=mamba2_spec, convert=mamba_convert),
 )
 register_architecture(
     ["MambaForCausalLM"], ArchAdapter(family="mamba", build_spec=mamba_spec, convert=mamba_convert)
+)
+register_architecture(
+    ["BambaForCausalLM"],
+    ArchAdapter(family="hybrid", build_spec=bamba_spec, convert=hybrid_convert),
 )

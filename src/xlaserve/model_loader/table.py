@@ -51,6 +51,8 @@ NOTES: dict[str, str] = {
     "no prefix caching, no speculative decoding",
     "Mamba2ForCausalLM": "cache: recurrent state only (conv window + SSD state [Hs, P, N] per "
     "layer); no prefix caching, no speculative decoding",
+    "BambaForCausalLM": "cache: paged attention (attention layers) + recurrent state (Mamba2 "
+    "layers), one request's blocks and state slot admitted / freed together; partial rotary 0.5",
 }
 
 
