@@ -193,7 +193,13 @@ class HybridLayer(nnx.Module):
         self.post_attention_layernorm = spec_norm(spec, h, dtype)
         self.self_attn = Attention(spec, layer, dtype) if self.attention else None
         self.mixer = None if self.attention else SSMMixer(spec, dtype)
-        self.mlp = GatedMLP(h, spec.intermediate_size, spec.activation, dtype, spec.mlp_bias)
+        if spec.is_moe_layer(layer):  # GraniteMoeHybrid: MoE + the shared MLP as shared expert
+            from xlaserve.models_flax.moe import FusedMoE
+
+            self.mlp = FusedMoE(spec, dtype)
+        else:
+            self.mlp = GatedMLP(h, spec.intermediate_size, spec.activation, dtype, spec.mlp_bias)
+        self.rm = spec.residual_multiplier
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: tuple, md: AttentionMetadata
@@ -203,8 +209,10 @@ class HybridLayer(nnx.Module):
             h, cache = self.self_attn(h, cos, sin, cache, md)
         else:
             h, cache = self.mixer(h, cache, md)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        rm = jnp.asarray(self.rm, x.dtype)
+        x = x + (h * rm if self.rm != 1.0 else h)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h * rm if self.rm != 1.0 else h), cache
 
 
 class HybridForCausalLM(nnx.Module):
@@ -220,7 +228,9 @@ class HybridForCausalLM(nnx.Module):
         self.layers = nnx.List([HybridLayer(spec, i, dtype) for i in range(spec.num_layers)])
         self.norm = spec_norm(spec, h, dtype)
         self.lm_head = None if spec.tie_word_embeddings else Linear(h, spec.vocab_size, dtype)
-        self.rotary = Rotary(*rope_inv_freq(spec))
+        self.rotary = Rotary(*rope_inv_freq(spec)) if spec.position_embedding == "rope" else None
+        self.embedding_multiplier = spec.embedding_multiplier
+        self.logits_scaling = spec.logits_scaling
 
     def __call__(
         self,
@@ -230,7 +240,9 @@ class HybridForCausalLM(nnx.Module):
         md: AttentionMetadata,
     ) -> tuple[jax.Array, list[tuple]]:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions)
+        if self.embedding_multiplier != 1.0:
+            x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions) if self.rotary is not None else (None, None)
         new = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x, cache = layer(x, cos, sin, cache, md)
@@ -240,4 +252,4 @@ class HybridForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [T, H] -> float32 logits [T, V]."""
         head = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
-        return head.astype(jnp.float32)
+        return head.astype(jnp.float32) / self.logits_scaling

@@ -264,7 +264,13 @@ class HybridLayer(nn.Module):
             self.self_attn = DecoderAttention(spec, layer, backend, dtype, device, kernels)
         else:
             self.mixer = SSMMixer(spec, dtype, device)
-        self.mlp = make_mlp(spec, layer, dtype, device, kernels)
+        if spec.is_moe_layer(layer):  # GraniteMoeHybrid: MoE + the shared MLP as shared expert
+            from xlaserve.backends_torch.layers.moe import FusedMoE
+
+            self.mlp = FusedMoE(spec, dtype, device, kernels=kernels)
+        else:
+            self.mlp = make_mlp(spec, layer, dtype, device, kernels)
+        self.rm = spec.residual_multiplier
 
     def forward(
         self,
@@ -275,8 +281,9 @@ class HybridLayer(nn.Module):
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         h = self.self_attn(positions, h, cache, md) if self.attention else self.mixer(h, cache, md)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + (h * self.rm if self.rm != 1.0 else h)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h * self.rm if self.rm != 1.0 else h)
 
 
 class HybridForCausalLM(MambaForCausalLM):
@@ -315,9 +322,20 @@ class HybridForCausalLM(MambaForCausalLM):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(positions, x, cache, attn_metadata)
         return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits_raw(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """None when logits are scaled (Granite): the float32 path keeps exact ties."""
+        return None if self.spec.logits_scaling != 1.0 else self._lm_head(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(hidden).float() / self.spec.logits_scaling
 
     def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
         CausalLMBase.init_dummy_weights(self, seed, std)

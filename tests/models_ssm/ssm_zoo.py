@@ -12,6 +12,7 @@ SSM_ARCHS = {
     "mamba": "MambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "bamba": "BambaForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 
@@ -36,6 +37,17 @@ def _config(name: str):  # noqa: ANN202 - a transformers config
             attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
             mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
             tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "granitemoehybrid":  # MoE + shared MLP, multipliers, rope, attention at 1 and 3
+        return tf.GraniteMoeHybridConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["mamba", "attention", "mamba", "attention"],
+            position_embedding_type="rope", embedding_multiplier=2.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=2.0, mamba_n_heads=8, mamba_d_head=16,
+            mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=8, tie_word_embeddings=False, **TOKENS,
         )  # fmt: skip
     raise ValueError(name)
 

@@ -233,23 +233,8 @@ def bamba_spec(cfg: dict, model_dir: str) -> ModelSpec:
     kw = base_spec_kwargs(cfg, model_dir)
     h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     d_inner = int(cfg.get("mamba_expand", 2) * h)
-    n_heads = cfg.get("mamba_n_heads", 128)
-    d_head = cfg.get("mamba_d_head", "auto")
-    ssm = dict(
-        kind="mamba2",
-        d_inner=d_inner,
-        n_heads=n_heads,
-        head_dim=d_inner // n_heads if d_head == "auto" else int(d_head),
-        state_size=cfg.get("mamba_d_state", 256),
-        n_groups=cfg.get("mamba_n_groups", 1),
-        conv_kernel=cfg.get("mamba_d_conv", 4),
-        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        dt_limit=_dt_limit(cfg),
-        residual_in_fp32=False,
-        chunk_size=cfg.get("mamba_chunk_size", 256),
-    )
     attn = set(cfg.get("attn_layer_indices") or ())
+    ssm = _hybrid_ssm(cfg, d_inner)
     bias = bool(cfg.get("attention_bias", False))
     kw.update(
         family="hybrid",
@@ -287,6 +272,94 @@ def hybrid_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[
     return [(name, w)]
 
 
+def _hybrid_ssm(cfg: dict, d_inner: int) -> dict:
+    """The Mamba2 mixer fields of a Bamba / GraniteMoeHybrid config (mamba_* keys)."""
+    n_heads = cfg.get("mamba_n_heads", 128)
+    d_head = cfg.get("mamba_d_head", "auto")
+    return dict(
+        kind="mamba2",
+        d_inner=d_inner,
+        n_heads=n_heads,
+        head_dim=d_inner // n_heads if d_head == "auto" else int(d_head),
+        state_size=cfg.get("mamba_d_state", 256),
+        n_groups=cfg.get("mamba_n_groups", 1),
+        conv_kernel=cfg.get("mamba_d_conv", 4),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        dt_limit=_dt_limit(cfg),
+        residual_in_fp32=False,
+        chunk_size=cfg.get("mamba_chunk_size", 256),
+    )
+
+
+_ATTENTION_TYPES = ("attention", "full_attention")
+
+
+def granite_hybrid_spec(cfg: dict, model_dir: str) -> ModelSpec:
+    """GraniteMoeHybrid (Granite 4): Mamba2 / attention layers by layer_types, each followed by
+    the shared gated MLP (+ a softmax top-k MoE when num_local_experts > 0); Granite's embedding /
+    residual / attention multipliers and logits scaling; rope or no positions ("nope")."""
+    kw = base_spec_kwargs(cfg, model_dir)
+    h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n_layers
+    experts = int(cfg.get("num_local_experts") or 0)
+    shared = int(cfg.get("shared_intermediate_size", 1024))
+    bias = bool(cfg.get("attention_bias", False))
+    kw.update(
+        family="hybrid",
+        position_embedding="rope" if cfg.get("position_embedding_type") == "rope" else "none",
+        qkv_bias=bias,
+        o_bias=bias,
+        attn_scale=float(cfg.get("attention_multiplier", 1.0)),
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        # Dense: the shared MLP is the layer's MLP; MoE: it is the MoE's shared expert.
+        intermediate_size=shared if not experts else cfg["intermediate_size"],
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)) if experts else 0,
+        moe_intermediate_size=cfg["intermediate_size"] if experts else 0,
+        shared_expert_intermediate_size=shared if experts else 0,
+        extra={
+            "ssm": _hybrid_ssm(cfg, int(cfg.get("mamba_expand", 2) * h)),
+            "layer_kinds": ["attention" if t in _ATTENTION_TYPES else "mamba2" for t in types],
+        },
+    )
+    return ModelSpec(**kw)
+
+
+def granite_hybrid_convert(
+    name: str, w: np.ndarray, spec: ModelSpec
+) -> Iterable[tuple[str, np.ndarray]]:
+    """Bamba names + shared_mlp.input_linear [2Is, H] -> (shared_expert.)gate_proj / up_proj
+    halves, output_linear -> down_proj; experts gate_up_proj [E, 2I, H] -> w_gate / w_up, down_proj
+    [E, H, I] -> w_down (also the older block_sparse_moe.input_linear / output_linear names)."""
+    pairs = list(hybrid_convert(name, w, spec))
+    if not pairs:
+        return []
+    name, w = pairs[0]
+    mlp = ".mlp.shared_expert." if spec.num_experts else ".mlp."
+    if ".shared_mlp.input_linear." in name:
+        pre = name.split(".shared_mlp.")[0]
+        half = w.shape[0] // 2
+        return [(f"{pre}{mlp}gate_proj.weight", w[:half]), (f"{pre}{mlp}up_proj.weight", w[half:])]
+    if ".shared_mlp.output_linear." in name:
+        return [(name.split(".shared_mlp.")[0] + f"{mlp}down_proj.weight", w)]
+    if ".block_sparse_moe." in name:
+        pre, rest = name.split(".block_sparse_moe.")
+        if rest.startswith("router."):
+            return [(f"{pre}.mlp.router.weight", w)]
+        if rest in ("experts.gate_up_proj", "input_linear.weight"):
+            half = w.shape[1] // 2
+            return [
+                (f"{pre}.mlp.experts.w_gate", w[:, :half]),
+                (f"{pre}.mlp.experts.w_up", w[:, half:]),
+            ]
+        if rest in ("experts.down_proj", "output_linear.weight"):
+            return [(f"{pre}.mlp.experts.w_down", w)]
+    return [(name, w)]
+
+
 register_architecture(
     ["Mamba2ForCausalLM"],
     ArchAdapter(family="mamba2", build_spec=mamba2_spec, convert=mamba_convert),
@@ -297,4 +370,8 @@ register_architecture(
 register_architecture(
     ["BambaForCausalLM"],
     ArchAdapter(family="hybrid", build_spec=bamba_spec, convert=hybrid_convert),
+)
+register_architecture(
+    ["GraniteMoeHybridForCausalLM"],
+    ArchAdapter(family="hybrid", build_spec=granite_hybrid_spec, convert=granite_hybrid_convert),
 )

@@ -53,6 +53,8 @@ NOTES: dict[str, str] = {
     "layer); no prefix caching, no speculative decoding",
     "BambaForCausalLM": "cache: paged attention (attention layers) + recurrent state (Mamba2 "
     "layers), one request's blocks and state slot admitted / freed together; partial rotary 0.5",
+    "GraniteMoeHybridForCausalLM": "Granite 4: cache: paged attention + recurrent state (Mamba2 "
+    "layers); MoE + shared MLP, Granite multipliers, rope or no positions",
 }
 
 
