@@ -48,6 +48,26 @@ class SimpleRMSNorm(nn.Module):
         return self.weight * x32.to(self.weight.dtype)
 
 
+def _step_state(md: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's state slots [B] int64 and keep flags [B] float32 (0 = fresh request), built
+    once per step and shared by every layer (md.derived)."""
+    got = md.derived.get("state_tensors")
+    if got is None:
+        slots = torch.tensor(md.derived["state_slots"], dtype=torch.long)
+        keep = torch.tensor([0.0 if f else 1.0 for f in md.derived["state_fresh"]])
+        got = md.derived["state_tensors"] = (slots.to(device), keep.to(device))
+    return got
+
+
+def use_ssm_kernels(device: str | torch.device, kernels: KernelConfig | None) -> bool:
+    """Decode steps through the Triton kernels (kernels_cuda/ssm.py): KernelConfig.triton_ops
+    "on" / "off" forces it (on needs CUDA or TRITON_INTERPRET=1), "auto" = on CUDA."""
+    from xlaserve.config import kernel_switch
+
+    mode = kernel_switch("triton_ops", kernels)
+    return mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -55,10 +75,17 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
 class SSMMixer(nn.Module):
     """One Mamba or Mamba2 mixer: x [T, H] -> [T, H], reading / writing its layer's state."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        kernels: KernelConfig | None = None,
+    ) -> None:
         super().__init__()
         s = spec.extra["ssm"]
         self.kind = s["kind"]
+        self.triton = use_ssm_kernels(device, kernels)
         h, i, n, g = spec.hidden_size, s["d_inner"], s["state_size"], s["n_groups"]
         self.d_inner, self.n, self.groups = i, n, g
         self.hs, self.p, self.k = s["n_heads"], s["head_dim"], s["conv_kernel"]
@@ -136,9 +163,18 @@ class SSMMixer(nn.Module):
         qsl = md.query_start_loc_host
         z, xbc, dt_raw = self._split(self.in_proj(x))
         w, b, A = self.conv1d.weight, self.conv1d.bias, self._A()
+        if x.shape[0] == len(slots) and self.triton:  # decode, in place in the slot caches
+            from xlaserve.kernels_cuda.ssm import conv_state_update, ssm_state_update
+
+            idx, keep = _step_state(md, x.device)
+            xc = conv_state_update(xbc, w, b, conv_s, idx, keep)
+            xs, dt, B, C = self._ssm_inputs(F.silu(xc), dt_raw)
+            a = A.expand(self.hs, 1, self.n).reshape(self.hs, self.n)
+            B, C = B.expand(-1, self.hs, -1), C.expand(-1, self.hs, -1)  # one group per head
+            y = ssm_state_update(ssm_s, idx, keep, xs, dt, a, B, C, self.D)
+            return self._finish(y, z, x.dtype)
         if x.shape[0] == len(slots):  # decode: one token per request, batched single step
-            idx = torch.tensor(slots, device=x.device)
-            keep = torch.tensor([0.0 if f else 1.0 for f in fresh], device=x.device)
+            idx, keep = _step_state(md, x.device)
             cs = conv_s[idx] * keep[:, None, None]
             hs = ssm_s[idx] * keep[:, None, None, None]
             xc, cs = causal_conv1d_update(xbc, w, b, cs)
@@ -169,10 +205,16 @@ class SSMMixer(nn.Module):
 class SSMLayer(nn.Module):
     """residual + mixer(norm(x)); the residual stream in float32 when residual_in_fp32."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        kernels: KernelConfig | None = None,
+    ) -> None:
         super().__init__()
         self.norm = SimpleRMSNorm(spec.hidden_size, spec.norm_eps, dtype, device)
-        self.mixer = SSMMixer(spec, dtype, device)
+        self.mixer = SSMMixer(spec, dtype, device, kernels)
         self.fp32 = spec.extra["ssm"]["residual_in_fp32"]
 
     def forward(self, x: torch.Tensor, cache: StateCache, md: AttentionMetadata) -> torch.Tensor:
@@ -194,7 +236,9 @@ class MambaForCausalLM(CausalLMBase):
         super().__init__()
         self.spec = spec
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(SSMLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            SSMLayer(spec, dtype, device, kernels) for _ in range(spec.num_layers)
+        )
         self.norm = SimpleRMSNorm(spec.hidden_size, spec.norm_eps, dtype, device)
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
@@ -263,7 +307,7 @@ class HybridLayer(nn.Module):
         if self.attention:
             self.self_attn = DecoderAttention(spec, layer, backend, dtype, device, kernels)
         else:
-            self.mixer = SSMMixer(spec, dtype, device)
+            self.mixer = SSMMixer(spec, dtype, device, kernels)
         if spec.is_moe_layer(layer):  # GraniteMoeHybrid: MoE + the shared MLP as shared expert
             from xlaserve.backends_torch.layers.moe import FusedMoE
 

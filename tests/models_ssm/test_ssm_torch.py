@@ -154,3 +154,24 @@ def test_structured_output_choice(ssm_model_dir) -> None:  # noqa: ANN001
         ["And God said"], SamplingParams(max_tokens=8, structured_outputs=so), use_tqdm=False
     )
     assert out[0].outputs[0].text in ("light", "darkness")
+
+
+@pytest.mark.parametrize("name", ["mamba", "granitemoehybrid"])
+def test_triton_decode_kernels_in_engine(name: str, ssm_model_dir) -> None:  # noqa: ANN001
+    """triton_ops="on": decode steps run kernels_cuda/ssm.py (the Triton interpreter on the
+    CPU, in place in the slot caches); tokens still equal transformers'."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    from xlaserve import LLM
+
+    path = ssm_model_dir(name)
+    want = hf_greedy(path, PROMPTS[:2], MAX_NEW)
+    llm = LLM(
+        path, backend="torch", dtype="float32", block_size=4, max_model_len=64,
+        triton_ops="on", attention_backend="torch_batched",
+    )  # fmt: skip
+    mixers = [m for m in llm.llm_engine.core.runner.model.modules() if hasattr(m, "triton")]
+    assert mixers and all(m.triton for m in mixers)
+    assert _generate(llm, PROMPTS[:2]) == want
