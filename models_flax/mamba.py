@@ -98,7 +98,7 @@ class SSMMixer(nnx.Module):
             dt = jax.nn.softplus(dtr @ w.T + b.astype(jnp.float32))
             A = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None, :]
             xs, B, C = xc[:, :, None], B[:, None, :], C[:, None, :]
-        y, h1 = ragged_selective_scan(xs, dt, A, B, C, self.D[...], h0, lay.tok_row)
+        y, h1 = ragged_selective_scan(xs, dt, A, B, C, self.D[...], h0, lay, md.cu_q_lens)
         y = y.reshape(t, i)
         if self.kind == "mamba2":  # gated RMS norm over each group
             yz = y * jax.nn.silu(z.astype(jnp.float32))

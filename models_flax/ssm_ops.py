@@ -9,8 +9,8 @@ state). Per layer, the state cache is (conv [S, C, K-1], ssm [S, Hs, P, N]) floa
 - `row_layout`: each token's row and position in its chunk, each row's fresh flag.
 - `gather_states` / `scatter_states`: the rows' states from / to their slots.
 - `ragged_causal_conv1d`: conv outputs [T, C] and the rows' new conv states, fully vectorised.
-- `ragged_selective_scan`: one `lax.scan` over the T tokens, each step updating its row's state
-  (the sequential reference; decode steps are T = one token per row).
+- `ragged_selective_scan`: the sequential recurrence with all rows advancing together, one token
+  per iteration, max(q_len) iterations (a decode step is one batched update).
 """
 
 from __future__ import annotations
@@ -98,26 +98,32 @@ def ragged_selective_scan(
     C: jax.Array,
     D: jax.Array | None,
     h0: jax.Array,
-    tok_row: jax.Array,
+    lay: RowLayout,
+    cu: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """x [T, Hs, P], dt [T, Hs], A [Hs, 1, 1|N], B / C [T, Hs|1, N], h0 [R, Hs, P, N]
-    -> (y [T, Hs, P] float32, h [R, Hs, P, N]); tokens of row R (padding) change nothing."""
-    r = h0.shape[0]
+    -> (y [T, Hs, P] float32, h [R, Hs, P, N]). Rows advance together, one token each per
+    iteration, for max(q_len) iterations (a decode step: ONE batched update); padding rows and
+    tokens change no state."""
+    t_n = x.shape[0]
+    xf, dtf = x.astype(jnp.float32), dt.astype(jnp.float32)
+    Bf, Cf = B.astype(jnp.float32), C.astype(jnp.float32)
+    start = cu[:-1]
+    q_len = lay.q_len
 
-    def step(h_all, inp):  # noqa: ANN001, ANN202
-        xt, dtt, bt, ct, row = inp
-        valid = row < r
-        rc = jnp.minimum(row, r - 1)
-        h = h_all[rc]
-        d = dtt[:, None, None]
-        h_new = jnp.exp(d * A) * h + (d * xt[:, :, None]) * bt[:, None, :]
-        y = (h_new * ct[:, None, :]).sum(-1)
-        h_all = h_all.at[rc].set(jnp.where(valid, h_new, h))
-        return h_all, y
+    def body(j, carry):  # noqa: ANN001, ANN202
+        h, y = carry
+        valid = j < q_len  # [R]
+        t = jnp.where(valid, start + j, t_n)  # out of range: dropped
+        tc = jnp.minimum(t, t_n - 1)
+        d = dtf[tc][:, :, None, None]  # [R, Hs, 1, 1]
+        h_new = jnp.exp(d * A[None]) * h + (d * xf[tc][..., None]) * Bf[tc][:, :, None, :]
+        h = jnp.where(valid[:, None, None, None], h_new, h)
+        yt = (h_new * Cf[tc][:, :, None, :]).sum(-1)  # [R, Hs, P]
+        return h, y.at[t].set(yt, mode="drop")
 
-    inputs = (x.astype(jnp.float32), dt.astype(jnp.float32), B.astype(jnp.float32),
-              C.astype(jnp.float32), tok_row)  # fmt: skip
-    h, y = jax.lax.scan(step, h0.astype(jnp.float32), inputs)
+    y0 = jnp.zeros(x.shape, jnp.float32)
+    h, y = jax.lax.fori_loop(0, jnp.max(q_len), body, (h0.astype(jnp.float32), y0))
     if D is not None:
-        y = y + D.astype(jnp.float32)[None, :, None] * x.astype(jnp.float32)
+        y = y + D.astype(jnp.float32)[None, :, None] * xf
     return y, h

@@ -58,7 +58,7 @@ def test_ragged_ops_match_torch_reference() -> None:
     h0 = rng.normal(size=(R, Hs, P, N)).astype(np.float32)
     h0_rows = np.where(np.asarray(lay.fresh)[:, None, None, None], 0.0, h0)
     ys, hs = ssm_ops.ragged_selective_scan(
-        *map(jnp.asarray, (xs, dt, A, B, Cm, D, h0_rows)), lay.tok_row
+        *map(jnp.asarray, (xs, dt, A, B, Cm, D, h0_rows)), lay, jnp.asarray(cu)
     )
     t = torch.from_numpy
     for r in range(3):
