@@ -175,3 +175,19 @@ def test_triton_decode_kernels_in_engine(name: str, ssm_model_dir) -> None:  # n
     mixers = [m for m in llm.llm_engine.core.runner.model.modules() if hasattr(m, "triton")]
     assert mixers and all(m.triton for m in mixers)
     assert _generate(llm, PROMPTS[:2]) == want
+
+
+def test_async_scheduling_under_pressure(ssm_model_dir) -> None:  # noqa: ANN001
+    """Async scheduling (step N+1 scheduled before step N's tokens are back) with chunked
+    prefill and preemption: state slots follow the requests; tokens equal transformers'."""
+    from xlaserve import LLM
+
+    path = ssm_model_dir("bamba")
+    want = hf_greedy(path, PROMPTS, MAX_NEW)
+    llm = LLM(
+        path, backend="torch", dtype="float32", block_size=4, max_model_len=32,
+        num_kv_blocks=9, num_state_slots=3, max_num_batched_tokens=5, async_scheduling="on",
+    )  # fmt: skip
+    assert llm.llm_engine.core._async
+    assert _generate(llm) == want
+    assert llm.llm_engine.get_stats().num_preemptions_total > 0
