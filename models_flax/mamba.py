@@ -57,6 +57,11 @@ class SSMMixer(nnx.Module):
             self.x_proj = Linear(i, self.rank + 2 * n, dtype)
             self.dt_proj = Linear(self.rank, i, dtype, bias=True)
             self.A_log = _param((i, n), dtype)
+            if s.get("bc_norms"):  # Jamba: RMS norms on dt (rank R), B and C (N)
+                self.dt_layernorm = RMSNorm(self.rank, self.eps, dtype)
+                self.b_layernorm = RMSNorm(n, self.eps, dtype)
+                self.c_layernorm = RMSNorm(n, self.eps, dtype)
+        self.bc_norms = bool(s.get("bc_norms"))
         self.conv1d = Conv1d(self.conv_dim, s["conv_kernel"], s["conv_bias"], dtype)
         self.D = _param((self.hs,), dtype)
         self.out_proj = Linear(i, h, dtype, bias)
@@ -92,8 +97,11 @@ class SSMMixer(nnx.Module):
             A = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None, None]
             xs = xs.reshape(t, self.hs, self.p)
         else:
-            dbc = self.x_proj(xc.astype(x.dtype)).astype(jnp.float32)
+            dbc = self.x_proj(xc.astype(x.dtype))
             dtr, B, C = jnp.split(dbc, [self.rank, self.rank + self.n], axis=-1)
+            if self.bc_norms:
+                dtr, B, C = self.dt_layernorm(dtr), self.b_layernorm(B), self.c_layernorm(C)
+            dtr, B, C = (v.astype(jnp.float32) for v in (dtr, B, C))
             w, b = self.dt_proj.weight[...].astype(jnp.float32), self.dt_proj.bias[...]
             dt = jax.nn.softplus(dtr @ w.T + b.astype(jnp.float32))
             A = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None, :]

@@ -105,6 +105,11 @@ class SSMMixer(nn.Module):
             self.x_proj = Linear(i, self.rank + 2 * n, False, dtype, device)
             self.dt_proj = Linear(self.rank, i, True, dtype, device)
             self.A_log = _param((i, n), dtype, device)
+            if s.get("bc_norms"):  # Jamba: RMS norms on dt (rank R), B and C (N)
+                self.dt_layernorm = SimpleRMSNorm(self.rank, self.eps, dtype, device)
+                self.b_layernorm = SimpleRMSNorm(n, self.eps, dtype, device)
+                self.c_layernorm = SimpleRMSNorm(n, self.eps, dtype, device)
+        self.bc_norms = bool(s.get("bc_norms"))
         self.conv1d = nn.Module()
         self.conv1d.weight = _param((self.conv_dim, self.k), dtype, device)
         self.conv1d.bias = _param((self.conv_dim,), dtype, device) if s["conv_bias"] else None
@@ -134,8 +139,11 @@ class SSMMixer(nn.Module):
                 dt = dt.clamp(lo, hi)
             return x.reshape(r, self.hs, self.p), dt, B, C
         x = xc
-        dbc = self.x_proj(x.to(self.x_proj.weight.dtype)).float()
+        dbc = self.x_proj(x.to(self.x_proj.weight.dtype))
         dtr, B, C = dbc.split([self.rank, self.n, self.n], dim=-1)
+        if self.bc_norms:
+            dtr, B, C = self.dt_layernorm(dtr), self.b_layernorm(B), self.c_layernorm(C)
+        dtr, B, C = dtr.float(), B.float(), C.float()
         dt = dtr @ self.dt_proj.weight.float().t() + self.dt_proj.bias.float()
         return x[:, :, None], F.softplus(dt), B[:, None, :], C[:, None, :]
 

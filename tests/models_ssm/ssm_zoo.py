@@ -13,6 +13,7 @@ SSM_ARCHS = {
     "mamba2": "Mamba2ForCausalLM",
     "bamba": "BambaForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "jamba": "JambaForCausalLM",
 }
 
 
@@ -48,6 +49,14 @@ def _config(name: str):  # noqa: ANN202 - a transformers config
             attention_multiplier=0.2, logits_scaling=2.0, mamba_n_heads=8, mamba_d_head=16,
             mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
             mamba_chunk_size=8, tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "jamba":  # attention at layers 1 and 3, MoE at layers 1 and 3, Mamba v1 elsewhere
+        return tf.JambaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, tie_word_embeddings=False, **TOKENS,
         )  # fmt: skip
     raise ValueError(name)
 

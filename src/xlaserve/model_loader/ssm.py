@@ -35,6 +35,7 @@ from xlaserve.core.cache_spec import CacheLayout, PagedAttentionSpec, RecurrentS
 from xlaserve.model_loader.registry import (
     ArchAdapter,
     _eos_ids,
+    _moe_names,
     base_spec_kwargs,
     register_architecture,
 )
@@ -360,6 +361,60 @@ def granite_hybrid_convert(
     return [(name, w)]
 
 
+def jamba_spec(cfg: dict, model_dir: str) -> ModelSpec:
+    """Jamba: Mamba (v1, with RMS norms on dt / B / C) and attention layers (no positions) by
+    attn_layer_period / offset; MoE (softmax, top-k weights not renormalised) every
+    expert_layer_period layers, a gated MLP elsewhere; family "hybrid"."""
+    kw = base_spec_kwargs(cfg, model_dir)
+    h, n_layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    d_inner = int(cfg.get("mamba_expand", 2) * h)
+    rank = cfg.get("mamba_dt_rank", "auto")
+    ssm = dict(
+        kind="mamba",
+        d_inner=d_inner,
+        n_heads=d_inner,
+        head_dim=1,
+        state_size=cfg.get("mamba_d_state", 16),
+        n_groups=1,
+        conv_kernel=cfg.get("mamba_d_conv", 4),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        dt_rank=math.ceil(h / 16) if rank == "auto" else int(rank),
+        dt_limit=(0.0, float("inf")),
+        residual_in_fp32=False,
+        chunk_size=256,
+        bc_norms=True,
+    )
+    ap, ao = cfg.get("attn_layer_period", 8), cfg.get("attn_layer_offset", 4)
+    ep, eo = cfg.get("expert_layer_period", 2), cfg.get("expert_layer_offset", 1)
+    experts = int(cfg.get("num_experts", 16))
+    kw.update(
+        family="hybrid",
+        position_embedding="none",
+        num_experts=experts if experts > 1 else 0,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)) if experts > 1 else 0,
+        moe_intermediate_size=cfg["intermediate_size"] if experts > 1 else 0,
+        norm_topk_prob=False,
+        dense_mlp_layers=[i for i in range(n_layers) if i % ep != eo],
+        extra={
+            "ssm": ssm,
+            "layer_kinds": ["attention" if i % ap == ao else "mamba" for i in range(n_layers)],
+        },
+    )
+    return ModelSpec(**kw)
+
+
+def jamba_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[str, np.ndarray]]:
+    """Bamba names + MoE experts (per-expert tensors or fused gate_up_proj / down_proj) ->
+    stacked w_gate / w_up / w_down (registry._moe_names)."""
+    pairs = list(hybrid_convert(name, w, spec))
+    if not pairs:
+        return []
+    name, w = pairs[0]
+    moe = _moe_names(name, w)
+    return moe if moe is not None else [(name, w)]
+
+
 register_architecture(
     ["Mamba2ForCausalLM"],
     ArchAdapter(family="mamba2", build_spec=mamba2_spec, convert=mamba_convert),
@@ -374,4 +429,7 @@ register_architecture(
 register_architecture(
     ["GraniteMoeHybridForCausalLM"],
     ArchAdapter(family="hybrid", build_spec=granite_hybrid_spec, convert=granite_hybrid_convert),
+)
+register_architecture(
+    ["JambaForCausalLM"], ArchAdapter(family="hybrid", build_spec=jamba_spec, convert=jamba_convert)
 )

@@ -55,6 +55,8 @@ NOTES: dict[str, str] = {
     "layers), one request's blocks and state slot admitted / freed together; partial rotary 0.5",
     "GraniteMoeHybridForCausalLM": "Granite 4: cache: paged attention + recurrent state (Mamba2 "
     "layers); MoE + shared MLP, Granite multipliers, rope or no positions",
+    "JambaForCausalLM": "cache: paged attention + recurrent state (Mamba layers, dt / B / C "
+    "norms); MoE every other layer (softmax top-k, not renormalised); no positions",
 }
 
 
