@@ -181,6 +181,12 @@ class TorchModelRunner(RunnerCore):
         self.kv_code_dtype = check_kv_cache_dtype(
             self.kv_cache_dtype, self.attn_backend_name, self.device, self.attn_backend
         )
+        # Recurrent-state models (Mamba, hybrids): state slots beside the KV blocks (state.py).
+        from xlaserve.backends_torch.state import check_state_model_config, is_state_model
+
+        check_state_model_config(config, spec)
+        self.state_model = is_state_model(spec)
+        self._num_state_slots = 0
 
     # ---- setup ----------------------------------------------------------------------------
 
@@ -227,6 +233,14 @@ class TorchModelRunner(RunnerCore):
 
     def determine_num_kv_blocks(self) -> int:
         cache = self.config.cache
+        if self.state_model:  # one budget -> KV blocks + state slots (state.py)
+            from xlaserve.backends_torch.state import split_cache
+
+            self._num_state_slots = 1  # the profiling forward's
+            cuda = self.device.type == "cuda" and cache.num_kv_blocks is None
+            budget = profile_cuda_blocks(self, 1) if cuda else cache.cpu_kv_cache_bytes
+            n, self._num_state_slots = split_cache(self, budget)
+            return n
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         per_block = self.kv_bytes_per_block()
@@ -244,7 +258,8 @@ class TorchModelRunner(RunnerCore):
     def _dummy_forward(self, tokens: int, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(tokens, device=self.device)
-        nblk = caches[0][0].shape[0]
+        # (A state model's first layer may hold state slots, not blocks.)
+        nblk = -(-tokens // self.block_size) if self.state_model else caches[0][0].shape[0]
         md = self.attn_backend.build_metadata(
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
@@ -255,6 +270,8 @@ class TorchModelRunner(RunnerCore):
             query_start_loc_host=[0, tokens],
             seq_lens_host=[tokens],
         )
+        if self.state_model:
+            md.derived.update(state_slots=[0], state_fresh=[True])
         hidden = self.model(ids, pos, caches, md)
         # Sampling holds logits of up to max_num_seqs rows [B, V] float32 at once.
         self.model.compute_logits(hidden[-min(tokens, self.config.scheduler.max_num_seqs) :])
@@ -262,7 +279,13 @@ class TorchModelRunner(RunnerCore):
     def _alloc_caches(
         self, num_blocks: int, spec: ModelSpec | None = None
     ) -> list[tuple[torch.Tensor, ...]]:
-        """This rank's KV cache of `spec` (default: the target's), memory.py."""
+        """This rank's KV cache of `spec` (default: the target's), memory.py; with state slots
+        for recurrent-state models (state.py)."""
+        if spec is None and self.state_model:
+            from xlaserve.backends_torch.state import alloc_caches
+
+            return alloc_caches(self.spec, num_blocks, max(self._num_state_slots, 1),
+                                self.block_size, self.dtype, self.device)  # fmt: skip
         return alloc_kv_caches(num_blocks, self.block_size, spec or self.spec, self.dtype,
                                self.kv_code_dtype, self.device)  # fmt: skip
 
@@ -279,11 +302,17 @@ class TorchModelRunner(RunnerCore):
         from xlaserve.backends_torch.kv_offload import make_torch_kv_offload
 
         self.kv_offload = make_torch_kv_offload(self)
-        if self.device.type == "cuda" and self.attn_backend.cuda_graphs:
+        if self.device.type == "cuda" and self.state_model:
+            logger.info("CUDA graphs are off for recurrent-state models: decode runs eagerly")
+        elif self.device.type == "cuda" and self.attn_backend.cuda_graphs:
             from xlaserve.backends_torch.cuda_graphs import make_cuda_step_runner
 
             self.cuda_step = make_cuda_step_runner(self)
         self._warm_fused_greedy()
+
+    def num_state_slots(self) -> int:
+        """State slots allocated beside the KV blocks (0: attention-only model; runner.py)."""
+        return self._num_state_slots
 
     def _warm_fused_greedy(self) -> None:
         """Compile the fused greedy kernel's variants at start-up, not in the first steps: the
@@ -391,6 +420,10 @@ class TorchModelRunner(RunnerCore):
             hidden, qsl, seq_lens = self.cuda_step.forward(chunks, feed)
         else:
             input_ids, pos_t, md = self._build_inputs(chunks)
+            if self.state_model:  # the requests' state slots (state.py)
+                from xlaserve.backends_torch.state import set_step_state
+
+                set_step_state(md, states, starts)
             if feed is not None:
                 from xlaserve.backends_torch.cuda_graphs import feed_tokens
 

@@ -73,6 +73,9 @@ class StepBatch:
     counts: list[int] = field(default_factory=list)  # tokens computed this step
     sampling: list[bool] = field(default_factory=list)  # chunk reaches the end of known tokens
     drafts: list[list[int]] = field(default_factory=list)  # speculative drafts per request
+    # i32 [R]: recurrent-state slot per request row (state-space models; padding rows: the slot
+    # count, so their writes drop); None for attention-only models.
+    state_slots: np.ndarray | None = None
 
 
 # StepBatch's packed fields in buffer order; shapes in terms of T, R, M (blocks per request),
@@ -131,14 +134,15 @@ def make_jitted(
     def model_of(leaves):  # noqa: ANN001, ANN202
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-    def forward(leaves, kv_caches, packed, prev):  # noqa: ANN001, ANN202
+    def forward(leaves, kv_caches, packed, prev, state_slots):  # noqa: ANN001, ANN202
         """packed: i32 [L] (step_layout); prev: i32 [R], the last SAMPLE program's tokens (async
-        scheduling feeds the inputs that were still on the device)."""
+        scheduling feeds the inputs that were still on the device); state_slots: i32 [R] for
+        state-space models, else None."""
         t = (packed.shape[0] - sum(int(np.prod(s)) for _, s in step_layout(0, r, m, n))) // 3
         f = unpack_step(packed, t, r, m, n)
         input_ids = f["input_ids"].at[f["feed_dst"]].set(prev[f["feed_src"]], mode="drop")
         md = AttentionMetadata(f["slot_mapping"], f["kv_lens"], f["block_tables"], f["cu_q_lens"],
-                               f["num_seqs"], **md_static)  # fmt: skip
+                               f["num_seqs"], state_slots=state_slots, **md_static)  # fmt: skip
         hidden, kv_caches = model_of(leaves)(input_ids, f["positions"], kv_caches, md)
         # Pin shardings so the donated cache and the next programs' inputs always match.
         kv_caches = [

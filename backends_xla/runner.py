@@ -27,6 +27,7 @@ the torch runner); this file pads them into buckets and does the device work.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,6 +191,15 @@ class XlaModelRunner(RunnerCore):
         if self.kv_cache_dtype != "auto":
             scale_sharding = NamedSharding(self.mesh, P(None, None, kv_axis))
             self._kv_layer_shardings += (scale_sharding,) * 2
+        # Recurrent-state models (Mamba, hybrids): state slots beside the KV blocks, their
+        # (conv, ssm) caches replicated; unsupported features refused here (model_loader/ssm.py).
+        from xlaserve.model_loader.ssm import check_state_model_config, is_state_model
+
+        check_state_model_config(config, spec)
+        self.state_model = is_state_model(spec)
+        self._num_state_slots = 0
+        if self.state_model:
+            self._kv_layer_shardings = (self._replicated,) * 2
         self.graphdef: nnx.GraphDef | None = None
         self.state: nnx.State | None = None
         self.weights: list[jax.Array] = []  # the state's leaves, as the programs take them
@@ -239,6 +249,20 @@ class XlaModelRunner(RunnerCore):
 
     def determine_num_kv_blocks(self) -> int:
         cache = self.config.cache
+        if self.state_model:  # one budget -> KV blocks + state slots (model_loader/ssm.py)
+            from xlaserve.model_loader.ssm import plan_state_cache
+
+            budget = cache.cpu_kv_cache_bytes
+            if self.platform != "cpu":
+                budget = int(min(
+                    d.memory_stats()["bytes_limit"] * cache.gpu_memory_utilization
+                    - d.memory_stats()["bytes_in_use"] for d in self.mesh.local_devices
+                ) - peak_activation_bytes(self))  # fmt: skip
+            n, self._num_state_slots = plan_state_cache(
+                self.spec, self.config, self.kv_dtype.itemsize, self.block_size,
+                self.max_model_len, budget,
+            )  # fmt: skip
+            return n
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         draft_bytes = self.draft.kv_bytes_per_block() if self.draft is not None else 0
@@ -269,6 +293,11 @@ class XlaModelRunner(RunnerCore):
             lambda: [tuple(jnp.zeros(x.shape, x.dtype) for x in structs) for _ in range(layers)],
             out_shardings=[self._kv_layer_shardings] * layers,
         )
+        if self.state_model:  # per layer K/V or (conv, ssm) states (models_flax/mamba.py)
+            from xlaserve.models_flax.mamba import alloc_state_caches
+
+            self._num_state_slots = max(self._num_state_slots, 1)
+            alloc = functools.partial(alloc_state_caches, self, num_blocks, self._num_state_slots)
         self.kv_caches = alloc()
         self.num_kv_blocks = num_blocks
         if self.draft is not None:  # its own cache, same block ids (+ scratch blocks)
@@ -280,6 +309,10 @@ class XlaModelRunner(RunnerCore):
             self.compile_all()
         if self.multihost is not None:  # follower hosts serve host 0's steps here, then exit
             self.multihost.serve_if_follower(self)
+
+    def num_state_slots(self) -> int:
+        """State slots allocated beside the KV blocks (0: attention-only model; runner.py)."""
+        return self._num_state_slots
 
     def startup_programs(self) -> list[tuple[str, int]]:
         """Programs compiled at start-up: (token buckets) + (request buckets), no product; with
@@ -457,19 +490,26 @@ class XlaModelRunner(RunnerCore):
         batch.num_seqs[0] = b
         batch.req_ids, batch.starts, batch.counts = plan.req_ids, plan.starts, plan.counts
         batch.sampling, batch.drafts = plan.sampling, plan.drafts
+        if self.state_model:  # padding rows keep slot S (dropped writes)
+            batch.state_slots[:b] = [st.state_slot for st in plan.states]
         return batch
 
     def _dummy_batch(self, t: int) -> StepBatch:
         """An all-padding batch of token bucket t (programs.py)."""
-        return dummy_batch(t, self.max_num_seqs, self.max_blocks_per_seq, self.num_rows)
+        batch = dummy_batch(t, self.max_num_seqs, self.max_blocks_per_seq, self.num_rows)
+        if self.state_model:
+            batch.state_slots = np.full(self.max_num_seqs, self._num_state_slots, np.int32)
+        return batch
 
     def _put(self, tree):  # noqa: ANN001, ANN202
         """Host arrays -> replicated device arrays (one sharding always, as compiled)."""
         return jax.device_put(tree, self._replicated)
 
-    def _device_inputs(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-        """The forward's inputs: the packed step (one copy) and the last sampled tokens."""
-        return self._put(batch.packed), self._last_tokens
+    def _device_inputs(self, batch: StepBatch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """The forward's inputs: the packed step (one copy), the last sampled tokens and, for
+        state-space models, the rows' state slots (else None)."""
+        slots = None if batch.state_slots is None else self._put(batch.state_slots)
+        return self._put(batch.packed), self._last_tokens, slots
 
     def _forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Run the model; keeps the (donated) cache; returns last-token rows [R, H], hidden

@@ -38,6 +38,11 @@ _EXPORTS: dict[str, str] = {
     "greedy_argmax": "sampling",
     "greedy_argmax_packed": "sampling",
     "greedy_argmax_ref": "sampling",
+    # State-space decode steps (issue 25).
+    "conv_state_update": "ssm",
+    "conv_state_update_ref": "ssm",
+    "ssm_state_update": "ssm",
+    "ssm_state_update_ref": "ssm",
 }
 
 __all__ = ["triton_available", *_EXPORTS]

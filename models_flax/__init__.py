@@ -16,6 +16,10 @@ _FAMILIES: dict[str, str] = {
     "starcoder2": "decoder:DecoderForCausalLM",
     "moe": "decoder:DecoderForCausalLM",
     "mla": "decoder:DecoderForCausalLM",  # + MLAttention (mla.py)
+    # State-space models (issue 25): recurrent state slots beside / instead of paged K/V.
+    "mamba": "mamba:MambaForCausalLM",
+    "mamba2": "mamba:MambaForCausalLM",
+    "hybrid": "mamba:HybridForCausalLM",
 }
 
 

@@ -38,7 +38,7 @@ KVCache = tuple[jax.Array, ...]
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["slot_mapping", "kv_lens", "block_tables", "cu_q_lens", "num_seqs"],
+    data_fields=["slot_mapping", "kv_lens", "block_tables", "cu_q_lens", "num_seqs", "state_slots"],
     meta_fields=["mesh", "impl"],
 )
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class AttentionMetadata:
     # own: the default and its XLASERVE_RPA_IMPL override): "auto" | "reference" | "pallas_tpu" |
     # "pallas_gpu" (see ragged_paged_attention).
     impl: str = field(default_factory=lambda: kernel_switch("rpa_impl"))
+    # int32 [B]: recurrent-state slot of each request row (state-space models, models_flax/mamba.py;
+    # padding rows hold the slot count: their writes are dropped); None for attention-only models.
+    state_slots: jax.Array | None = None
 
 
 def paged_attention(

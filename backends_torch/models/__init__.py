@@ -18,6 +18,10 @@ _FAMILIES: dict[str, str] = {
     "starcoder2": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
     "moe": "xlaserve.backends_torch.models.decoder:DecoderForCausalLM",
     "mla": "xlaserve.backends_torch.models.mla:MLAForCausalLM",
+    # State-space models (issue 25): recurrent state slots beside / instead of paged K/V.
+    "mamba": "xlaserve.backends_torch.models.mamba:MambaForCausalLM",
+    "mamba2": "xlaserve.backends_torch.models.mamba:MambaForCausalLM",
+    "hybrid": "xlaserve.backends_torch.models.mamba:HybridForCausalLM",
 }
 
 

@@ -86,6 +86,9 @@ class CacheConfig:
     kv_offload_dir: str | None = None
     # CPU backends: KV cache bytes when num_kv_blocks is None (no memory profiling on CPU).
     cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+    # Recurrent-state slots of state-space / hybrid models (Mamba, Bamba, ...: one per running
+    # sequence, core/cache_spec.py); None = max_num_seqs, fewer when memory is short.
+    num_state_slots: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
@@ -102,6 +105,10 @@ class CacheConfig:
             f"kv_cache_dtype must be 'auto', 'fp8' or 'int8', got {self.kv_cache_dtype!r}",
         )
         _check(self.kv_offload_bytes >= 0, "kv_offload_bytes must be >= 0")
+        _check(
+            self.num_state_slots is None or self.num_state_slots > 0,
+            f"num_state_slots must be positive, got {self.num_state_slots}",
+        )
 
 
 # Platform defaults of (max_num_seqs, max_num_batched_tokens), as vLLM sizes them by hardware:

@@ -43,6 +43,11 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens whose KV is already in the cache (prefix-cache hit); computation starts here.
     num_computed_tokens: int
+    # Recurrent-state slot (core/cache_spec.py) of models with state-space / linear-attention
+    # layers: index into each such layer's state tensors; -1 for attention-only models. A new
+    # request (num_computed_tokens 0) starts from a zero state; the slot is the request's until
+    # its id shows up in finished_req_ids.
+    state_slot: int = -1
 
 
 @dataclass
@@ -166,6 +171,10 @@ class ModelRunner(Protocol):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache; compile/capture what needs the cache's shapes."""
+
+    # Optional (models with recurrent-state layers, core/cache_spec.py):
+    #   num_state_slots() -> int: state slots allocated by init_kv_cache (decided with the blocks
+    #     in determine_num_kv_blocks); absent or 0 = an attention-only model.
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step."""

@@ -55,6 +55,8 @@ class ReqState:
     pending_row: int = -1
     # Prompt logprobs are emitted only on a request's first life (not again after preemption).
     emit_prompt_logprobs: bool = False
+    # Recurrent-state slot (models with state-space layers; NewRequestData.state_slot), else -1.
+    state_slot: int = -1
 
     @property
     def output_ids(self) -> list[int]:
@@ -187,7 +189,8 @@ class RunnerCore:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
         for nr in so.new_requests:
-            self.requests[nr.req_id] = self._new_state(nr)
+            st = self.requests[nr.req_id] = self._new_state(nr)
+            st.state_slot = nr.state_slot
         for cr in so.cached_requests:
             st = self.requests.get(cr.req_id)
             if st is None:

@@ -13,17 +13,25 @@ Offload (core/offload.py): with a host tier, a hashed block whose hash is evicte
 to a host slot first (the copy precedes the forward of the step that reuses the block), and a
 prefix lookup that misses on the device continues in the host tier, then on disk: those hits get
 fresh device blocks filled by a copy-in before the forward, and count as computed tokens.
+
+Recurrent state (core/cache_spec.py): with `num_state_slots` > 0 the model also has recurrent
+layers, and every request holds one state slot beside its blocks. `allocate_slots` takes the
+request's slot with its first blocks (or nothing: None when either is short, so the scheduler
+preempts for both alike), `free` returns both. Prefix caching is off for such models.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from xlaserve.core.offload import OffloadManager, OffloadOps
 from xlaserve.core.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
@@ -139,10 +147,23 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         offload: OffloadManager | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_state_slots < 0:
+            raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
+        if num_state_slots and enable_prefix_caching:
+            # A slot holds the state after all of a request's tokens: it cannot be shared at a
+            # block boundary without state snapshots, which are not implemented.
+            logger.info("prefix caching is disabled: the model has recurrent-state layers")
+            enable_prefix_caching = False
         self.block_size = block_size
+        # Recurrent state slots (0 = attention-only model): free ids, lowest first.
+        self.num_state_slots = num_state_slots
+        self.free_state_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
+        # request_id -> its state slot.
+        self.req_to_state_slot: dict[str, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.offload = offload if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, enable_prefix_caching, self.offload)
@@ -170,8 +191,16 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
-        return (self.pool.num_blocks - self.pool.num_free_blocks) / self.pool.num_blocks
+        """Fraction of blocks referenced by requests (cached-but-free blocks count as free); with
+        state slots, the larger of that and the fraction of slots in use."""
+        blocks = (self.pool.num_blocks - self.pool.num_free_blocks) / self.pool.num_blocks
+        if not self.num_state_slots:
+            return blocks
+        return max(blocks, len(self.req_to_state_slot) / self.num_state_slots)
+
+    def get_state_slot(self, request_id: str) -> int:
+        """The request's recurrent-state slot (-1: none, or an attention-only model)."""
+        return self.req_to_state_slot.get(request_id, -1)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -241,6 +270,12 @@ class KVCacheManager:
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_needed, 0) > self.pool.num_free_blocks - num_revived:
             return None
+        # Its state slot is admitted with its blocks (both or neither).
+        needs_slot = self.num_state_slots > 0 and request.request_id not in self.req_to_state_slot
+        if needs_slot and not self.free_state_slots:
+            return None
+        if needs_slot:
+            self.req_to_state_slot[request.request_id] = self.free_state_slots.pop()
 
         self.pool.touch(computed_blocks)
         # Host/disk hits: pin their slots (loading from disk) before evictions could take them.
@@ -280,6 +315,10 @@ class KVCacheManager:
         tier, so a resume reloads them even after the device evicted them (a partial last
         block is recomputed)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        slot = self.req_to_state_slot.pop(request.request_id, None)
+        if slot is not None:
+            self.free_state_slots.append(slot)
+            self.free_state_slots.sort(reverse=True)  # lowest id handed out next
         num_cached = self.num_cached_blocks.pop(request.request_id, 0)
         self._tier_hits.pop(request.request_id, None)
         if swap and self.offload is not None:

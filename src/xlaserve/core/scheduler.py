@@ -268,6 +268,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
+                    state_slot=kv.get_state_slot(r.request_id),
                 )
                 for r in new_reqs
             ],

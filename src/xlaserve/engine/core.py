@@ -268,6 +268,7 @@ class EngineCore:
             cc.block_size,
             cc.enable_prefix_caching,
             offload=build_offload_manager(config, self.runner),
+            num_state_slots=self._num_state_slots(),
         )
         self.scheduler = Scheduler(config.scheduler, cc, self.kv_manager, self.max_model_len)
         self._live: set[str] = set()  # request ids added and not finished
@@ -296,6 +297,11 @@ class EngineCore:
             cc.block_size,
             self.max_model_len,
         )
+
+    def _num_state_slots(self) -> int:
+        """Recurrent-state slots of the runner (0: an attention-only model; runner.py)."""
+        fn = getattr(self.runner, "num_state_slots", None)
+        return int(fn()) if fn is not None else 0
 
     def _use_async_scheduling(self) -> bool:
         """scheduler.async_scheduling: "on", "off" or "auto" = the runner's

@@ -756,3 +756,6 @@ def iter_canonical_weights(
 
 # Families declared as data (LlamaLike adapters: no backend code); registers on import.
 from xlaserve.model_loader import families as _families  # noqa: E402, F401
+
+# State-space architectures (Mamba, Mamba2) register themselves in their own module.
+from xlaserve.model_loader import ssm as _ssm  # noqa: E402,F401

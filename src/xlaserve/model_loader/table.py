@@ -77,6 +77,18 @@ NOTES: dict[str, str] = {
     "MptForCausalLM": "ALiBi (MPT slopes), bias-free LayerNorm and projections",
     "GptOssForCausalLM": "attention sinks, sliding / full layers, biased clamped-SwiGLU MoE "
     "(reference attention and experts paths; bf16 checkpoints, not MXFP4)",
+    # State-space models (issue 25): the cache kinds they use (core/cache_spec.py); every other
+    # architecture uses paged attention K/V only.
+    "MambaForCausalLM": "cache: recurrent state only (conv window + SSM state [I, N] per layer); "
+    "no prefix caching, no speculative decoding",
+    "Mamba2ForCausalLM": "cache: recurrent state only (conv window + SSD state [Hs, P, N] per "
+    "layer); no prefix caching, no speculative decoding",
+    "BambaForCausalLM": "cache: paged attention (attention layers) + recurrent state (Mamba2 "
+    "layers), one request's blocks and state slot admitted / freed together; partial rotary 0.5",
+    "GraniteMoeHybridForCausalLM": "Granite 4: cache: paged attention + recurrent state (Mamba2 "
+    "layers); MoE + shared MLP, Granite multipliers, rope or no positions",
+    "JambaForCausalLM": "cache: paged attention + recurrent state (Mamba layers, dt / B / C "
+    "norms); MoE every other layer (softmax top-k, not renormalised); no positions",
 }
 
 

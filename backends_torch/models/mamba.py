@@ -1,0 +1,399 @@
+"""Mamba (`MambaForCausalLM`) and Mamba2 (`Mamba2ForCausalLM`) on the torch backend.
+
+forward(input_ids [T], positions [T], caches, md) -> hidden [T, H]: caches holds, per layer, the
+(conv state [S, C, K-1], ssm state [S, Hs, P, N]) float32 tensors of S state slots
+(model_loader/ssm.py for the shapes). The step's per-request slots and whether each request
+starts from a zero state come in `md.derived["state_slots"]` / `["state_fresh"]` (host lists, in
+batch order; the runner sets them, backends_torch/state.py).
+
+A step whose requests all compute one token (decode) runs the single-step update over the batch
+(gather the slots' states, update, scatter back); any other step runs each request's chunk with
+the conv + scan reference (layers/ssm_ops.py), carrying the state across chunks exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xlaserve.backends_torch.layers.attention import AttentionBackend, AttentionMetadata
+from xlaserve.backends_torch.layers.linear import Linear, VocabEmbedding
+from xlaserve.backends_torch.layers.ssm_ops import (
+    causal_conv1d,
+    causal_conv1d_update,
+    gated_rms_norm,
+    selective_scan,
+    selective_state_update,
+    ssd_chunked,
+)
+from xlaserve.backends_torch.models.base import CausalLMBase
+from xlaserve.config import KernelConfig
+from xlaserve.model_loader.spec import ModelSpec
+
+StateCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class SimpleRMSNorm(nn.Module):
+    """HF Mamba RMSNorm: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)."""
+
+    def __init__(self, n: int, eps: float, dtype: torch.dtype, device: str | torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(self.weight.dtype)
+
+
+def _step_state(md: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's state slots [B] int64 and keep flags [B] float32 (0 = fresh request), built
+    once per step and shared by every layer (md.derived)."""
+    got = md.derived.get("state_tensors")
+    if got is None:
+        slots = torch.tensor(md.derived["state_slots"], dtype=torch.long)
+        keep = torch.tensor([0.0 if f else 1.0 for f in md.derived["state_fresh"]])
+        got = md.derived["state_tensors"] = (slots.to(device), keep.to(device))
+    return got
+
+
+def use_ssm_kernels(device: str | torch.device, kernels: KernelConfig | None) -> bool:
+    """Decode steps through the Triton kernels (kernels_cuda/ssm.py): KernelConfig.triton_ops
+    "on" / "off" forces it (on needs CUDA or TRITON_INTERPRET=1), "auto" = on CUDA."""
+    from xlaserve.config import kernel_switch
+
+    mode = kernel_switch("triton_ops", kernels)
+    return mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class SSMMixer(nn.Module):
+    """One Mamba or Mamba2 mixer: x [T, H] -> [T, H], reading / writing its layer's state."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        kernels: KernelConfig | None = None,
+    ) -> None:
+        super().__init__()
+        s = spec.extra["ssm"]
+        self.kind = s["kind"]
+        self.triton = use_ssm_kernels(device, kernels)
+        h, i, n, g = spec.hidden_size, s["d_inner"], s["state_size"], s["n_groups"]
+        self.d_inner, self.n, self.groups = i, n, g
+        self.hs, self.p, self.k = s["n_heads"], s["head_dim"], s["conv_kernel"]
+        self.dt_limit = tuple(s["dt_limit"])
+        self.chunk = s.get("chunk_size", 256)
+        self.eps = spec.norm_eps
+        if self.kind == "mamba2":
+            self.conv_dim = i + 2 * g * n
+            self.in_proj = Linear(h, i + self.conv_dim + self.hs, s["proj_bias"], dtype, device)
+            self.dt_bias = _param((self.hs,), dtype, device)
+            self.A_log = _param((self.hs,), dtype, device)
+            self.norm = SimpleRMSNorm(i, self.eps, dtype, device)
+        else:
+            self.conv_dim = i
+            self.rank = s["dt_rank"]
+            self.in_proj = Linear(h, 2 * i, s["proj_bias"], dtype, device)
+            self.x_proj = Linear(i, self.rank + 2 * n, False, dtype, device)
+            self.dt_proj = Linear(self.rank, i, True, dtype, device)
+            self.A_log = _param((i, n), dtype, device)
+            if s.get("bc_norms"):  # Jamba: RMS norms on dt (rank R), B and C (N)
+                self.dt_layernorm = SimpleRMSNorm(self.rank, self.eps, dtype, device)
+                self.b_layernorm = SimpleRMSNorm(n, self.eps, dtype, device)
+                self.c_layernorm = SimpleRMSNorm(n, self.eps, dtype, device)
+        self.bc_norms = bool(s.get("bc_norms"))
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _param((self.conv_dim, self.k), dtype, device)
+        self.conv1d.bias = _param((self.conv_dim,), dtype, device) if s["conv_bias"] else None
+        self.D = _param((self.hs,), dtype, device)
+        self.out_proj = Linear(i, h, s["proj_bias"], dtype, device)
+
+    def _A(self) -> torch.Tensor:
+        """[Hs, 1, 1] (Mamba2) or [Hs, 1, N] (Mamba), float32."""
+        a = -torch.exp(self.A_log.float())
+        return a[:, None, None] if self.kind == "mamba2" else a[:, None, :]
+
+    def _ssm_inputs(
+        self, xc: torch.Tensor, dt_raw: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Activated conv output xc [R, C] (+ Mamba2's raw dt [R, Hs]) -> x [R, Hs, P],
+        dt [R, Hs] (softplus'd, clamped), B / C [R, Hs|1, N]; all float32."""
+        r = xc.shape[0]
+        if self.kind == "mamba2":
+            i, gn = self.d_inner, self.groups * self.n
+            x, B, C = xc.split([i, gn, gn], dim=-1)
+            rep = self.hs // self.groups
+            B = B.reshape(r, self.groups, self.n).repeat_interleave(rep, dim=1)
+            C = C.reshape(r, self.groups, self.n).repeat_interleave(rep, dim=1)
+            dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+            lo, hi = self.dt_limit
+            if lo > 0.0 or hi != float("inf"):
+                dt = dt.clamp(lo, hi)
+            return x.reshape(r, self.hs, self.p), dt, B, C
+        x = xc
+        dbc = self.x_proj(x.to(self.x_proj.weight.dtype))
+        dtr, B, C = dbc.split([self.rank, self.n, self.n], dim=-1)
+        if self.bc_norms:
+            dtr, B, C = self.dt_layernorm(dtr), self.b_layernorm(B), self.c_layernorm(C)
+        dtr, B, C = dtr.float(), B.float(), C.float()
+        dt = dtr @ self.dt_proj.weight.float().t() + self.dt_proj.bias.float()
+        return x[:, :, None], F.softplus(dt), B[:, None, :], C[:, None, :]
+
+    def _finish(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Scan output y [R, Hs, P] float32 + gate [R, I] -> [R, H]."""
+        y = y.reshape(y.shape[0], self.d_inner)
+        if self.kind == "mamba2":
+            y = gated_rms_norm(y, gate, self.norm.weight, self.groups, self.eps)
+        else:
+            y = y * F.silu(gate.float())
+        return self.out_proj(y.to(dtype))
+
+    def _split(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """in_proj output -> (gate z, conv input, raw dt | None)."""
+        if self.kind == "mamba2":
+            z, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.hs], dim=-1)
+            return z, xbc, dt
+        xs, z = proj.split([self.d_inner, self.d_inner], dim=-1)
+        return z, xs, None
+
+    def forward(self, x: torch.Tensor, cache: StateCache, md: AttentionMetadata) -> torch.Tensor:
+        conv_s, ssm_s = cache
+        slots: list[int] = md.derived["state_slots"]
+        fresh: list[bool] = md.derived["state_fresh"]
+        qsl = md.query_start_loc_host
+        z, xbc, dt_raw = self._split(self.in_proj(x))
+        w, b, A = self.conv1d.weight, self.conv1d.bias, self._A()
+        if x.shape[0] == len(slots) and self.triton:  # decode, in place in the slot caches
+            from xlaserve.kernels_cuda.ssm import conv_state_update, ssm_state_update
+
+            idx, keep = _step_state(md, x.device)
+            xc = conv_state_update(xbc, w, b, conv_s, idx, keep)
+            xs, dt, B, C = self._ssm_inputs(F.silu(xc), dt_raw)
+            a = A.expand(self.hs, 1, self.n).reshape(self.hs, self.n)
+            B, C = B.expand(-1, self.hs, -1), C.expand(-1, self.hs, -1)  # one group per head
+            y = ssm_state_update(ssm_s, idx, keep, xs, dt, a, B, C, self.D)
+            return self._finish(y, z, x.dtype)
+        if x.shape[0] == len(slots):  # decode: one token per request, batched single step
+            idx, keep = _step_state(md, x.device)
+            cs = conv_s[idx] * keep[:, None, None]
+            hs = ssm_s[idx] * keep[:, None, None, None]
+            xc, cs = causal_conv1d_update(xbc, w, b, cs)
+            xs, dt, B, C = self._ssm_inputs(F.silu(xc), dt_raw)
+            y, hs = selective_state_update(hs, xs, dt, A, B, C, self.D)
+            conv_s[idx] = cs
+            ssm_s[idx] = hs
+            return self._finish(y, z, x.dtype)
+        ys = []
+        for r, slot in enumerate(slots):
+            lo, hi = qsl[r], qsl[r + 1]
+            cs, hs = conv_s[slot], ssm_s[slot]
+            if fresh[r]:
+                cs, hs = torch.zeros_like(cs), torch.zeros_like(hs)
+            xc, cs = causal_conv1d(xbc[lo:hi], w, b, cs)
+            dr = dt_raw[lo:hi] if dt_raw is not None else None
+            xs, dt, B, C = self._ssm_inputs(F.silu(xc), dr)
+            if self.kind == "mamba2" and hi - lo > 1:
+                y, hs = ssd_chunked(xs, dt, A, B, C, self.D, hs, chunk=min(self.chunk, 64))
+            else:
+                y, hs = selective_scan(xs, dt, A, B, C, self.D, hs)
+            conv_s[slot] = cs
+            ssm_s[slot] = hs
+            ys.append(y)
+        return self._finish(torch.cat(ys), z, x.dtype)
+
+
+class SSMLayer(nn.Module):
+    """residual + mixer(norm(x)); the residual stream in float32 when residual_in_fp32."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        kernels: KernelConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.norm = SimpleRMSNorm(spec.hidden_size, spec.norm_eps, dtype, device)
+        self.mixer = SSMMixer(spec, dtype, device, kernels)
+        self.fp32 = spec.extra["ssm"]["residual_in_fp32"]
+
+    def forward(self, x: torch.Tensor, cache: StateCache, md: AttentionMetadata) -> torch.Tensor:
+        h = self.mixer(self.norm(x.to(self.norm.weight.dtype)), cache, md)
+        return (x.float() if self.fp32 else x) + h
+
+
+class MambaForCausalLM(CausalLMBase):
+    """Mamba / Mamba2: embeddings, SSM layers, final RMSNorm, lm_head (tied for Mamba)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        attn_backend: AttentionBackend | None = None,
+        kernels: KernelConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            SSMLayer(spec, dtype, device, kernels) for _ in range(spec.num_layers)
+        )
+        self.norm = SimpleRMSNorm(spec.hidden_size, spec.norm_eps, dtype, device)
+        if not spec.tie_word_embeddings:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+        if kernels is not None:
+            self.use_kernels(kernels)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[StateCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cache, attn_metadata)
+        return self.norm(x.to(self.norm.weight.dtype))
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.spec.tie_word_embeddings:
+            return self.embed_tokens.as_lm_head(hidden)
+        return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def compute_logits_raw(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self._lm_head(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(hidden).float()
+
+    def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random matrices; A_log = log(1..), D = 1, dt_bias / conv at small values, norms 1."""
+        super().init_dummy_weights(seed, std)
+        with torch.no_grad():
+            for layer in self.layers:
+                m = layer.mixer
+                n_a = m.A_log.shape[-1] if m.kind == "mamba" else m.A_log.shape[0]
+                a = torch.arange(1, n_a + 1, dtype=torch.float32).log()
+                m.A_log.copy_(a.expand_as(m.A_log))
+                m.D.fill_(1.0)
+
+
+class HybridLayer(nn.Module):
+    """Bamba-style block: x + mixer(norm(x)), then + mlp(norm(x)); the mixer is paged
+    attention (DecoderAttention) or a Mamba2 SSM mixer, per spec.extra["layer_kinds"]."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        kernels: KernelConfig | None,
+    ) -> None:
+        super().__init__()
+        from xlaserve.backends_torch.layers.blocks import make_mlp, spec_norm
+        from xlaserve.backends_torch.models.decoder import DecoderAttention
+
+        h = spec.hidden_size
+        self.attention = spec.extra["layer_kinds"][layer] == "attention"
+        self.input_layernorm = spec_norm(spec, h, dtype, device)
+        self.post_attention_layernorm = spec_norm(spec, h, dtype, device)
+        if self.attention:
+            self.self_attn = DecoderAttention(spec, layer, backend, dtype, device, kernels)
+        else:
+            self.mixer = SSMMixer(spec, dtype, device, kernels)
+        if spec.is_moe_layer(layer):  # GraniteMoeHybrid: MoE + the shared MLP as shared expert
+            from xlaserve.backends_torch.layers.moe import FusedMoE
+
+            self.mlp = FusedMoE(spec, dtype, device, kernels=kernels)
+        else:
+            self.mlp = make_mlp(spec, layer, dtype, device, kernels)
+        self.rm = spec.residual_multiplier
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cache: tuple[torch.Tensor, ...],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.self_attn(positions, h, cache, md) if self.attention else self.mixer(h, cache, md)
+        x = x + (h * self.rm if self.rm != 1.0 else h)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h * self.rm if self.rm != 1.0 else h)
+
+
+class HybridForCausalLM(MambaForCausalLM):
+    """Attention + Mamba2 hybrids (Bamba): caches hold (K, V) for attention layers and (conv,
+    ssm) states for the others (backends_torch/state.py allocates both)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        attn_backend: AttentionBackend | None = None,
+        kernels: KernelConfig | None = None,
+    ) -> None:
+        from xlaserve.backends_torch.layers.attention import TorchRefAttention
+
+        CausalLMBase.__init__(self)
+        backend = attn_backend if attn_backend is not None else TorchRefAttention()
+        self.spec = spec
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            HybridLayer(spec, i, backend, dtype, device, kernels) for i in range(spec.num_layers)
+        )
+        self.norm = SimpleRMSNorm(spec.hidden_size, spec.norm_eps, dtype, device)
+        if not spec.tie_word_embeddings:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+        if kernels is not None:
+            self.use_kernels(kernels)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, cache, attn_metadata)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits_raw(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """None when logits are scaled (Granite): the float32 path keeps exact ties."""
+        return None if self.spec.logits_scaling != 1.0 else self._lm_head(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(hidden).float() / self.spec.logits_scaling
+
+    def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        CausalLMBase.init_dummy_weights(self, seed, std)
+        with torch.no_grad():
+            for layer in self.layers:
+                if not layer.attention:
+                    m = layer.mixer
+                    m.A_log.copy_(torch.arange(1, m.A_log.shape[0] + 1, dtype=torch.float32).log())
+                    m.D.fill_(1.0)

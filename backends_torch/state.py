@@ -1,0 +1,77 @@
+"""The torch runner's side of recurrent-state models (Mamba, Mamba2, hybrids; core/cache_spec.py).
+
+- `check_state_model_config`: what such models cannot do yet, refused at start-up with a clear
+  error (speculative decoding: a rejected draft would need the state rewound; KV offload and a
+  quantized KV cache; tensor parallelism).
+- `split_cache` (determine_num_kv_blocks): ONE budget of bytes -> (KV blocks, state slots).
+- `alloc_caches`: per layer, (K, V) [N, S, Hkv, D] for attention layers and (conv state
+  [slots, C, K-1], ssm state [slots, Hs, P, N]) float32 for state layers.
+- `set_step_state`: the step's slots and fresh flags into the attention metadata (the model reads
+  `md.derived["state_slots"]` / `["state_fresh"]`).
+CUDA graphs are not captured for these models (their decode steps run eagerly; logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from xlaserve.model_loader.spec import ModelSpec
+from xlaserve.model_loader.ssm import (
+    check_state_model_config,
+    is_state_model,
+    plan_state_cache,
+    state_shapes,
+)
+
+if TYPE_CHECKING:
+    from xlaserve.backends_torch.layers.attention import AttentionMetadata
+    from xlaserve.backends_torch.runner import TorchModelRunner
+    from xlaserve.runner_core import ReqState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["check_state_model_config", "is_state_model"]
+
+
+def split_cache(runner: TorchModelRunner, budget_bytes: int | None) -> tuple[int, int]:
+    """(num KV blocks, num state slots) of the runner's model (ssm.plan_state_cache)."""
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    return plan_state_cache(runner.spec, runner.config, elem, runner.block_size,
+                            runner.max_model_len, budget_bytes)  # fmt: skip
+
+
+def alloc_caches(
+    spec: ModelSpec,
+    num_blocks: int,
+    num_slots: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: attention (K, V) [N, S, Hkv, D]; state (conv [slots, C, K-1], ssm
+    [slots, Hs, P, N]) float32, zeroed."""
+    kinds = spec.extra.get("layer_kinds") or ["attention"] * spec.num_layers
+    (c, k1), (hs, p, n) = state_shapes(spec)
+    out: list[tuple[torch.Tensor, ...]] = []
+    for kind in kinds:
+        if kind == "attention":
+            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            out.append((torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)))  # fmt: skip
+        else:
+            out.append((torch.zeros((num_slots, c, k1), dtype=torch.float32, device=device),
+                        torch.zeros((num_slots, hs, p, n), dtype=torch.float32, device=device)))  # fmt: skip
+    return out
+
+
+def set_step_state(md: AttentionMetadata, states: list[ReqState], starts: list[int]) -> None:
+    """The step's per-request state slots and fresh flags (a chunk starting at position 0 starts
+    from a zero state), in batch order."""
+    for st in states:
+        if st.state_slot < 0:
+            raise ValueError("a recurrent-state model got a request without a state slot")
+    md.derived["state_slots"] = [st.state_slot for st in states]
+    md.derived["state_fresh"] = [s == 0 for s in starts]

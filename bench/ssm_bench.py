@@ -1,0 +1,283 @@
+"""State-space / hybrid model benchmark (issue 25): a Mamba2-2.7B-shaped and a Bamba-9B-shaped
+dummy model, xlaserve beside transformers `generate` on the same shape, in one command.
+
+Rows per shape (each in its own subprocess, so one failure or OOM leaves the others; the parent
+merges their JSON into ``--output-json`` after each row):
+- ``xlaserve-<backend>``: ``LLM(load_format="dummy")``: ``batch1`` (128 prompt tokens, 256 greedy
+  output tokens, EOS ignored; decode rate = 255 / (t(256 tokens) - t(1 token)), median of
+  ``--repeats``) against the memory roofline, and ``offline`` (``--num-prompts`` random prompts
+  of ``--input-len`` tokens, ``--output-len`` output tokens each: output tokens / wall time);
+- ``transformers``: the same model built from the same config (random bf16 weights) on the same
+  device: batch-1 decode rate, and offline as ``generate`` over batches of ``--hf-batch`` equal-
+  length prompts (``--hf-prompts`` of them; the rate is comparable per output token).
+
+Memory roofline of batch-1 decode: every weight (bf16) is read once per token, plus each layer's
+recurrent state (float32) read and written: ``roofline tok/s = bandwidth / bytes per token``
+(``--bandwidth-gbs``, H200: 4800 GB/s).
+
+Run on the GPU (the lead):
+    python -m xlaserve.bench.ssm_bench --output-json ssm.json
+CPU smoke test (tiny shapes):
+    python -m xlaserve.bench.ssm_bench --tiny --num-prompts 4 --input-len 8 --output-len 8 \
+        --hf-prompts 2 --batch1-output 8 --repeats 1 --in-process --output-json ssm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+TOKENS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+
+MAMBA2_2_7B: dict[str, Any] = {
+    "architectures": ["Mamba2ForCausalLM"],
+    "model_type": "mamba2",
+    "hidden_size": 2560,
+    "num_hidden_layers": 64,
+    "num_heads": 80,
+    "head_dim": 64,
+    "state_size": 128,
+    "n_groups": 1,
+    "expand": 2,
+    "conv_kernel": 4,
+    "chunk_size": 256,
+    "vocab_size": 50288,
+    "tie_word_embeddings": True,
+    "layer_norm_epsilon": 1e-5,
+    "torch_dtype": "bfloat16",
+    **TOKENS,
+}
+
+BAMBA_9B: dict[str, Any] = {
+    "architectures": ["BambaForCausalLM"],
+    "model_type": "bamba",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "attn_layer_indices": [9, 18, 27],
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "mamba_n_heads": 128,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 128,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 256,
+    "vocab_size": 128256,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    **TOKENS,
+}
+
+# CPU smoke shapes: same architectures, tiny dims.
+TINY = {
+    "mamba2": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16,
+               "state_size": 16, "vocab_size": 512, "chunk_size": 8},
+    "bamba": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "attn_layer_indices": [1, 3], "num_attention_heads": 4, "num_key_value_heads": 2,
+              "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "vocab_size": 512,
+              "mamba_chunk_size": 8},
+}  # fmt: skip
+SHAPES = {"mamba2": MAMBA2_2_7B, "bamba": BAMBA_9B}
+
+
+def write_model(name: str, root: str, tiny: bool) -> str:
+    """A config.json (+ the tiny BPE tokenizer of the demo's corpus) under root/name."""
+    cfg = dict(SHAPES[name])
+    if tiny:
+        cfg.update(TINY[name], torch_dtype="float32")
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(ord("a") + i): i for i in range(26)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "b"}, f)
+    return path
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def roofline(path: str, bandwidth_gbs: float) -> dict[str, float]:
+    """Bytes per batch-1 decode token (bf16 weights + float32 state read and written)."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    from xlaserve.model_loader.registry import build_spec
+    from xlaserve.model_loader.ssm import cache_layout
+
+    spec = build_spec(path)
+    state = cache_layout(spec, 2, 16).bytes_per_slot
+    per_token = 2 * params + 2 * state
+    return {
+        "params": params,
+        "state_bytes_per_seq": state,
+        "bytes_per_token": per_token,
+        "roofline_tokens_per_s": bandwidth_gbs * 1e9 / per_token,
+    }
+
+
+def run_xlaserve(path: str, backend: str, a: argparse.Namespace) -> dict[str, Any]:
+    from xlaserve import LLM, SamplingParams
+
+    dev_cpu = not _cuda()
+    llm = LLM(
+        path, backend=backend, load_format="dummy", dtype="float32" if dev_cpu else "bfloat16",
+        max_model_len=a.input_len + a.output_len + 256,
+    )  # fmt: skip
+    vocab = llm.llm_engine.core.spec.vocab_size
+    one = _prompts(1, 128 if not a.tiny else 8, vocab, seed=1)
+
+    def gen(prompts: list[list[int]], n: int) -> float:
+        p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": x} for x in prompts], p, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    gen(one, 4)  # warm-up (compiles, Triton caches)
+    rates = []
+    for _ in range(a.repeats):
+        t1, tn = gen(one, 1), gen(one, a.batch1_output)
+        rates.append((a.batch1_output - 1) / max(tn - t1, 1e-9))
+    prompts = _prompts(a.num_prompts, a.input_len, vocab)
+    gen(prompts[: min(8, len(prompts))], 2)
+    wall = gen(prompts, a.output_len)
+    return {
+        "batch1_decode_tokens_per_s": statistics.median(rates),
+        "offline_output_tokens_per_s": a.num_prompts * a.output_len / wall,
+        "offline_wall_s": wall,
+    }
+
+
+def run_transformers(path: str, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers as tf
+
+    dev = "cuda" if _cuda() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    cfg = tf.AutoConfig.from_pretrained(path)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(dev).eval()
+    vocab = cfg.vocab_size
+
+    def gen(prompts: list[list[int]], n: int) -> float:
+        ids = torch.tensor(prompts, device=dev)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    one = _prompts(1, 128 if not a.tiny else 8, vocab, seed=1)
+    gen(one, 4)
+    rates = []
+    for _ in range(a.repeats):
+        t1, tn = gen(one, 1), gen(one, a.batch1_output)
+        rates.append((a.batch1_output - 1) / max(tn - t1, 1e-9))
+    prompts = _prompts(a.hf_prompts, a.input_len, vocab)
+    wall = 0.0
+    for i in range(0, len(prompts), a.hf_batch):
+        wall += gen(prompts[i : i + a.hf_batch], a.output_len)
+    return {
+        "batch1_decode_tokens_per_s": statistics.median(rates),
+        "offline_output_tokens_per_s": len(prompts) * a.output_len / wall,
+        "offline_prompts": len(prompts),
+        "offline_batch": a.hf_batch,
+    }
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_row(shape: str, system: str, path: str, a: argparse.Namespace) -> dict[str, Any]:
+    if system == "transformers":
+        return run_transformers(path, a)
+    return run_xlaserve(path, system.removeprefix("xlaserve-"), a)
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", default="mamba2,bamba")
+    p.add_argument("--systems", default="xlaserve-torch,xlaserve-xla,transformers")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch1-output", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hf-prompts", type=int, default=256)
+    p.add_argument("--hf-batch", type=int, default=64)
+    p.add_argument("--bandwidth-gbs", type=float, default=4800.0)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--in-process", action="store_true", help="rows in this process (tests)")
+    p.add_argument("--timeout-s", type=float, default=3600.0)
+    p.add_argument("--output-json", default="ssm_bench.json")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "shape:system:path"
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = _args(argv)
+    if a.worker:  # child: one row, JSON on stdout's last line
+        shape, system, path = a.worker.split(":", 2)
+        print(json.dumps(run_row(shape, system, path, a)))
+        return {}
+    results: dict[str, Any] = {"config": {k: v for k, v in vars(a).items() if k != "worker"}}
+    root = tempfile.mkdtemp(prefix="ssm-bench-")
+    for shape in a.shapes.split(","):
+        path = write_model(shape, root, a.tiny)
+        entry: dict[str, Any] = {"roofline": roofline(path, a.bandwidth_gbs)}
+        results[shape] = entry
+        for system in a.systems.split(","):
+            try:
+                if a.in_process:
+                    row = run_row(shape, system, path, a)
+                else:
+                    cmd = [sys.executable, "-m", "xlaserve.bench.ssm_bench", *(argv or sys.argv[1:]),
+                           "--worker", f"{shape}:{system}:{path}"]  # fmt: skip
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s)
+                    if done.returncode != 0:
+                        raise RuntimeError(done.stderr[-2000:])
+                    row = json.loads(done.stdout.strip().splitlines()[-1])
+                dec = row["batch1_decode_tokens_per_s"]
+                row["batch1_ratio_to_roofline"] = dec / entry["roofline"]["roofline_tokens_per_s"]
+            except Exception as e:  # noqa: BLE001 - a failed row is recorded, the others run
+                row = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+            entry[system] = row
+            with open(a.output_json, "w") as f:
+                json.dump(results, f, indent=2)
+            print(shape, system, json.dumps(row), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Tiny random HF checkpoints of the state-space architectures (Mamba, Mamba2; hybrids later),
+built with transformers config classes and saved with save_pretrained, plus the BPE tokenizer
+of tests/tiny_models.py."""
+
+from __future__ import annotations
+
+VOCAB = 384  # tests/tiny_models.py's tokenizer size
+TOKENS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+# name -> HF architecture
+SSM_ARCHS = {
+    "mamba": "MambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "jamba": "JambaForCausalLM",
+}
+
+
+def _config(name: str):  # noqa: ANN202 - a transformers config
+    import transformers as tf
+
+    if name == "mamba":
+        return tf.MambaConfig(
+            vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2,
+            conv_kernel=4, tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "mamba2":
+        return tf.Mamba2Config(
+            vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
+            n_groups=2, expand=2, conv_kernel=4, num_hidden_layers=2, chunk_size=8,
+            tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "bamba":  # attention at layers 1 and 3 of 4
+        return tf.BambaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+            tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "granitemoehybrid":  # MoE + shared MLP, multipliers, rope, attention at 1 and 3
+        return tf.GraniteMoeHybridConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["mamba", "attention", "mamba", "attention"],
+            position_embedding_type="rope", embedding_multiplier=2.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=2.0, mamba_n_heads=8, mamba_d_head=16,
+            mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=8, tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "jamba":  # attention at layers 1 and 3, MoE at layers 1 and 3, Mamba v1 elsewhere
+        return tf.JambaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    raise ValueError(name)
+
+
+def make_ssm_model(name: str, path: str, seed: int = 0, std: float = 0.15) -> str:
+    """Random weights ~N(0, std) for matrices, N(0, 0.05) for vectors, norms ~1."""
+    import torch
+    import transformers as tf
+    from tiny_models import write_tokenizer
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(_config(name))
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std if p.dim() > 1 else 0.05)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    model.generation_config.save_pretrained(path)
+    write_tokenizer(path)
+    return path
