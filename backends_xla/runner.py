@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +110,8 @@ class _Launched(LaunchedStep):
     batch rows)."""
 
     res: SamplerOutput | None = None
+    # The SAMPLE dispatch still to run (late grammar bitmasks, `apply_bitmasks`).
+    resume: Any = None
 
 
 class XlaModelRunner(RunnerCore):
@@ -135,6 +137,8 @@ class XlaModelRunner(RunnerCore):
         super().__init__()  # the persistent batch: self.requests (runner_core.py)
         # Multi-host (nnodes > 1): join jax.distributed before any JAX backend starts (multihost.py).
         self.multihost = init_multihost(config)
+        if self.multihost is not None:  # followers get each SchedulerOutput before launch,
+            self.apply_bitmasks = None  # not late masks: the engine fills them before launch
         # Quantized KV cache (int8 / fp8 codes + a float32 scale per token and KV head).
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         # Weight quantization (None = float): the checkpoint's own format or `quantization`
@@ -313,6 +317,19 @@ class XlaModelRunner(RunnerCore):
         """Dispatch one step; a plain SAMPLE step's tokens are read by `finish` (runner.py)."""
         return self._launch(scheduler_output, defer=self.multihost is None)
 
+    def apply_bitmasks(self, launched: _Launched, bitmasks: dict) -> None:
+        """The late grammar bitmasks of a launched step (xlaserve.runner): its SAMPLE program,
+        held back while the forward was dispatched, is dispatched now with them (the mask is
+        applied inside the program)."""
+        resume, launched.resume = launched.resume, None
+        if resume is not None:
+            resume(bitmasks)
+
+    def finish(self, launched: _Launched) -> RunnerOutput:
+        if launched.resume is not None:  # masks never came (an error in the engine): sample
+            self.apply_bitmasks(launched, {})
+        return super().finish(launched)
+
     def _read_pending(self, launched: _Launched) -> tuple[list[int], set[int]]:
         """`finish` (runner_core.py): read a deferred step's results back to the host."""
         launched.res = res = jax.device_get(launched.res)
@@ -355,20 +372,29 @@ class XlaModelRunner(RunnerCore):
             for r, s in zip(batch.req_ids, batch.sampling, strict=True)
         ]
         rows += [None] * (b - len(rows))
-        extras = any(
-            needs_extras(r, rid, so.grammar_bitmask)
-            for r, rid in zip(rows, batch.req_ids, strict=False)
-        )
-        with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
-        st = self._sampling_tensors(rows, batch.req_ids, b, extras, with_lp, so.grammar_bitmask)
-        res, self._last_tokens = self._program(SAMPLE, b)(self.state, rows_h, st)
-        if defer and self._deferrable(rows):
-            self._defer(batch, res, launched)
-            return launched
-        res = jax.device_get(res)
-        self._prompt_logprobs(batch, hidden, out)
-        self._emit(batch, res, out, lambda i: [int(res.token_ids[i])], lambda i: i)
-        self._propose_drafts(batch, out)
+
+        def sample(late_masks: dict) -> None:
+            so.grammar_bitmask.update(late_masks)
+            extras = any(
+                needs_extras(r, rid, so.grammar_bitmask)
+                for r, rid in zip(rows, batch.req_ids, strict=False)
+            )
+            with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
+            bm = so.grammar_bitmask
+            st = self._sampling_tensors(rows, batch.req_ids, b, extras, with_lp, bm)
+            res, self._last_tokens = self._program(SAMPLE, b)(self.state, rows_h, st)
+            if defer and self._deferrable(rows):
+                self._defer(batch, res, launched)
+                return
+            res = jax.device_get(res)
+            self._prompt_logprobs(batch, hidden, out)
+            self._emit(batch, res, out, lambda i: [int(res.token_ids[i])], lambda i: i)
+            self._propose_drafts(batch, out)
+
+        if so.late_bitmask_req_ids:  # the forward is dispatched; SAMPLE waits for the masks
+            launched.resume = sample
+        else:
+            sample({})
         return launched
 
     def _deferrable(self, rows: list[_ReqState | None]) -> bool:

@@ -13,6 +13,8 @@ import json
 import re
 
 import jsonschema
+import pytest
+from optional_deps import backend_available
 
 from xlaserve import LLM, SamplingParams
 from xlaserve.engine.llm_engine import LLMEngine
@@ -25,6 +27,7 @@ SCHEMA = {
 }
 REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
 CHOICES = ["light", "darkness", "firmament"]
+BACKENDS = ["torch"] + (["xla"] if backend_available("xla") else [])
 
 
 def _params() -> list[SamplingParams]:
@@ -134,17 +137,19 @@ def test_fake_runner_async_grammar_abort_mid_flight(tiny_model_dir) -> None:  # 
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 
 
-def test_torch_async_grammar_equals_sync(tiny_model_dir) -> None:  # noqa: ANN001
-    """The torch runner on a tiny random Llama: async scheduling with grammars gives the
-    synchronous path's greedy tokens (late masks applied in the deferred sampler) and valid
-    output, with chunked prefill."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_real_runner_async_grammar_equals_sync(tiny_model_dir, backend: str) -> None:  # noqa: ANN001
+    """A real runner on a tiny random Llama: async scheduling with grammars gives the
+    synchronous path's greedy tokens (late masks applied on the device: the torch runner's
+    deferred sampler, the XLA runner's SAMPLE program) and valid output, with chunked
+    prefill."""
     prompts = ["In the beginning", "And God said", "the waters", "Let there be light"] * 3
     params = _params()
     got = {}
     for mode in ("off", "on"):
         llm = LLM(
             tiny_model_dir("llama"),
-            backend="torch",
+            backend=backend,
             dtype="float32",
             async_scheduling=mode,
             block_size=4,
