@@ -11,6 +11,9 @@ Rows (each repeat runs plain then constrained on the same engine; medians):
   compile          one request, max_tokens 1: wall time with a fresh schema (compile + one step)
                    minus the same request with that schema cached = first-request compile cost,
                    for ISSUE_SCHEMA and NESTED_SCHEMA (`nested_schema()`, ~2 KB)
+  fill             xgrammar's batch bitmask fill (ms per step) of B matchers inside the
+                   schema's string, with 1, 2, 4, ... threads (up to the host's cores): the
+                   figure to set `bitmask_fill_threads` from
 Also per row: engine steps launched while another was in flight (async scheduling stayed on?).
 
   # H200, Llama-3.1-8B shape, dummy bf16 (torch backend):
@@ -107,6 +110,37 @@ def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa:
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), eng.num_overlapped_steps - ov
 
 
+def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]:  # noqa: ANN401
+    """'B=<rows> threads=<t>' -> median ms of one batch bitmask fill, every matcher inside the
+    ISSUE_SCHEMA string (the widest mask: most of the vocabulary is allowed)."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from xlaserve.sampling_params import StructuredOutputsParams as SO
+
+    mgr = eng.core._structured
+    compiled = mgr._cache[SO(json=ISSUE_SCHEMA).key()]
+    prefix = eng.tokenizer.encode('{"text": "In the beg', add_special_tokens=False)
+    threads = [t for t in (1, 2, 4, 8, 16) if t <= (os.cpu_count() or 1)]
+    out: dict[str, float] = {}
+    for b in batches:
+        ms = [xgr.GrammarMatcher(compiled) for _ in range(b)]
+        for m in ms:
+            for t in prefix:
+                if not m.accept_token(t):
+                    break
+        mask = np.full((b, mgr.num_words), -1, dtype=np.int32)
+        for th in threads:
+            bm = xgr.BatchGrammarMatcher(max_threads=th)
+            ts = []
+            for _ in range(max(5, repeats)):
+                t0 = time.perf_counter()
+                bm.batch_fill_next_token_bitmask(ms, mask, list(range(b)))
+                ts.append(time.perf_counter() - t0)
+            out[f"B={b} threads={th}"] = statistics.median(ts) * 1e3
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from xlaserve import LLM, SamplingParams
     from xlaserve.sampling_params import StructuredOutputsParams as SO
@@ -177,6 +211,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     report["rows"]["compile"] = comp
     print(json.dumps({"compile": comp}), flush=True)
+    report["rows"]["fill"] = fill_times(eng, args.batches, args.repeats)
+    print(json.dumps({"fill": report["rows"]["fill"]}), flush=True)
     report["engine"] = {
         "backend": eng.backend if hasattr(eng, "backend") else None,
         "async_scheduling": getattr(llm.llm_engine, "_async", None),

@@ -218,8 +218,8 @@ class StructuredOutputManager:
         self._inflight: dict[GrammarKey, cf.Future] = {}
         self._waiting: dict[str, GrammarKey] = {}  # req_id -> key still compiling
         self._matchers: dict[str, Any] = {}  # req_id -> GrammarMatcher
-        # One thread: extra threads measured slower for small batches on a busy CPU host.
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        # StructuredOutputConfig.bitmask_fill_threads (measured: see its comment).
+        self._batch = xgr.BatchGrammarMatcher(max_threads=cfg.bitmask_fill_threads)
         self.num_compiled = 0
 
     # ----- requests ---------------------------------------------------------------------------
