@@ -42,13 +42,13 @@ from xlaserve.backends_torch.sampler import (
     SamplingRow,
     argmax_only_step,
     deferrable_step,
+    forbidden_from_bytes,
     forbidden_tokens,
     is_plain_greedy,
     nonfinite_rows,
     prompt_logprobs,
     sample_requests,
     to_device,
-    unpack_bitmask,
 )
 from xlaserve.config import EngineConfig, KernelConfig
 from xlaserve.model_loader.spec import ModelSpec
@@ -630,9 +630,10 @@ class TorchModelRunner(RunnerCore):
         for r, m in enumerate(masks):
             if m is not None:
                 packed[r] = np.asarray(m, dtype=np.int32).reshape(-1)[:words]
-        dev_packed = host.view(len(masks), words).to(dev, non_blocking=True)
+        dev_bytes = host.view(torch.uint8).to(dev, non_blocking=True)  # [R * W * 4]
         self._mask_ring.record(k)
-        return logits.masked_fill(~unpack_bitmask(dev_packed, vocab), float("-inf"))
+        forbidden = forbidden_from_bytes(dev_bytes.view(len(masks), -1), vocab)
+        return logits.masked_fill(forbidden, float("-inf"))
 
     @staticmethod
     def _row(st: _ReqState) -> SamplingRow:
