@@ -16,6 +16,7 @@ last input fed on the device from the previous launch's argmax tensor: the GPU n
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -41,6 +42,8 @@ from xlaserve.backends_torch.sampler import (
     SamplingRow,
     argmax_only_step,
     deferrable_step,
+    forbidden_from_bytes,
+    forbidden_tokens,
     is_plain_greedy,
     nonfinite_rows,
     prompt_logprobs,
@@ -97,6 +100,8 @@ class _Launched(LaunchedStep):
     # [R, V], kept for the exact non-finite re-check; None when the flags are exact (fused greedy).
     logits: torch.Tensor | None = None
     num_rows: int = 0
+    # Sampling still to run (late grammar bitmasks, `apply_bitmasks`): it takes the masks.
+    resume: Callable[[dict], None] | None = None
 
 
 class TorchModelRunner(RunnerCore):
@@ -152,6 +157,7 @@ class TorchModelRunner(RunnerCore):
         fg = self.kernels.fused_greedy
         self.fused_greedy = fg == "on" or (fg == "auto" and self.device.type == "cuda")
         self._token_ring: PinnedRing | None = None  # pinned host slots for deferred tokens
+        self._mask_ring: PinnedRing | None = None  # pinned host slots for late grammar masks
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
         self.kv_offload = None
         self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
@@ -387,6 +393,18 @@ class TorchModelRunner(RunnerCore):
         """Issue one step; greedy fast-path tokens are read by `finish` (xlaserve.runner)."""
         return self._launch(scheduler_output, defer=True)
 
+    def apply_bitmasks(self, launched: _Launched, bitmasks: dict) -> None:
+        """The late grammar bitmasks of a launched step (xlaserve.runner): its sampling, held
+        back at launch, runs now with them, applied on the device (no host sync)."""
+        resume, launched.resume = launched.resume, None
+        if resume is not None:
+            resume(bitmasks)
+
+    def finish(self, launched: _Launched) -> RunnerOutput:
+        if launched.resume is not None:  # masks never came (an error in the engine): sample
+            self.apply_bitmasks(launched, {})
+        return super().finish(launched)
+
     def _read_pending(self, launched: _Launched) -> tuple[list[int], set[int]]:
         """`finish` (runner_core.py): wait for the pinned copy; tokens and non-finite rows."""
         h = launched
@@ -447,21 +465,33 @@ class TorchModelRunner(RunnerCore):
         for b, (rid, n) in enumerate(order):
             states[b].num_computed_tokens = starts[b] + n
             out.sampled_token_ids[rid] = []
-        sampled_ok: set[str] = set()
         # Deferred tokens only without in-runner drafting (it reads this step's tokens at once).
         defer = defer and self.draft_model is None and self.eagle is None
-        if sample_b:
-            self._sample(so, order, sample_b, drafts, hidden, qsl, out, sampled_ok, launched, defer)
-        if launched.pending:
-            return launched
-        if self.draft_model is not None:
-            from xlaserve.backends_torch.draft import propose
 
-            out.spec_token_ids = propose(self, order, starts, seq_lens, sampled_ok)
-        elif self.eagle is not None:
-            out.spec_token_ids = self.eagle.propose(
-                order, starts, seq_lens, hidden, qsl, sampled_ok, out.errors
-            )
+        def sample(late_masks: dict) -> None:
+            so.grammar_bitmask.update(late_masks)
+            sampled_ok: set[str] = set()
+            if sample_b:
+                self._sample(
+                    so, order, sample_b, drafts, hidden, qsl, out, sampled_ok, launched, defer
+                )
+            if launched.pending:
+                return
+            if self.draft_model is not None:
+                from xlaserve.backends_torch.draft import propose
+
+                out.spec_token_ids = propose(self, order, starts, seq_lens, sampled_ok)
+            elif self.eagle is not None:
+                out.spec_token_ids = self.eagle.propose(
+                    order, starts, seq_lens, hidden, qsl, sampled_ok, out.errors
+                )
+
+        if so.late_bitmask_req_ids:
+            # The forward is queued; sampling waits for the masks (`apply_bitmasks`), which
+            # the engine fills while the device runs it.
+            launched.resume = sample
+        else:
+            sample({})
         return launched
 
     def _sample(
@@ -505,7 +535,8 @@ class TorchModelRunner(RunnerCore):
                 break
             if fast and not argmax_only_step(st.params, st.plain_greedy, n_out, has_mask):
                 fast = False
-            if defer and not deferrable_step(st.params, n_out, has_mask):
+            # A deferred step applies its bitmask rows on the device (`_masked`): no host data.
+            if defer and not deferrable_step(st.params, n_out, has_bitmask=False):
                 deferrable = False
             if not (fast or (defer and deferrable)):
                 break
@@ -529,7 +560,11 @@ class TorchModelRunner(RunnerCore):
                     tokens_t = logits.argmax(dim=-1)
                 else:
                     rows = [self._row(self.requests[order[b][0]]) for b in sample_b]
-                    tokens_t = self.sampler.sample_tokens(logits, rows)
+                    # The raw logits stay for `finish`'s exact non-finite re-check.
+                    masked = self._masked(
+                        logits, [so.grammar_bitmask.get(order[b][0]) for b in sample_b]
+                    )
+                    tokens_t = self.sampler.sample_tokens(masked, rows)
                 flat = torch.cat([tokens_t, suspect_t.to(tokens_t.dtype)])
                 self._sample_deferred(order, sample_b, flat, logits, launched)
                 return
@@ -601,6 +636,39 @@ class TorchModelRunner(RunnerCore):
         for row, b in enumerate(sample_b):  # one row per request (no drafts on this path)
             rid = order[b][0]
             self._defer_token(launched, rid, self.requests[rid], row)
+
+    def _masked(self, logits: torch.Tensor, masks: list[np.ndarray | None]) -> torch.Tensor:
+        """logits [R, V] with each row's grammar bitmask applied (disallowed -> -inf), a new
+        tensor; masks[r]: int32 [1, W] or None (row r unconstrained). The packed rows
+        [R, W] go up through pinned memory without waiting for the queued forward, and are
+        unpacked on the device."""
+        if all(m is None for m in masks):
+            return logits
+        vocab = logits.shape[1]
+        words = (vocab + 31) // 32
+        dev = self.device
+        if dev.type != "cuda":
+            packed = np.full((len(masks), words), -1, dtype="<i4")
+            for r, m in enumerate(masks):
+                if m is not None:
+                    packed[r] = np.asarray(m, dtype=np.int32).reshape(-1)[:words]
+            return logits.masked_fill(forbidden_tokens(packed, vocab, dev), float("-inf"))
+        if self._mask_ring is None:  # 4 slots: at most 2 launches are unread at once
+            self._mask_ring = PinnedRing(
+                slots=4, nbytes=4 * words * self.config.scheduler.max_num_seqs
+            )
+        slot = self._mask_ring.take(len(masks) * words, torch.int32)
+        assert slot is not None, "more sampling rows than max_num_seqs on a deferred step"
+        host, k = slot
+        packed = host.view(len(masks), words).numpy()
+        packed.fill(-1)
+        for r, m in enumerate(masks):
+            if m is not None:
+                packed[r] = np.asarray(m, dtype=np.int32).reshape(-1)[:words]
+        dev_bytes = host.view(torch.uint8).to(dev, non_blocking=True)  # [R * W * 4]
+        self._mask_ring.record(k)
+        forbidden = forbidden_from_bytes(dev_bytes.view(len(masks), -1), vocab)
+        return logits.masked_fill(forbidden, float("-inf"))
 
     @staticmethod
     def _row(st: _ReqState) -> SamplingRow:

@@ -209,6 +209,16 @@ def forbidden_tokens(packed: np.ndarray, vocab: int, device: torch.device) -> to
     return ~unpack_bitmask(torch.from_numpy(packed).to(device), vocab)
 
 
+def forbidden_from_bytes(packed_bytes: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed bitmask rows as bytes, uint8 [B, 4 W] (the little-endian int32 words' bytes), on
+    any device -> bool [B, V], True where the token is NOT allowed. Bit j of byte m is token
+    8 m + j; unpacking uint8 moves a quarter of the bytes of an int32 unpack ([256, 128k]:
+    32 MB, not 128 MB)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed_bytes.device)
+    bits = (packed_bytes[:, :, None] >> shifts) & 1  # [B, 4 W, 8]
+    return bits.view(packed_bytes.shape[0], -1)[:, :vocab] == 0
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Step 2: repetition (prompt + output), frequency and presence (output) penalties, in place."""
     sel = [i for i, r in enumerate(rows) if r.params.needs_penalties]

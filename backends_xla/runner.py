@@ -31,7 +31,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +117,8 @@ class _Launched(LaunchedStep):
     batch rows)."""
 
     res: SamplerOutput | None = None
+    # The SAMPLE dispatch still to run (late grammar bitmasks, `apply_bitmasks`).
+    resume: Any = None
 
 
 class XlaModelRunner(RunnerCore):
@@ -143,6 +145,8 @@ class XlaModelRunner(RunnerCore):
         # Multi-host (nnodes > 1): join jax.distributed before any JAX backend starts (multihost.py).
         apply_xla_gpu_flags(config.kernels)  # XLA_FLAGS: before any JAX backend starts
         self.multihost = init_multihost(config)
+        if self.multihost is not None:  # followers get each SchedulerOutput before launch,
+            self.apply_bitmasks = None  # not late masks: the engine fills them before launch
         # Quantized KV cache (int8 / fp8 codes + a float32 scale per token and KV head).
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         # Weight quantization (None = float): the checkpoint's own format or `quantization`
@@ -363,6 +367,19 @@ class XlaModelRunner(RunnerCore):
         """Dispatch one step; a plain SAMPLE step's tokens are read by `finish` (runner.py)."""
         return self._launch(scheduler_output, defer=self.multihost is None)
 
+    def apply_bitmasks(self, launched: _Launched, bitmasks: dict) -> None:
+        """The late grammar bitmasks of a launched step (xlaserve.runner): its SAMPLE program,
+        held back while the forward was dispatched, is dispatched now with them (the mask is
+        applied inside the program)."""
+        resume, launched.resume = launched.resume, None
+        if resume is not None:
+            resume(bitmasks)
+
+    def finish(self, launched: _Launched) -> RunnerOutput:
+        if launched.resume is not None:  # masks never came (an error in the engine): sample
+            self.apply_bitmasks(launched, {})
+        return super().finish(launched)
+
     def _read_pending(self, launched: _Launched) -> tuple[list[int], set[int]]:
         """`finish` (runner_core.py): read a deferred step's results back to the host."""
         launched.res = res = jax.device_get(launched.res)
@@ -405,17 +422,30 @@ class XlaModelRunner(RunnerCore):
             for r, s in zip(batch.req_ids, batch.sampling, strict=True)
         ]
         rows += [None] * (b - len(rows))
-        # The sampler's parameters travel in the forward's packed inputs (one copy per step).
-        dense = self._sampling_params(rows, batch, b, so.grammar_bitmask)
+        # The sampler's parameters travel in the forward's packed inputs (one copy per step);
+        # with late grammar masks (engine/core.py) `use_extras` is set now, the masks come later.
+        late = bool(so.late_bitmask_req_ids)
+        dense = self._sampling_params(rows, batch, b, so.grammar_bitmask, late)
         rows_h, hidden, params = self._forward(batch)
-        res, self._last_tokens = self._program(SAMPLE, b)(self.weights, rows_h, params, dense)
-        if defer and self._deferrable(rows):
-            self._defer(batch, res, launched)
-            return launched
-        res = jax.device_get(res)
-        self._prompt_logprobs(batch, hidden, out)
-        self._emit(batch, res, out, lambda i: [int(res.token_ids[i])], lambda i: i)
-        self._propose_drafts(batch, out)
+
+        def sample(late_masks: dict) -> None:
+            d = dense
+            if late_masks:  # host only: the dense fields again, now with this step's masks
+                so.grammar_bitmask.update(late_masks)
+                d = self._sampling_params(rows, batch, b, so.grammar_bitmask, True)
+            res, self._last_tokens = self._program(SAMPLE, b)(self.weights, rows_h, params, d)
+            if defer and self._deferrable(rows):
+                self._defer(batch, res, launched)
+                return
+            res = jax.device_get(res)
+            self._prompt_logprobs(batch, hidden, out)
+            self._emit(batch, res, out, lambda i: [int(res.token_ids[i])], lambda i: i)
+            self._propose_drafts(batch, out)
+
+        if late:  # the forward is dispatched; SAMPLE waits for the masks
+            launched.resume = sample
+        else:
+            sample({})
         return launched
 
     def _deferrable(self, rows: list[_ReqState | None]) -> bool:
@@ -521,11 +551,17 @@ class XlaModelRunner(RunnerCore):
 
     # ---------------------------------------------------------------- sampling inputs
     def _sampling_params(
-        self, rows: list[_ReqState | None], batch: StepBatch, b: int, bitmasks: dict
+        self,
+        rows: list[_ReqState | None],
+        batch: StepBatch,
+        b: int,
+        bitmasks: dict,
+        force_extras: bool = False,
     ) -> dict[str, jax.Array]:
         """Pack the SAMPLE program's per-row parameters into batch.sample_params; returns its
-        dense [B, V] inputs (device-resident neutral ones unless a row needs them)."""
-        extras = any(
+        dense [B, V] inputs (device-resident neutral ones unless a row needs them).
+        force_extras: apply the dense fields even if no row needs them yet (late masks)."""
+        extras = force_extras or any(
             needs_extras(r, rid, bitmasks) for r, rid in zip(rows, batch.req_ids, strict=False)
         )
         with_lp = any(r is not None and r.params.logprobs is not None for r in rows)

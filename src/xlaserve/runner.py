@@ -76,6 +76,11 @@ class SchedulerOutput:
     # req_id -> allowed-token bitmask, numpy int32 [num_positions, ceil(vocab / 32)] (bit i of
     # word w allows token 32 * w + i); num_positions = 1 + number of drafts. Absent = unconstrained.
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
+    # Async scheduling with grammars: requests whose bitmask rows are not in grammar_bitmask at
+    # launch. The engine fills them once the previous step's tokens are processed, while this
+    # step's forward runs, and hands them to `runner.apply_bitmasks(handle, masks)` before
+    # `finish(handle)`; the runner samples this step only then. Empty: nothing comes late.
+    late_bitmask_req_ids: set[str] = field(default_factory=set)
     # KV offloading (core/offload.py). The runner performs these copies BEFORE the forward pass,
     # in exactly this order: 1. kv_disk_out, 2. kv_copy_out, 3. kv_disk_in, 4. kv_copy_in,
     # 5. forward. Blocks evicted in this step are copied out before this step's forward
@@ -185,6 +190,11 @@ class ModelRunner(Protocol):
     #     and the runner feeds it to the next launch itself (e.g. on the device).
     #   finish(handle) -> RunnerOutput: wait for and return that step's output.
     # Handles are finished in launch order, at most one step ahead.
+    #   apply_bitmasks(handle, masks) -> None (optional; with launch / finish): the late grammar
+    #     bitmasks of a launched step (`SchedulerOutput.late_bitmask_req_ids`), req_id -> int32
+    #     [1, W]; a listed request missing from masks samples unconstrained (it has finished).
+    #     Called once per launch whose step lists late ids, after `launch` and before `finish`.
+    #     Without it the engine turns async scheduling off while any grammar is live.
 
     def shutdown(self) -> None:
         """Free device memory and worker processes."""

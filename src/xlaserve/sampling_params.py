@@ -55,10 +55,13 @@ class StructuredOutputsParams:
         import json as _json
 
         if self.json is not None:
-            spec = (
-                self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
-            )
-            return ("json", spec)
+            schema = self.json
+            if isinstance(schema, str):  # as text: one key with the same schema as a dict
+                try:
+                    schema = _json.loads(schema)
+                except ValueError:  # not JSON: `prepare` reports it
+                    return ("json", schema)
+            return ("json", _json.dumps(schema, sort_keys=True))
         if self.json_object:
             return ("json_object", "")
         if self.regex is not None:

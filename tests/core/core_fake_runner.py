@@ -46,6 +46,19 @@ def reference_output(
             return out
 
 
+def first_allowed(mask_row: object, token: int) -> int:
+    """The grammar's pick for the fake 'model': `token` when the packed int32 [W] bitmask row
+    allows it, else the next allowed id (cyclic over the mask's ids), so constrained output stays
+    a deterministic function of the sequence and the mask."""
+    import numpy as np
+
+    bits = np.unpackbits(np.asarray(mask_row, "<i4").view(np.uint8), bitorder="little")
+    allowed = np.flatnonzero(bits)
+    assert allowed.size, "a grammar bitmask row allows no token"
+    later = allowed[allowed >= token]
+    return int(later[0] if later.size else allowed[0])
+
+
 @dataclass
 class _ReqState:
     tokens: list[int]
@@ -112,12 +125,18 @@ class FakeRunner:
                 out.sampled_token_ids[rid] = []
                 continue
             sampled: list[int] = []
-            for d in drafts:  # greedy verification: accept while the draft equals the target
-                sampled.append(self.token_fn(rid, st.num_prompt, st.tokens + sampled))
+            mask = so.grammar_bitmask.get(rid)  # int32 [1 + drafts, W]: row i after drafts[:i]
+
+            def pick(i: int) -> int:
+                t = self.token_fn(rid, st.num_prompt, st.tokens + sampled)  # noqa: B023
+                return t if mask is None else first_allowed(mask[i], t)  # noqa: B023
+
+            for i, d in enumerate(drafts):  # greedy verification: accept while draft == target
+                sampled.append(pick(i))
                 if sampled[-1] != d:
                     break
             else:
-                sampled.append(self.token_fn(rid, st.num_prompt, st.tokens + sampled))
+                sampled.append(pick(len(drafts)))
             st.num_computed = c + n - (len(drafts) + 1 - len(sampled))
             st.tokens += sampled
             out.sampled_token_ids[rid] = sampled
@@ -154,6 +173,9 @@ class ThreadedFakeRunner:
         self.num_launches = 0
         # Launches issued while the previous step was still running on the worker.
         self.num_overlapped_launches = 0
+        self._late: dict[Future, Future] = {}  # launched step -> its late bitmasks
+        self.num_late_masks = 0  # bitmask rows handed over after launch
+        self.num_waits_for_masks = 0  # steps whose "forward" ended before their masks came
 
     def load_model(self) -> None:
         pass
@@ -164,18 +186,31 @@ class ThreadedFakeRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.fake = FakeRunner(num_blocks, self.config.cache.block_size)
 
-    def _run(self, so: SchedulerOutput) -> RunnerOutput:
-        time.sleep(self.LAUNCH_DELAY_S)
+    def _run(self, so: SchedulerOutput, late: Future | None) -> RunnerOutput:
+        time.sleep(self.LAUNCH_DELAY_S)  # the "forward"
+        if late is not None:  # sampling waits for the late grammar bitmasks, as on a device
+            if not late.done():
+                self.num_waits_for_masks += 1
+            so.grammar_bitmask.update(late.result(timeout=60))
         return self.fake.execute(so)
 
     def launch(self, so: SchedulerOutput) -> Future:
         if self._last is not None and not self._last.done():
             self.num_overlapped_launches += 1
         self.num_launches += 1
-        self._last = self._device.submit(self._run, so)
+        late: Future | None = Future() if so.late_bitmask_req_ids else None
+        self._last = self._device.submit(self._run, so, late)
+        if late is not None:
+            self._late[self._last] = late
         return self._last
 
+    def apply_bitmasks(self, handle: Future, masks: dict) -> None:
+        """The late grammar bitmasks of a launched step (xlaserve.runner protocol)."""
+        self.num_late_masks += len(masks)
+        self._late.pop(handle).set_result(masks)
+
     def finish(self, handle: Future) -> RunnerOutput:
+        assert handle not in self._late, "finish before apply_bitmasks"
         return handle.result(timeout=60)  # a failed check on the worker raises here
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:

@@ -7,7 +7,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xlaserve.backends_torch.sampler import SamplingRow, apply_constraints, forbidden_tokens
+from xlaserve.backends_torch.sampler import (
+    SamplingRow,
+    apply_constraints,
+    forbidden_from_bytes,
+    forbidden_tokens,
+)
 from xlaserve.sampling_params import SamplingParams
 
 V = 2051  # W = 65 words, the last one partly past the vocab
@@ -41,3 +46,15 @@ def test_apply_constraints_masks_only_constrained_rows() -> None:
         if i in masks:
             want[~_reference_allowed(masks[i])] = -np.inf
         assert (got[i].numpy() == want).all(), i
+
+
+def test_forbidden_from_bytes_matches_definition() -> None:
+    """The device unpack of the late-mask path (uint8 bytes of the packed words)."""
+    rng = np.random.default_rng(2)
+    packed = rng.integers(-(2**31), 2**31, (3, (V + 31) // 32)).astype("<i4")
+    packed[2] = -1
+    got = forbidden_from_bytes(torch.from_numpy(packed.view(np.uint8).copy()), V)
+    assert got.shape == (3, V) and got.dtype == torch.bool
+    for b in range(3):
+        assert (got[b].numpy() == ~_reference_allowed(packed[b])).all(), b
+    assert not got[2].any()

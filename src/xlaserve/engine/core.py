@@ -285,6 +285,9 @@ class EngineCore:
         # Structured output: created with the first constrained request (imports xgrammar).
         self._structured: StructuredOutputManager | None = None
         self._async = self._use_async_scheduling()
+        # The runner can take a launched step's grammar bitmasks after its forward is queued
+        # (`apply_bitmasks`): grammars then keep async scheduling on (see `_can_overlap`).
+        self._late_bitmasks = callable(getattr(self.runner, "apply_bitmasks", None))
         # Async scheduling: the launched step whose output is not read yet (scheduler output,
         # runner handle, its Request objects).
         self._inflight: tuple[SchedulerOutput, Any, dict[str, Request]] | None = None
@@ -400,6 +403,8 @@ class EngineCore:
                     self._inflight = self._launch(so)
                     self.num_overlapped_steps += 1
             outputs = failed + self._finish_step(prev)
+            if self._inflight is not None:  # the grammars now hold step N's tokens
+                self._send_late_bitmasks(self._inflight[0], self._inflight[1])
             if self._inflight is not None and not self._live:
                 # Nothing left to report: the step in flight holds only dropped extra tokens.
                 last, self._inflight = self._inflight, None
@@ -410,16 +415,20 @@ class EngineCore:
             return failed
         if overlap:
             self._inflight = self._launch(so)
+            self._send_late_bitmasks(so, self._inflight[1])  # filled while the forward runs
             return failed
         ro = self.runner.execute(so)
         return failed + self._process(so, ro)
 
     def _can_overlap(self) -> bool:
-        """Async scheduling needs every token's consumer off the step's critical path: no
-        grammar running or compiling (bitmasks read the previous token). Speculative decoding,
-        which reads it too, turns async off at start-up (`_use_async_scheduling`)."""
+        """Async scheduling needs every token's consumer off the step's critical path. Grammar
+        bitmasks read the previous step's token: a runner with `apply_bitmasks` takes them
+        after the next step's forward is queued (`_send_late_bitmasks`), so grammars keep
+        async on; with other runners no grammar may be running or compiling. Speculative
+        decoding, which reads the token too, turns async off at start-up
+        (`_use_async_scheduling`)."""
         st = self._structured
-        return st is None or (st.num_matchers == 0 and not st.has_pending())
+        return st is None or self._late_bitmasks or (st.num_matchers == 0 and not st.has_pending())
 
     def _schedule(self, lookahead: bool) -> SchedulerOutput | None:
         """The next step's SchedulerOutput, or None when there is nothing for the runner."""
@@ -432,7 +441,7 @@ class EngineCore:
                 self._structured.wait_pending(timeout=0.05)  # idle: let the compile thread run
             return None
         if self._structured is not None:
-            self._attach_bitmasks(so)
+            self._attach_bitmasks(so, late=lookahead and self._late_bitmasks)
         self._pending_finished = set()
         now = time.monotonic()
         # A request is first scheduled in new_requests (resumed ones come back there too).
@@ -530,9 +539,14 @@ class EngineCore:
             self._end(rid, len(req.prompt_token_ids) if req is not None else 0)
         return outputs
 
-    def _attach_bitmasks(self, so: SchedulerOutput) -> None:
+    def _attach_bitmasks(self, so: SchedulerOutput, late: bool = False) -> None:
         """Bitmasks for constrained requests that sample this step (the chunk reaches the end of
-        the known tokens; schedule() already advanced num_computed_tokens)."""
+        the known tokens; schedule() already advanced num_computed_tokens).
+
+        late (async scheduling, a runner with `apply_bitmasks`): the previous step's tokens
+        are not known yet, so the grammars are one token behind; only the ids are recorded
+        (`so.late_bitmask_req_ids`) and `_send_late_bitmasks` fills the rows once that step is
+        processed, while this step's forward runs on the device."""
         mgr = self._structured
         if not mgr.num_matchers:  # no constrained request running: nothing to do this step
             return
@@ -542,8 +556,24 @@ class EngineCore:
             for rid in so.num_scheduled_tokens
             if mgr.has_matcher(rid) and reqs[rid].num_computed_tokens >= reqs[rid].num_tokens
         ]
-        if rids:  # the whole batch in one pass into one buffer
+        if rids and late:
+            so.late_bitmask_req_ids = set(rids)
+        elif rids:  # the whole batch in one pass into one buffer
             so.grammar_bitmask.update(mgr.fill_bitmasks(rids, so.spec_token_ids))
+
+    def _send_late_bitmasks(self, so: SchedulerOutput, handle: Any) -> None:
+        """Fill and hand over the bitmasks of a launched step whose sampling waits for them
+        (`so.late_bitmask_req_ids`); the grammars now hold every earlier token. Requests that
+        finished meanwhile (their matcher is gone) get no row: the runner samples them
+        unconstrained and the scheduler drops that extra token, as for any request that ends
+        while a step is in flight."""
+        if not so.late_bitmask_req_ids:
+            return
+        late, so.late_bitmask_req_ids = so.late_bitmask_req_ids, set()
+        mgr = self._structured
+        rids = [r for r in so.num_scheduled_tokens if r in late]
+        masks = mgr.fill_bitmasks(rids) if mgr is not None else {}
+        self.runner.apply_bitmasks(handle, masks)
 
     def _advance_grammar(self, req: Request, new_tokens: list[int]) -> None:
         terminated, error = self._structured.accept_tokens(req.request_id, new_tokens)

@@ -14,6 +14,10 @@ Life of a constrained sequence (driven by `LLMEngine`):
    (views of one buffer, filled by one xgrammar batch call).
 4. `accept_tokens(req_id, tokens)` advances the matcher; a terminated matcher ends the request.
 
+Under async scheduling (engine/core.py) step N+1 is launched before step N's tokens are known;
+its rows are filled after step N's tokens were accepted (so the matchers are exactly at N+1's
+position), while N+1's forward runs, and reach the runner through `apply_bitmasks`.
+
 Limits (StructuredOutputConfig): grammar sources over `max_grammar_bytes` are refused in
 `prepare` (ValueError) before parsing; the compiled-grammar LRU holds at most `cache_size`
 entries and `cache_bytes` bytes (xgrammar's `memory_size_bytes`).
@@ -218,8 +222,8 @@ class StructuredOutputManager:
         self._inflight: dict[GrammarKey, cf.Future] = {}
         self._waiting: dict[str, GrammarKey] = {}  # req_id -> key still compiling
         self._matchers: dict[str, Any] = {}  # req_id -> GrammarMatcher
-        # One thread: extra threads measured slower for small batches on a busy CPU host.
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        # StructuredOutputConfig.bitmask_fill_threads (measured: see its comment).
+        self._batch = xgr.BatchGrammarMatcher(max_threads=cfg.bitmask_fill_threads)
         self.num_compiled = 0
 
     # ----- requests ---------------------------------------------------------------------------

@@ -121,5 +121,8 @@ def structured_from_request(body: dict[str, Any]) -> StructuredOutputsParams | N
 
 def grammar_source_bytes(params: StructuredOutputsParams) -> int:
     """Size of a constraint's source in UTF-8 bytes (the JSON schema's text, the regex, the
-    choice list as JSON, the EBNF): what `max_grammar_bytes` bounds before any parsing."""
+    choice list as JSON, the EBNF): what `max_grammar_bytes` bounds before any parsing. A schema
+    given as text counts as sent (its cache key is the parsed, re-serialized form)."""
+    if isinstance(params.json, str):
+        return len(params.json.encode("utf-8", "replace"))
     return len(params.key()[1].encode("utf-8", "replace"))

@@ -1,0 +1,257 @@
+"""Structured output at full speed (issue 30), in ONE command: plain vs JSON-schema-constrained
+greedy decoding of the same prompts in one engine, side by side, and the first-request compile
+latency of the issue's schema and of a ~2 KB nested schema.
+
+Rows (each repeat runs plain then constrained on the same engine; medians):
+  batch B          B random prompts (input-len tokens), max_tokens output-len, EOS ignored for
+                   plain; constrained by ISSUE_SCHEMA (the grammar may end a request early, so
+                   the tokens actually generated are counted on both sides): output tok/s, ratio
+  first32          32 constrained requests with a schema never seen (compile included) vs the
+                   same 32 plain
+  compile          one request, max_tokens 1: wall time with a fresh schema (compile + one step)
+                   minus the same request with that schema cached = first-request compile cost,
+                   for ISSUE_SCHEMA and NESTED_SCHEMA (`nested_schema()`, ~2 KB)
+  fill             xgrammar's batch bitmask fill (ms per step) of B matchers inside the
+                   schema's string, with 1, 2, 4, ... threads (up to the host's cores): the
+                   figure to set `bitmask_fill_threads` from
+Also per row: engine steps launched while another was in flight (async scheduling stayed on?).
+
+  # H200, Llama-3.1-8B shape, dummy bf16 (torch backend):
+  python bench/structured_bench.py --llama8b --backend torch --output-json structured.json
+  # CPU, the demo model:
+  python bench/structured_bench.py --batches 64,1 --output-len 32 --output-json /tmp/so.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+# The issue's schema.
+ISSUE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+}
+
+
+def nested_schema(target_bytes: int = 2048) -> dict[str, Any]:
+    """A nested object schema of about `target_bytes` of JSON text: objects of typed fields
+    (strings with bounds, integers with ranges, enums, arrays, booleans), nested 3 deep."""
+
+    def leaf(i: int) -> dict[str, Any]:
+        kinds: list[dict[str, Any]] = [
+            {"type": "string", "maxLength": 12},
+            {"type": "integer", "minimum": 0, "maximum": 999},
+            {"enum": ["alpha", "beta", "gamma", "delta"]},
+            {"type": "boolean"},
+            {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+        ]
+        return kinds[i % len(kinds)]
+
+    def obj(depth: int, width: int, tag: str) -> dict[str, Any]:
+        props: dict[str, Any] = {}
+        for i in range(width):
+            props[f"{tag}_f{i}"] = (
+                obj(depth - 1, width, f"{tag}{i}") if depth and i == 0 else leaf(i)
+            )
+        return {"type": "object", "properties": props, "required": list(props)}
+
+    width = 2
+    schema = obj(2, width, "n")
+    while len(json.dumps(schema)) < target_bytes:
+        width += 1
+        schema = obj(2, width, "n")
+    return schema
+
+
+NESTED_SCHEMA = nested_schema()
+
+
+def _fresh(schema: dict[str, Any], tag: str) -> dict[str, Any]:
+    """The same grammar under a new cache key (a title changes no token)."""
+    return {**schema, "title": tag}
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = {"max_num_seqs": max(args.batches)}
+    if args.llama8b:
+        kw.update(load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9)
+        if args.tiny:
+            kw.update(dtype="float32")
+            del kw["gpu_memory_utilization"]
+    if args.backend != "auto":
+        kw["backend"] = args.backend
+    if args.async_scheduling:
+        kw["async_scheduling"] = args.async_scheduling
+    return kw
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    import random
+
+    rng = random.Random(seed)
+    hi = min(vocab, 30000) - 1
+    return [{"prompt_token_ids": [rng.randint(10, hi) for _ in range(length)]} for _ in range(n)]
+
+
+def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa: ANN401 - LLM
+    """(seconds, output tokens actually generated, steps overlapped meanwhile)."""
+    eng = llm.llm_engine
+    ov = eng.num_overlapped_steps
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs), eng.num_overlapped_steps - ov
+
+
+def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]:  # noqa: ANN401
+    """'B=<rows> threads=<t>' -> median ms of one batch bitmask fill, every matcher inside the
+    ISSUE_SCHEMA string (the widest mask: most of the vocabulary is allowed)."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from xlaserve.sampling_params import StructuredOutputsParams as SO
+
+    mgr = eng.core._structured
+    compiled = mgr._cache[SO(json=ISSUE_SCHEMA).key()]
+    prefix = eng.tokenizer.encode('{"text": "In the beg', add_special_tokens=False)
+    threads = [t for t in (1, 2, 4, 8, 16) if t <= (os.cpu_count() or 1)]
+    out: dict[str, float] = {}
+    for b in batches:
+        ms = [xgr.GrammarMatcher(compiled) for _ in range(b)]
+        for m in ms:
+            for t in prefix:
+                if not m.accept_token(t):
+                    break
+        mask = np.full((b, mgr.num_words), -1, dtype=np.int32)
+        for th in threads:
+            bm = xgr.BatchGrammarMatcher(max_threads=th)
+            ts = []
+            for _ in range(max(5, repeats)):
+                t0 = time.perf_counter()
+                bm.batch_fill_next_token_bitmask(ms, mask, list(range(b)))
+                ts.append(time.perf_counter() - t0)
+            out[f"B={b} threads={th}"] = statistics.median(ts) * 1e3
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from xlaserve import LLM, SamplingParams
+    from xlaserve.sampling_params import StructuredOutputsParams as SO
+
+    llm = LLM(model=args.model_dir, **_engine_kwargs(args))
+    eng = llm.llm_engine
+    vocab = eng.spec.vocab_size if hasattr(eng, "spec") else 32000
+    n = args.output_len
+    plain = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    cons = SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=SO(json=ISSUE_SCHEMA))
+    report: dict[str, Any] = {"args": vars(args), "rows": {}}
+    warm = _prompts(min(8, max(args.batches)), args.input_len, vocab, args.seed + 99)
+    llm.generate(warm, plain, use_tqdm=False)
+    llm.generate(warm, cons, use_tqdm=False)  # compiles ISSUE_SCHEMA once, caches it
+
+    for b in args.batches:
+        prompts = _prompts(b, args.input_len, vocab, args.seed + b)
+        runs: dict[str, list[float]] = {"plain": [], "constrained": []}
+        toks: dict[str, int] = {}
+        overlapped: dict[str, int] = {}
+        for _ in range(args.repeats):
+            for name, sp in (("plain", plain), ("constrained", cons)):
+                dt, k, ov = _timed(llm, prompts, sp)
+                runs[name].append(k / dt)
+                toks[name], overlapped[name] = k, ov
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        report["rows"][f"batch{b}"] = {
+            "plain_tok_s": med["plain"],
+            "constrained_tok_s": med["constrained"],
+            "ratio": med["constrained"] / med["plain"],
+            "output_tokens": toks,
+            "overlapped_steps": overlapped,
+            "runs": runs,
+        }
+        print(json.dumps({f"batch{b}": report["rows"][f"batch{b}"]}), flush=True)
+
+    # First 32 requests with a schema never compiled (compile included) vs plain.
+    p32 = _prompts(32, args.input_len, vocab, args.seed + 32)
+    dt_p, k_p, _ = _timed(llm, p32, plain)
+    sp32 = SamplingParams(
+        temperature=0.0, max_tokens=n, structured_outputs=SO(json=_fresh(ISSUE_SCHEMA, "first32"))
+    )
+    dt_c, k_c, _ = _timed(llm, p32, sp32)
+    report["rows"]["first32"] = {
+        "plain_tok_s": k_p / dt_p,
+        "constrained_tok_s": k_c / dt_c,
+        "ratio": (k_c / dt_c) / (k_p / dt_p),
+        "output_tokens": {"plain": k_p, "constrained": k_c},
+    }
+    print(json.dumps({"first32": report["rows"]["first32"]}), flush=True)
+
+    # First-request compile latency.
+    one = _prompts(1, args.input_len, vocab, args.seed + 1)
+    comp: dict[str, Any] = {}
+    for name, schema in (("issue_schema", ISSUE_SCHEMA), ("nested_2kb", NESTED_SCHEMA)):
+        fresh, cached = [], []
+        for r in range(args.repeats):
+            so = SO(json=_fresh(schema, f"{name}-{r}"))
+            sp = SamplingParams(temperature=0.0, max_tokens=1, structured_outputs=so)
+            fresh.append(_timed(llm, one, sp)[0])
+            cached.append(_timed(llm, one, sp)[0])
+        f, c = statistics.median(fresh), statistics.median(cached)
+        comp[name] = {
+            "schema_bytes": len(json.dumps(schema)),
+            "first_request_s": f,
+            "cached_request_s": c,
+            "compile_ms": (f - c) * 1e3,
+        }
+    report["rows"]["compile"] = comp
+    print(json.dumps({"compile": comp}), flush=True)
+    report["rows"]["fill"] = fill_times(eng, args.batches, args.repeats)
+    print(json.dumps({"fill": report["rows"]["fill"]}), flush=True)
+    report["engine"] = {
+        "backend": eng.backend if hasattr(eng, "backend") else None,
+        "async_scheduling": getattr(llm.llm_engine, "_async", None),
+    }
+    eng.shutdown()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--output-json", default="structured_bench.json")
+    ap.add_argument("--model-dir", default=None, help="default: the demo model (or --llama8b)")
+    ap.add_argument("--llama8b", action="store_true", help="Llama-3.1-8B shape, dummy bf16")
+    ap.add_argument("--tiny", action="store_true", help="with --llama8b: 2 tiny layers (CPU test)")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--async-scheduling", default=None, choices=["auto", "on", "off"])
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.model_dir is None:
+        if args.llama8b:
+            from xlaserve.bench.gpu_bench import write_model_dir
+
+            work = tempfile.mkdtemp(prefix="so-bench-")
+            args.model_dir = write_model_dir(
+                os.path.join(work, "llama8b"), num_layers=2 if args.tiny else 32, tiny=args.tiny
+            )
+        else:
+            from xlaserve.demo import demo_model_path
+
+            args.model_dir = demo_model_path()
+    report = run(args)
+    with open(args.output_json, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
