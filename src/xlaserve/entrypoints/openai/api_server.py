@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -43,6 +44,13 @@ from xlaserve.engine.async_llm import (
     EngineQueueFullError,
     RequestFailedError,
 )
+from xlaserve.entrypoints.openai.generation_defaults import (
+    apply_generation_defaults,
+    load_generation_defaults,
+)
+from xlaserve.entrypoints.openai.generation_defaults import (
+    describe as describe_generation_defaults,
+)
 from xlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +60,7 @@ from xlaserve.entrypoints.openai.protocol import (
     param_from_message,
     parse_body,
 )
+from xlaserve.entrypoints.openai.tools import ToolPlan, ToolRequestError, plan_tools
 from xlaserve.metrics import CONTENT_TYPE, ServerMetrics
 from xlaserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from xlaserve.sampling_params import SamplingParams
@@ -65,6 +74,8 @@ METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 STARTED_KEY = web.AppKey("started", float)
 KEYS_KEY = web.AppKey("api_keys", list)  # list[bytes]: accepted API keys
 POOL_KEY = web.AppKey("cpu_pool", cf.ThreadPoolExecutor)
+ORIGINS_KEY = web.AppKey("allowed_origins", frozenset)  # CORS origins; "*" = any
+GEN_DEFAULTS_KEY = web.AppKey("generation_defaults", dict)  # request field -> default value
 # Which API key a request authenticated with (index into KEYS_KEY).
 KEY_INDEX: Any = (
     web.RequestKey("api_key_index", int) if hasattr(web, "RequestKey") else "api_key_index"
@@ -151,6 +162,69 @@ async def _errors(
         if err.status >= 500 and not isinstance(e, (EngineDeadError, EngineQueueFullError)):
             logger.exception("request failed: %s %s", request.method, request.path)
         return err.response()
+
+
+def _allowed_origins(cfg: ServerConfig) -> frozenset[str]:
+    """--allowed-origins as a set: each value an origin or vLLM's JSON list of them."""
+    raw = cfg.allowed_origins
+    if raw is None:
+        return frozenset({"*"})
+    out: set[str] = set()
+    for v in [raw] if isinstance(raw, str) else raw:
+        v = v.strip()
+        if v.startswith("["):
+            try:
+                out.update(str(x) for x in json.loads(v))
+            except ValueError:
+                raise ValueError(f"--allowed-origins: {v!r} is not a JSON list") from None
+        elif v:
+            out.add(v)
+    return frozenset(out)
+
+
+def _cors_origin(request: web.Request) -> str | None:
+    """The Access-Control-Allow-Origin value for this request's Origin, or None (no CORS
+    headers: not a cross-origin request, or an origin not in --allowed-origins)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return None
+    allowed = request.app[ORIGINS_KEY]
+    if "*" in allowed:
+        return "*"
+    return origin if origin in allowed else None
+
+
+@web.middleware
+async def _cors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """CORS preflight (OPTIONS with Access-Control-Request-Method) answered before routing and
+    auth, as vLLM's CORSMiddleware: 200 for an allowed origin, 403 otherwise. The headers of
+    ordinary responses are added in `_cors_headers` (streams included)."""
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        allow = _cors_origin(request)
+        if allow is None:
+            return web.Response(status=403, text="CORS origin not allowed")
+        headers = {
+            "Access-Control-Allow-Origin": allow,
+            "Access-Control-Allow-Methods": "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT",
+            "Access-Control-Allow-Headers": request.headers.get(
+                "Access-Control-Request-Headers", "*"
+            ),
+            "Access-Control-Max-Age": "600",
+        }
+        if allow != "*":
+            headers["Vary"] = "Origin"
+        return web.Response(status=200, headers=headers)
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    allow = _cors_origin(request)
+    if allow is not None:
+        response.headers["Access-Control-Allow-Origin"] = allow
+        if allow != "*":
+            response.headers["Vary"] = "Origin"
 
 
 def _match_key(token: bytes, keys: list[bytes]) -> int | None:
@@ -656,6 +730,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(CompletionRequest, await _json_body(request))
     _check_model(engine, req.model)
+    apply_generation_defaults(req, request.app[GEN_DEFAULTS_KEY])
     params = req.to_sampling_params()
     texts = req.prompts()
     _check_limits(request, engine, req, params, len(texts))
@@ -784,24 +859,80 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 # ------------------------------------------------------------------------------- chat
 
 
+def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """Keyword arguments of Tokenizer.chat_prompt for a chat request (tools, continuation,
+    per-request template, chat_template_kwargs)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        kwargs["tools"] = [t.to_dict() for t in req.tools]
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    if req.chat_template is not None:
+        kwargs["chat_template"] = req.chat_template
+    return kwargs
+
+
+def _check_request_template(template: str | None, cfg: ServerConfig) -> None:
+    if template is not None and not cfg.trust_request_chat_template:
+        raise APIError(
+            400,
+            "per-request 'chat_template' is not allowed on this server "
+            "(start it with --trust-request-chat-template)",
+            param="chat_template",
+        )
+
+
 def _chat_prompt(
     engine: AsyncLLM, req: ChatCompletionRequest, allow_special: bool
 ) -> dict[str, Any]:
     """The chat's prompt dict (templated and tokenized: runs on the CPU pool)."""
     messages = [m.to_template_dict() for m in req.messages]
-    kwargs = req.chat_template_kwargs or {}
+    kwargs = _template_kwargs(req)
     text, ids = _render_chat(engine, messages, req.add_generation_prompt, allow_special, **kwargs)
     # The template writes BOS itself: no special tokens added on top.
     return {"prompt": text, "prompt_token_ids": ids}
+
+
+def chat_tool_plan(
+    req: ChatCompletionRequest, params: SamplingParams, cfg: ServerConfig
+) -> tuple[ToolPlan, SamplingParams]:
+    """The request's tool plan (tools/chat.py) and its sampling params adjusted for it: a
+    forced call gets its JSON schema as the structured-output constraint; "auto" keeps
+    special tokens in the text (parsers read markers such as <tool_call>). Also refuses a
+    per-request chat template unless the server trusts them."""
+    _check_request_template(req.chat_template, cfg)
+    try:
+        plan = plan_tools(
+            [t.to_dict() for t in req.tools] if req.tools else None,
+            req.tool_choice,
+            cfg.enable_auto_tool_choice,
+            cfg.tool_call_parser,
+        )
+    except ToolRequestError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    if plan.forced:
+        if params.structured_outputs is not None:
+            raise APIError(
+                400,
+                "a forced tool call ('required' or a named function) cannot be combined with "
+                "response_format or structured outputs",
+                param="tool_choice",
+            )
+        params = dataclasses.replace(params, structured_outputs=plan.structured())
+    elif plan.mode == "auto":
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return plan, params
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(ChatCompletionRequest, await _json_body(request))
     _check_model(engine, req.model)
-    params = req.to_sampling_params()
-    _check_limits(request, engine, req, params, 1)
     cfg = request.app[CONFIG_KEY]
+    apply_generation_defaults(req, request.app[GEN_DEFAULTS_KEY])
+    params = req.to_sampling_params()
+    plan, params = chat_tool_plan(req, params, cfg)
+    _check_limits(request, engine, req, params, 1)
     prompt = await _offload(request, _chat_prompt, engine, req, cfg.allow_special_tokens_in_content)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     _log(request, rid, [prompt], params)
@@ -832,16 +963,24 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         finals = await _collect(engine, streams, deadline)
         out = finals[0]
         assert out is not None
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": echo + c.text},
-                "logprobs": lp_of(c, 0),
-                "finish_reason": _finish(c),
-                "stop_reason": c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            content, calls = plan.message(c.text)
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": echo + content if content is not None else (echo or None),
             }
-            for c in out.outputs
-        ]
+            if plan.mode != "none":
+                message["tool_calls"] = [tc.to_openai() for tc in calls]
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": lp_of(c, 0),
+                    "finish_reason": plan.finish_reason(_finish(c), bool(calls)),
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return web.json_response(
             {
                 "id": rid,
@@ -873,6 +1012,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
     final: RequestOutput | None = None
+    tool_streams = {i: plan.streamer() for i in range(params.n)}
     try:
         async with contextlib.aclosing(_merged(engine, streams)) as it:
             async for _, out in it:
@@ -885,17 +1025,21 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                     if c.index in done:
                         continue
                     t0, k0 = sent_text.get(c.index, 0), sent_toks.get(c.index, 0)
-                    delta = c.text[t0:]
                     fin = _finish(c)
                     new_toks = len(c.token_ids) - k0
-                    if not (delta or fin or (new_toks and req.logprobs)):
+                    if not (len(c.text) > t0 or fin or (new_toks and req.logprobs)):
                         continue
+                    ts = tool_streams[c.index]
+                    delta = ts.delta(c.text, fin is not None)
                     sent_text[c.index], sent_toks[c.index] = len(c.text), len(c.token_ids)
                     if fin:
                         done.add(c.index)
+                        fin = plan.finish_reason(fin, ts.n_calls > 0)
+                    elif not (delta or (new_toks and req.logprobs)):
+                        continue  # held back (a tool-call marker may be starting)
                     choice = {
                         "index": c.index,
-                        "delta": {"content": delta} if delta else {},
+                        "delta": delta,
                         "logprobs": lp_of(c, k0),
                         "finish_reason": fin,
                         "stop_reason": c.stop_reason if fin else None,
@@ -912,9 +1056,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 # ------------------------------------------------------------------------------- small routes
 
 
-async def list_models(request: web.Request) -> web.Response:
+def _model_card(request: web.Request) -> dict[str, Any]:
     engine = request.app[ENGINE_KEY]
-    card = {
+    return {
         "id": engine.model_name,
         "object": "model",
         "created": int(request.app[STARTED_KEY]),
@@ -923,7 +1067,16 @@ async def list_models(request: web.Request) -> web.Response:
         "root": engine.model_name,
         "max_model_len": engine.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model's card, 404 for any other id."""
+    _check_model(request.app[ENGINE_KEY], request.match_info["model"])
+    return web.json_response(_model_card(request))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -950,10 +1103,16 @@ async def tokenize(request: web.Request) -> web.Response:
     _check_model(engine, req.model)
     tok = engine.tokenizer
     if req.messages is not None:
+        cfg = request.app[CONFIG_KEY]
+        _check_request_template(req.chat_template, cfg)
         messages = [m.to_template_dict() for m in req.messages]
-        allow = request.app[CONFIG_KEY].allow_special_tokens_in_content
+        kwargs = _template_kwargs(req)
+        allow = cfg.allow_special_tokens_in_content
         _, ids = await _offload(
-            request, _render_chat, engine, messages, req.add_generation_prompt, allow
+            request,
+            functools.partial(
+                _render_chat, engine, messages, req.add_generation_prompt, allow, **kwargs
+            ),
         )
     else:
         ids = await _offload(request, tok.encode, req.prompt or "", req.add_special_tokens)
@@ -1010,9 +1169,13 @@ def build_app(
     """The aiohttp app over `engine`; with `owns_engine` the app's cleanup shuts the engine down."""
     config = config or ServerConfig()
     _quiet_malformed_http()
-    app = web.Application(middlewares=[_errors, _guard], client_max_size=config.max_request_bytes)
+    app = web.Application(
+        middlewares=[_cors, _errors, _guard], client_max_size=config.max_request_bytes
+    )
+    app.on_response_prepare.append(_cors_headers)
     app[ENGINE_KEY] = engine
     app[CONFIG_KEY] = config
+    app[ORIGINS_KEY] = _allowed_origins(config)
     app[KEYS_KEY] = [k.encode("utf-8") for k in config.api_keys()]
     pool = cf.ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="xlaserve-cpu")
     app[POOL_KEY] = pool
@@ -1022,6 +1185,9 @@ def build_app(
 
     app.on_cleanup.append(_stop_pool)
     app[STARTED_KEY] = time.time()
+    model_dir = getattr(getattr(engine, "engine", None), "model_dir", None)
+    app[GEN_DEFAULTS_KEY] = load_generation_defaults(config.generation_config, model_dir)
+    logger.info("%s", describe_generation_defaults(config.generation_config, app[GEN_DEFAULTS_KEY]))
     m = ServerMetrics(lambda: engine.stats, engine.model_name)
     engine.add_finish_listener(m.observe_request)
     if hasattr(engine, "metrics_collector"):  # data parallel: per-replica series (engine/dp.py)
@@ -1030,6 +1196,7 @@ def build_app(
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
