@@ -499,8 +499,13 @@ class _Tok:
     """One position's logprobs, decoded: the actual token and the top alternatives."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: the first prompt position (nothing before it to condition on)
     top: list[tuple[str, float]]  # (token, logprob) by rank
+
+
+def _token_id_str(t: int) -> str:
+    """return_tokens_as_token_ids: a token written by id (vLLM's form)."""
+    return f"token_id:{t}"
 
 
 def _positions(
@@ -508,14 +513,20 @@ def _positions(
     logprobs: list[PositionLogprobs | None],
     k: int,
     decode: Callable[[int], str],
+    as_ids: bool = False,
 ) -> list[_Tok | None]:
+    """One `_Tok` per position (zip of ids and logprobs); `as_ids` writes tokens by id."""
     out: list[_Tok | None] = []
+    if as_ids:
+        decode = _token_id_str
     for tid, pos in zip(token_ids, logprobs, strict=False):
         if pos is None:
-            out.append(None)
+            out.append(_Tok(decode(tid), None, []))
             continue
         lp = pos.get(tid)
-        tok = (lp.decoded_token if lp and lp.decoded_token is not None else None) or decode(tid)
+        tok = (
+            None if as_ids or lp is None or lp.decoded_token is None else lp.decoded_token
+        ) or decode(tid)
         ranked = sorted(
             (
                 (p.rank or 0, t, p)
@@ -525,7 +536,10 @@ def _positions(
             key=lambda x: x[0],
         )
         top = [
-            (p.decoded_token if p.decoded_token is not None else decode(t), p.logprob)
+            (
+                p.decoded_token if p.decoded_token is not None and not as_ids else decode(t),
+                p.logprob,
+            )
             for _, t, p in ranked
         ]
         out.append(_Tok(tok, lp.logprob if lp else float("-inf"), top))
@@ -539,11 +553,14 @@ def _completion_logprobs(
     tokens, token_lps, tops, offsets = [], [], [], []
     off = text_start
     for t in toks:
-        if t is None:  # first prompt position has no logprob
-            tokens.append(None)
+        if t is None:
+            continue
+        if t.logprob is None:  # first prompt position: its token, no logprob (as OpenAI)
+            tokens.append(t.token)
             token_lps.append(None)
             tops.append(None)
             offsets.append(off)
+            off += len(t.token)
             continue
         tokens.append(t.token)
         token_lps.append(t.logprob)
@@ -563,6 +580,49 @@ def _completion_logprobs(
     }
 
 
+def _echo_only(out: RequestOutput | None) -> RequestOutput | None:
+    """echo with max_tokens=0: drop the one token the engine sampled (no text, no token, no
+    usage); a finished choice ends with "length", as OpenAI's does."""
+    if out is None:
+        return None
+    outs = [
+        dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            logprobs=[] if c.logprobs is not None else None,
+            cumulative_logprob=None,
+            finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
+            stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=outs)
+
+
+def _prompt_logprobs_json(
+    out: RequestOutput, decode: Callable[[int], str]
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or
+    {token id: {"logprob", "rank", "decoded_token"}} (the prompt's token and the top k)."""
+    res: list[dict[str, Any] | None] = []
+    for pos in out.prompt_logprobs or [None] * len(out.prompt_token_ids):
+        if pos is None:
+            res.append(None)
+            continue
+        res.append(
+            {
+                str(t): {
+                    "logprob": max(p.logprob, -9999.0),
+                    "rank": p.rank,
+                    "decoded_token": p.decoded_token if p.decoded_token is not None else decode(t),
+                }
+                for t, p in pos.items()
+            }
+        )
+    return res
+
+
 def _chat_logprobs(toks: list[_Tok | None]) -> list[dict[str, Any]]:
     def entry(tok: str, lp: float) -> dict[str, Any]:
         return {"token": tok, "logprob": max(lp, -9999.0), "bytes": list(tok.encode("utf-8"))}
@@ -570,7 +630,7 @@ def _chat_logprobs(toks: list[_Tok | None]) -> list[dict[str, Any]]:
     return [
         {**entry(t.token, t.logprob), "top_logprobs": [entry(a, b) for a, b in t.top]}
         for t in toks
-        if t is not None
+        if t is not None and t.logprob is not None
     ]
 
 
@@ -761,29 +821,41 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         if req.logprobs is None:
             return None
         toks: list[_Tok | None] = []
+        as_ids = req.return_tokens_as_token_ids
         if echo:
             plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-            toks += _positions(out.prompt_token_ids, plp, req.logprobs, decode)
+            toks += _positions(out.prompt_token_ids, plp, req.logprobs, decode, as_ids)
         toks += _positions(
-            c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], req.logprobs, decode
+            c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], req.logprobs, decode, as_ids
         )
         return _completion_logprobs(toks, text_start)
 
+    def extras(choice: dict[str, Any], out: RequestOutput, first: bool) -> dict[str, Any]:
+        if req.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = _prompt_logprobs_json(out, decode)
+        return choice
+
     if not req.stream:
-        finals = await _collect(engine, streams, deadline)
+        finals = [
+            _echo_only(o) if req.echo_only else o for o in await _collect(engine, streams, deadline)
+        ]
         choices = []
         for i, out in enumerate(finals):
             assert out is not None
             prefix = echo_text(out) if req.echo else ""
             for c in out.outputs:
                 choices.append(
-                    {
-                        "index": i * n + c.index,
-                        "text": prefix + c.text,
-                        "logprobs": logprobs_of(out, c, 0, req.echo, 0),
-                        "finish_reason": _finish(c),
-                        "stop_reason": c.stop_reason,
-                    }
+                    extras(
+                        {
+                            "index": i * n + c.index,
+                            "text": prefix + c.text,
+                            "logprobs": logprobs_of(out, c, 0, req.echo, 0),
+                            "finish_reason": _finish(c),
+                            "stop_reason": c.stop_reason,
+                        },
+                        out,
+                        True,
+                    )
                 )
         return web.json_response(
             {
@@ -798,7 +870,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
     sse = _SSE(request)
     await sse.start()
-    sent_text: dict[int, int] = {}  # choice index -> chars sent
+    sent_text: dict[int, int] = {}  # choice index -> chars of generated text sent
+    sent_off: dict[int, int] = {}  # choice index -> text_offset of its next token
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
     finals: list[RequestOutput | None] = [None] * len(streams)
@@ -819,6 +892,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     raise APIError(504, "request timed out", "timeout", code="timeout")
                 if out.error:
                     raise _generation_error(out.error)
+                if req.echo_only:
+                    out = _echo_only(out)
                 finals[i] = out
                 for c in out.outputs:
                     idx = i * n + c.index
@@ -835,11 +910,14 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     sent_text[idx], sent_toks[idx] = len(c.text), len(c.token_ids)
                     if fin:
                         done.add(idx)
-                    lp = (
-                        logprobs_of(out, c, k0, first and req.echo, 0)
-                        if req.logprobs is not None
-                        else None
-                    )
+                    # text_offset counts from the start of the choice's whole text (echo
+                    # included): each chunk continues where the last one ended (offsets add
+                    # token lengths, as the whole response's do).
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = logprobs_of(out, c, k0, first and req.echo, sent_off.get(idx, 0))
+                        if lp["tokens"]:
+                            sent_off[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                     choice = {
                         "index": idx,
                         "text": prefix + delta,
@@ -847,7 +925,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                         "finish_reason": fin,
                         "stop_reason": c.stop_reason if fin else None,
                     }
-                    if not await sse.send(chunk([choice])):
+                    body = chunk([extras(choice, out, first)])
+                    if req.continuous_usage:
+                        body["usage"] = _usage(finals, details)
+                    if not await sse.send(body):
                         return sse.resp  # client gone: leaving the loop aborts the requests
         if req.include_usage:
             await sse.send({**chunk([]), "usage": _usage(finals, details)})
@@ -955,7 +1036,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             return None
         return {
             "content": _chat_logprobs(
-                _positions(c.token_ids[start:], (c.logprobs or [])[start:], k, decode)
+                _positions(
+                    c.token_ids[start:],
+                    (c.logprobs or [])[start:],
+                    k,
+                    decode,
+                    req.return_tokens_as_token_ids,
+                )
             )
         }
 
@@ -981,16 +1068,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                     "stop_reason": c.stop_reason,
                 }
             )
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": engine.model_name,
-                "choices": choices,
-                "usage": _usage(finals, details),
-            }
-        )
+        body = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": engine.model_name,
+            "choices": choices,
+            "usage": _usage(finals, details),
+        }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs_json(out, decode)
+        return web.json_response(body)
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -1044,7 +1132,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                         "finish_reason": fin,
                         "stop_reason": c.stop_reason if fin else None,
                     }
-                    if not await sse.send(chunk([choice])):
+                    body = chunk([choice])
+                    if req.continuous_usage:
+                        body["usage"] = _usage([final], details)
+                    if not await sse.send(body):
                         return sse.resp
         if req.include_usage:
             await sse.send({**chunk([]), "usage": _usage([final], details)})
@@ -1116,9 +1207,10 @@ async def tokenize(request: web.Request) -> web.Response:
         )
     else:
         ids = await _offload(request, tok.encode, req.prompt or "", req.add_special_tokens)
-    return web.json_response(
-        {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
-    )
+    body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+    if req.return_token_strs:
+        body["token_strs"] = [tok.id_to_token(i) for i in ids]
+    return web.json_response(body)
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -172,6 +172,8 @@ def parse_body(cls: type, body: Any, prefix: str = "") -> Any:
 @dataclass
 class StreamOptions:
     include_usage: bool = False
+    # vLLM extra: usage in every chunk too (with include_usage).
+    continuous_usage_stats: bool = False
 
 
 @dataclass
@@ -209,6 +211,10 @@ class _SamplingFields:
     # xlaserve extras.
     priority: int = 0
     cache_salt: str | None = None
+    # vLLM extras: prompt log-probabilities (top k per prompt position, first None) returned
+    # as `prompt_logprobs`; tokens written "token_id:<id>" in logprobs.
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
     # Guided decoding (vLLM names).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -293,6 +299,12 @@ class _SamplingFields:
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM: include_usage and continuous_usage_stats)."""
+        so = self.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
+
 
 @dataclass
 class CompletionRequest(_SamplingFields):
@@ -311,6 +323,8 @@ class CompletionRequest(_SamplingFields):
             raise ProtocolError("best_of != n is not supported; leave best_of unset", "best_of")
         if self.suffix:
             raise ProtocolError("suffix is not supported", "suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise ProtocolError("max_tokens=0 is only allowed with echo=true", "max_tokens")
         self.prompts()  # validates shape and emptiness
 
     def prompts(self) -> list[str | list[int]]:
@@ -334,7 +348,17 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         # echo + logprobs: the prompt's logprobs are returned too (first position None).
         prompt_lp = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._sampling(self.max_tokens, self.logprobs, prompt_lp)
+        if self.prompt_logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, self.prompt_logprobs)
+        # max_tokens=0 (echo only, scoring clients): the engine samples one token, which the
+        # server drops (`echo_only`).
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling(max_tokens, self.logprobs, prompt_lp)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo=true with max_tokens=0: the prompt (and its logprobs) and nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 @dataclass
@@ -533,7 +557,7 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, None)
+        return self._sampling(max_tokens, logprobs, self.prompt_logprobs)
 
 
 @dataclass
@@ -550,6 +574,7 @@ class TokenizeRequest:
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # vLLM extra: also each token's string (`token_strs`)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
