@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (aiohttp) over one AsyncLLM.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, GET /metrics, POST /tokenize, POST /detokenize.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+POST /v1/responses (serving_responses.py), GET /health, GET /version, GET /metrics,
+POST /tokenize, POST /detokenize; CORS preflight on every route (--allowed-origins).
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters,
 JSON or body encoding, a request over a per-request bound (ServerConfig: sequences, logprobs,
@@ -1294,6 +1295,9 @@ def build_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    from xlaserve.entrypoints.openai import serving_responses  # imports this module
+
+    serving_responses.add_routes(app)
 
     if owns_engine:
 
