@@ -500,7 +500,6 @@ class ServerConfig:
     # the H200 two fronts stream without bunching, mean ITL 1.09x TPOT against 3.1x with one;
     # on a 2-core CPU a second front loses).
     api_server_count: int | None = None
-    # --- OpenAI server features (issue 34) ---
     # Let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser.
     enable_auto_tool_choice: bool = False
     # Tool-call format of the model's output: hermes, qwen3, qwen3_coder, llama3_json, mistral,
@@ -515,6 +514,14 @@ class ServerConfig:
     # generation_config.json, "vllm" = none (temperature 1.0, ...), or a directory holding a
     # generation_config.json.
     generation_config: str = "auto"
+    # "generate" (text generation) or "pooling": /v1/embeddings, /pooling, /score, /rerank
+    # from the model's final hidden states (generation endpoints off; torch backend; the
+    # engine runs in the server's process).
+    runner: str = "generate"
+    # Pooling: "LAST" (last token, decoder embedding models), "MEAN" (mean over tokens) or
+    # "CLS" (first token); the pooled vector is L2-normalised unless --no-pooling-normalize.
+    pooling_type: str = "LAST"
+    pooling_normalize: bool = True
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
@@ -527,6 +534,12 @@ class ServerConfig:
         _check(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice needs tool_call_parser",
+        )
+        _check(self.runner in ("generate", "pooling"), "runner must be 'generate' or 'pooling'")
+        self.pooling_type = self.pooling_type.upper()
+        _check(
+            self.pooling_type in ("LAST", "MEAN", "CLS"),
+            "pooling_type must be 'LAST', 'MEAN' or 'CLS'",
         )
         for name in (
             "max_request_bytes",

@@ -388,6 +388,13 @@ def _check_model(engine: AsyncLLM, model: str | None) -> None:
 
 
 def _engine(request: web.Request) -> AsyncLLM:
+    """The engine of a generation request (completions, chat, responses)."""
+    if request.app[CONFIG_KEY].runner == "pooling":
+        raise APIError(
+            400,
+            "this server runs --runner pooling: use /v1/embeddings, /pooling, /score or /rerank",
+            code="wrong_runner",
+        )
     engine = request.app[ENGINE_KEY]
     if engine.errored:
         raise engine.dead_error  # type: ignore[misc]
@@ -1298,6 +1305,10 @@ def build_app(
     from xlaserve.entrypoints.openai import serving_responses  # imports this module
 
     serving_responses.add_routes(app)
+    if config.runner == "pooling":
+        from xlaserve.entrypoints.openai import serving_pooling
+
+        serving_pooling.add_routes(app, engine, config.pooling_type, config.pooling_normalize)
 
     if owns_engine:
 
@@ -1328,7 +1339,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     """Load the engine and serve until SIGINT/SIGTERM (then stop the engine). With
     `server_config.engine_process` (the default) the engine core runs in its own process;
     if it dies, the server exits with status 1. `api_server_count` > 1: that many front
-    processes share the port (entrypoints/openai/fronts.py)."""
+    processes share the port (entrypoints/openai/fronts.py). `--runner pooling`: one front
+    with the engine in this process (the pooling forward runs on its runner)."""
+    if server_config.runner == "pooling":
+        server_config = dataclasses.replace(server_config, engine_process=False, api_server_count=1)
     n = resolve_api_server_count(engine_config, server_config)
     server_config = dataclasses.replace(server_config, api_server_count=n)
     if n > 1:
