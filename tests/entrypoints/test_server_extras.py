@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from ep_helpers import Server, http, serve
+from ep_helpers import Server, http, metric, serve, wait_until
 
 from xlaserve.config import ServerConfig
 from xlaserve.engine.async_llm import AsyncLLM
@@ -114,3 +114,40 @@ def test_retrieve_model(server: Server) -> None:
     assert m.id == "tiny" and m.object == "model"
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("other")
+
+
+VLLM_SERIES = (
+    "inter_token_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_params_n",
+)
+
+
+def test_vllm_metric_series(engine: AsyncLLM) -> None:
+    for s in serve(engine):  # a fresh app: its own registry, counts start at 0
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="none", max_retries=0)
+        c.completions.create(
+            model="tiny", prompt="And God", max_tokens=4, n=2, extra_body={"ignore_eos": True}
+        )
+        for _ in c.completions.create(
+            model="tiny", prompt="And God", max_tokens=4, stream=True,
+            extra_body={"ignore_eos": True},
+        ):  # fmt: skip
+            pass
+
+        url = s.base_url + "/metrics"
+
+        def scraped(url: str = url) -> str:
+            return http("GET", url)[2].decode()
+
+        assert wait_until(lambda: metric(scraped(), "xlaserve:request_params_n_count") == 2)
+        text = scraped()
+        for name in VLLM_SERIES:
+            assert metric(text, f"xlaserve:{name}_count") > 0, name
+        assert metric(text, "xlaserve:request_params_n_sum") == 3  # n=2 and n=1
+        # 4 tokens streamed: at least one gap between deliveries (coalescing may merge some)
+        assert 1 <= metric(text, "xlaserve:inter_token_latency_seconds_count") <= 3 + 3
+        assert metric(text, "xlaserve:request_decode_time_seconds_sum") >= 0
