@@ -207,8 +207,18 @@ def test_required_schema_and_message() -> None:
         (0, "get_weather"),
         (1, "get_time"),
     ]
-    # cut short (max_tokens): no call, the text is given back
+    # cut short (max_tokens): the whole calls written so far, else the text back
     assert plan.message(text[:20]) == (text[:20], [])
+    cut = text[: text.index(',{"name":"get_time"') + 5]
+    content, calls = plan.message(cut)
+    assert content is None and _calls(calls) == [("get_weather", {"city": "Rome"})]
+    # parallel_tool_calls=false: at most one call
+    assert required_schema(TOOLS, parallel=False)["maxItems"] == 1
+    one = plan_tools(TOOLS, "auto", True, "hermes", parallel_tool_calls=False)
+    two = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>'
+    )
+    assert [c.name for c in one.message(two)[1]] == ["a"]
 
 
 def test_named_streams_arguments() -> None:

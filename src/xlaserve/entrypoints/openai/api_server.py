@@ -996,6 +996,7 @@ def chat_tool_plan(
             req.tool_choice,
             cfg.enable_auto_tool_choice,
             cfg.tool_call_parser,
+            req.parallel_tool_calls,
         )
     except ToolRequestError as e:
         raise APIError(400, str(e), param="tool_choice") from None

@@ -13,7 +13,6 @@ Modes (`ToolPlan.mode`), as vLLM serves them:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +41,9 @@ def _params_schema(fn: dict[str, Any]) -> dict[str, Any]:
     return p if isinstance(p, dict) and p else {"type": "object"}
 
 
-def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """JSON schema of `tool_choice="required"` output: a non-empty array of calls."""
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """JSON schema of `tool_choice="required"` output: a non-empty array of calls (one call
+    when `parallel` is False: parallel_tool_calls=false)."""
     alts = [
         {
             "type": "object",
@@ -57,7 +57,10 @@ def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
         for t in tools
     ]
     item = alts[0] if len(alts) == 1 else {"anyOf": alts}
-    return {"type": "array", "minItems": 1, "items": item}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": item}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 @dataclass
@@ -68,6 +71,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None = None  # as given to the chat template
     function: str | None = None  # the named function
     parser: ToolParser | None = None  # mode "auto"
+    parallel: bool = True  # parallel_tool_calls: False keeps one call
 
     @property
     def forced(self) -> bool:
@@ -81,7 +85,7 @@ class ToolPlan:
             )
             return StructuredOutputsParams(json=_params_schema(fn))
         if self.mode == "required":
-            return StructuredOutputsParams(json=required_schema(self.tools or []))
+            return StructuredOutputsParams(json=required_schema(self.tools or [], self.parallel))
         return None
 
     def finish_reason(self, reason: str | None, made_calls: bool) -> str | None:
@@ -97,17 +101,16 @@ class ToolPlan:
                 return text, []
             return None, [ToolCall(self.function or "", args)]
         if self.mode == "required":
-            try:
-                values = json.loads(text)
-            except ValueError:
-                return text, []
+            # The calls complete so far: an array cut short (max_tokens) keeps its whole items.
+            body = text.lstrip()
+            values, _, _ = _json_objects(body[1:] if body.startswith("[") else body)
             calls = [_call_from_obj(v, ("parameters", "arguments")) for v in values]
             if not calls or any(c is None for c in calls):
                 return text, []
             return None, calls  # type: ignore[return-value]
         if self.mode == "auto" and self.parser is not None:
             r = self.parser.extract(text)
-            return r.content, r.tool_calls
+            return r.content, r.tool_calls if self.parallel else r.tool_calls[:1]
         return text, []
 
     def streamer(self) -> ChoiceToolStream:
@@ -158,6 +161,8 @@ class ChoiceToolStream:
             if self._auto is None:
                 self._auto = ToolStreamer(plan.parser)
             content, calls = self._auto.feed(text, final)
+            if not plan.parallel:
+                calls = calls[: max(0, 1 - self.n_calls)]
             d: dict[str, Any] = {}
             if content:
                 d["content"] = content
@@ -174,15 +179,17 @@ def plan_tools(
     tool_choice: str | dict[str, Any] | None,
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
+    parallel_tool_calls: bool | None = None,
 ) -> ToolPlan:
     """The plan of a request (already shape-checked by the protocol); ToolRequestError when the
     server is not set up for it ("auto" without a parser)."""
+    parallel = parallel_tool_calls is not False
     if not tools or tool_choice in (None, "none"):
         return ToolPlan("none", tools or None)
     if isinstance(tool_choice, dict):
         return ToolPlan("named", tools, function=tool_choice["function"]["name"])
     if tool_choice == "required":
-        return ToolPlan("required", tools)
+        return ToolPlan("required", tools, parallel=parallel)
     if not (enable_auto_tool_choice and tool_call_parser):
         raise ToolRequestError(AUTO_NEEDS_PARSER)
-    return ToolPlan("auto", tools, parser=get_tool_parser(tool_call_parser))
+    return ToolPlan("auto", tools, parser=get_tool_parser(tool_call_parser), parallel=parallel)
