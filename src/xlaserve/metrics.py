@@ -17,7 +17,8 @@ Names (`xlaserve:` prefix; counters get `_total` appended on exposition):
               e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens,
               inter_token_latency_seconds, request_queue_time_seconds,
               request_prefill_time_seconds, request_decode_time_seconds,
-              request_inference_time_seconds, request_params_n (vLLM's names)
+              request_inference_time_seconds, request_params_n,
+              iteration_tokens_total (tokens per engine step, from the stats snapshot)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -219,6 +220,22 @@ class _EngineStatsCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self._model], float(value))
             yield c
+        counts = getattr(s, "iteration_tokens_buckets", None)
+        if counts:
+            from xlaserve.engine.core import ITERATION_TOKEN_BUCKETS
+
+            h = HistogramMetricFamily(
+                "xlaserve:iteration_tokens_total",
+                "Tokens computed per engine step.",
+                labels=labels,
+            )
+            bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+            cum, buckets = 0, []
+            for bound, n in zip(bounds, counts, strict=True):
+                cum += n
+                buckets.append((bound, float(cum)))
+            h.add_metric([self._model], buckets, float(s.iteration_tokens_sum))
+            yield h
 
 
 class ServerMetrics:

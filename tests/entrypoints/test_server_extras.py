@@ -151,3 +151,22 @@ def test_vllm_metric_series(engine: AsyncLLM) -> None:
         # 4 tokens streamed: at least one gap between deliveries (coalescing may merge some)
         assert 1 <= metric(text, "xlaserve:inter_token_latency_seconds_count") <= 3 + 3
         assert metric(text, "xlaserve:request_decode_time_seconds_sum") >= 0
+        # engine-wide (the shared engine's steps so far): tokens per step, a histogram
+        steps = metric(text, "xlaserve:iteration_tokens_total_count")
+        assert steps > 0 and metric(text, "xlaserve:iteration_tokens_total_sum") >= steps
+        inf = [ln for ln in text.splitlines() if 'iteration_tokens_total_bucket{le="+Inf"' in ln]
+        assert inf and float(inf[0].rsplit(" ", 1)[1]) == steps
+
+
+def test_iteration_tokens_over_the_wire_and_summed() -> None:
+    """The per-step histogram survives the core process's msgpack and the DP replicas' sum."""
+    from xlaserve.engine.core import EngineStats
+    from xlaserve.engine.core_proc import pack, stats_from_wire, stats_to_wire, unpack
+
+    s = EngineStats(1, 2, 0.5, 10, 5, 0, 0, 0, 3, 4)
+    s.iteration_tokens_buckets = type(s.iteration_tokens_buckets)([1] + [0] * 12 + [2])
+    t = stats_from_wire(unpack(pack(stats_to_wire(s))))
+    assert t.iteration_tokens_buckets == s.iteration_tokens_buckets
+    assert sum([t.iteration_tokens_buckets, s.iteration_tokens_buckets]) == tuple(
+        [2] + [0] * 12 + [4]
+    )
