@@ -223,6 +223,8 @@ class Tokenizer:
             kwargs["tools"] = tools
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
+        if not special_tokens_in_content:
+            self._refuse_control_text(messages, tools)
         if special_tokens_in_content:
             text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
             if continue_final_message:
@@ -259,6 +261,28 @@ class Tokenizer:
             ids += self.encode(tail, add_special_tokens=False)
         text_parts.append(tail)
         return "".join(text_parts), ids
+
+    def _control_texts(self) -> list[str]:
+        texts = getattr(self, "_control_text_cache", None)
+        if texts is None:
+            texts = [t for i in self.all_special_ids if (t := self.id_to_token(i))]
+            self._control_text_cache = texts
+        return texts
+
+    def _refuse_control_text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
+        """Tool definitions, tool-call arguments and other non-content message fields are
+        rendered into the template as they are (not masked like content): refuse any that spell
+        a control token, so they cannot forge a turn (ValueError -> HTTP 400)."""
+        extra = [{k: v for k, v in m.items() if k != "content"} for m in messages]
+        blob = json.dumps([extra, tools], ensure_ascii=False, default=str)
+        for t in self._control_texts():
+            if t in blob:
+                raise ValueError(
+                    f"control token text {t!r} in tools, tool calls or message fields is refused "
+                    "(only message content may hold it, as text)"
+                )
 
     def chat_prompt_ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
