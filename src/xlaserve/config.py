@@ -515,8 +515,8 @@ class ServerConfig:
     # generation_config.json.
     generation_config: str = "auto"
     # "generate" (text generation) or "pooling": /v1/embeddings, /pooling, /score, /rerank
-    # from the model's final hidden states (generation endpoints off; torch backend; the
-    # engine runs in the server's process).
+    # from the model's final hidden states (generation endpoints off; torch or xla backend;
+    # the engine runs in the server's process).
     runner: str = "generate"
     # Pooling: "LAST" (last token, decoder embedding models), "MEAN" (mean over tokens) or
     # "CLS" (first token); the pooled vector is L2-normalised unless --no-pooling-normalize.

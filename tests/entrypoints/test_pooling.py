@@ -106,3 +106,29 @@ def test_pooling_errors(last_server: Server) -> None:
         c.embeddings.create(model="other", input="x")
     st, _, _ = http("POST", last_server.base_url + "/v1/embeddings", {"input": [[10**9]]})
     assert st == 400
+
+
+@pytest.fixture(scope="module")
+def xla_server(model_path: str) -> Iterator[Server]:
+    """The XLA backend in-process (small buckets: few programs to compile)."""
+    from ep_helpers import engine_config
+    from optional_deps import backend_available
+
+    if not backend_available("xla"):
+        pytest.skip("jax is not installed")
+    eng = AsyncLLM.from_config(
+        engine_config(
+            model_path, backend="xla", max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64
+        )
+    )
+    try:
+        yield from serve(eng, ServerConfig(runner="pooling", pooling_type="MEAN"))
+    finally:
+        eng.shutdown()
+
+
+def test_xla_embeddings_equal_transformers(xla_server: Server, hf_hidden: list) -> None:
+    r = _client(xla_server).embeddings.create(model=MODEL_NAME, input=TEXTS)
+    for d, h in zip(r.data, hf_hidden, strict=True):
+        want = h.mean(0) / np.linalg.norm(h.mean(0))
+        np.testing.assert_allclose(d.embedding, want, atol=1e-4)

@@ -2,8 +2,8 @@
 /rerank (/v1/rerank, /v2/rerank), as vLLM serves a decoder model as an embedding model.
 
 Each input is tokenized (special tokens as the tokenizer adds them), run through the model in
-one prefill batch (backends_torch/pooling.py: final-norm hidden states, the engine's KV cache
-untouched), then pooled (`pool`: LAST token, MEAN over tokens or CLS = first token) and
+one prefill batch (backends_torch/pooling.py or backends_xla/pooling.py: final-norm hidden
+states), then pooled (`pool`: LAST token, MEAN over tokens or CLS = first token) and
 L2-normalised (unless --no-pooling-normalize). /score and /rerank score pairs by the cosine
 similarity of their embeddings (a bi-encoder, as vLLM does for embedding models; no
 cross-encoder head).
@@ -59,15 +59,23 @@ class Pooler:
     def __init__(self, engine: Any, kind: str, normalize: bool) -> None:  # noqa: ANN401
         core = getattr(getattr(engine, "engine", None), "core", None)
         runner = getattr(core, "runner", None)
-        if runner is None or not hasattr(runner, "_build_inputs"):
-            raise ValueError(
-                "--runner pooling needs the torch backend with the engine in the server's "
-                "process (--backend torch)"
-            )
-        from xlaserve.backends_torch.pooling import TorchHiddenStates
-
         self.max_tokens = engine.config.scheduler.max_num_batched_tokens
-        self.states = TorchHiddenStates(runner, self.max_tokens)
+        self.max_seqs = engine.config.scheduler.max_num_seqs
+        self.states: Any
+        if runner is not None and hasattr(runner, "_build_inputs"):  # torch
+            from xlaserve.backends_torch.pooling import TorchHiddenStates
+
+            self.states = TorchHiddenStates(runner, self.max_tokens)
+        elif runner is not None and hasattr(runner, "token_buckets"):  # xla
+            from xlaserve.backends_xla.pooling import XlaHiddenStates
+
+            self.states = XlaHiddenStates(runner, self.max_tokens)
+            self.max_tokens = self.states.max_tokens
+        else:
+            raise ValueError(
+                "--runner pooling needs one engine in the server's process (torch or xla "
+                "backend, no data parallelism)"
+            )
         self.kind, self.normalize = kind, normalize
         self.max_model_len = engine.max_model_len
         self._lock = threading.Lock()
@@ -87,7 +95,7 @@ class Pooler:
             batch, size = [], 0
 
         for p in prompts:
-            if size + len(p) > self.max_tokens:
+            if size + len(p) > self.max_tokens or len(batch) >= self.max_seqs:
                 flush()
             batch.append(p)
             size += len(p)
