@@ -521,8 +521,47 @@ class ServerConfig:
     # the H200 two fronts stream without bunching, mean ITL 1.09x TPOT against 3.1x with one;
     # on a 2-core CPU a second front loses).
     api_server_count: int | None = None
+    # Let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser.
+    enable_auto_tool_choice: bool = False
+    # Tool-call format of the model's output: hermes, qwen3, qwen3_coder, llama3_json, mistral,
+    # pythonic, deepseek_v3, deepseek_v31.
+    tool_call_parser: str | None = None
+    # CORS: origins allowed to call the API from a browser; the flag repeats (or takes vLLM's
+    # JSON list). None (not given) = "*", any origin, as vLLM.
+    allowed_origins: str | list[str] | None = None
+    # Accept a per-request `chat_template` (rendered in the same sandbox as the model's).
+    trust_request_chat_template: bool = False
+    # Sampling defaults for fields a request leaves out: "auto" = the model's
+    # generation_config.json, "vllm" = none (temperature 1.0, ...), or a directory holding a
+    # generation_config.json.
+    generation_config: str = "auto"
+    # "generate" (text generation) or "pooling": /v1/embeddings, /pooling, /score, /rerank
+    # from the model's final hidden states (generation endpoints off; torch or xla backend;
+    # the engine runs in the server's process).
+    runner: str = "generate"
+    # Pooling: "LAST" (last token, decoder embedding models), "MEAN" (mean over tokens) or
+    # "CLS" (first token); the pooled vector is L2-normalised unless --no-pooling-normalize.
+    pooling_type: str = "LAST"
+    pooling_normalize: bool = True
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            from xlaserve.entrypoints.openai.tools.parsers import TOOL_PARSERS
+
+            _check(
+                self.tool_call_parser in TOOL_PARSERS,
+                f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}",
+            )
+        _check(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "enable_auto_tool_choice needs tool_call_parser",
+        )
+        _check(self.runner in ("generate", "pooling"), "runner must be 'generate' or 'pooling'")
+        self.pooling_type = self.pooling_type.upper()
+        _check(
+            self.pooling_type in ("LAST", "MEAN", "CLS"),
+            "pooling_type must be 'LAST', 'MEAN' or 'CLS'",
+        )
         for name in (
             "max_request_bytes",
             "max_sequences_per_request",

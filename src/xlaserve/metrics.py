@@ -14,17 +14,21 @@ Names (`xlaserve:` prefix; counters get `_total` appended on exposition):
               generation_tokens, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens,
               spec_decode_num_drafts (verifications with drafts), request_success{finished_reason}
   histograms  time_to_first_token_seconds, time_per_output_token_seconds,
-              e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens
+              e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens,
+              inter_token_latency_seconds, request_queue_time_seconds,
+              request_prefill_time_seconds, request_decode_time_seconds,
+              request_inference_time_seconds, request_params_n,
+              iteration_tokens_total (tokens per engine step, from the stats snapshot)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -102,6 +106,12 @@ class RequestRecord:
     num_prompt_tokens: int
     num_generation_tokens: int
     finish_reason: str  # "stop" | "length" | "abort" | "error"
+    # Engine-side times (RequestMetrics; same monotonic clock): None when unknown.
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+    engine_first_token_time: float | None = None
+    n: int = 1  # sequences of the request (SamplingParams.n)
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 class _EngineStatsCollector(Collector):
@@ -210,6 +220,22 @@ class _EngineStatsCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self._model], float(value))
             yield c
+        counts = getattr(s, "iteration_tokens_buckets", None)
+        if counts:
+            from xlaserve.engine.core import ITERATION_TOKEN_BUCKETS
+
+            h = HistogramMetricFamily(
+                "xlaserve:iteration_tokens_total",
+                "Tokens computed per engine step.",
+                labels=labels,
+            )
+            bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+            cum, buckets = 0, []
+            for bound, n in zip(bounds, counts, strict=True):
+                cum += n
+                buckets.append((bound, float(cum)))
+            h.add_metric([self._model], buckets, float(s.iteration_tokens_sum))
+            yield h
 
 
 class ServerMetrics:
@@ -256,6 +282,36 @@ class ServerMetrics:
             registry=r,
             buckets=_TOKEN_BUCKETS,
         )
+        self.itl = Histogram(
+            "xlaserve:inter_token_latency_seconds",
+            "Time between successive token deliveries of a request.",
+            lab,
+            registry=r,
+            buckets=_TPOT_BUCKETS,
+        )
+        phase = (
+            ("queue", "Time waiting before the request was first scheduled."),
+            ("prefill", "Time from first scheduled to first token."),
+            ("decode", "Time from first token to last token."),
+            ("inference", "Time from first scheduled to last token."),
+        )
+        self.phases = {
+            name: Histogram(
+                f"xlaserve:request_{name}_time_seconds",
+                doc,
+                lab,
+                registry=r,
+                buckets=_E2E_BUCKETS,
+            )
+            for name, doc in phase
+        }
+        self.params_n = Histogram(
+            "xlaserve:request_params_n",
+            "The n parameter of requests.",
+            lab,
+            registry=r,
+            buckets=(1, 2, 5, 10, 20),
+        )
         self.success = Counter(
             "xlaserve:request_success",
             "Finished requests by finish reason.",
@@ -271,6 +327,22 @@ class ServerMetrics:
         self.e2e.labels(m).observe(rec.finished_time - rec.arrival_time)
         self.req_prompt.labels(m).observe(rec.num_prompt_tokens)
         self.req_gen.labels(m).observe(rec.num_generation_tokens)
+        self.params_n.labels(m).observe(rec.n)
+        for gap in rec.inter_token_latencies:
+            self.itl.labels(m).observe(gap)
+        sched, first, last = (
+            rec.first_scheduled_time,
+            rec.engine_first_token_time,
+            rec.last_token_time,
+        )
+        if sched is not None:
+            self.phases["queue"].labels(m).observe(max(sched - rec.arrival_time, 0.0))
+            if first is not None:
+                self.phases["prefill"].labels(m).observe(max(first - sched, 0.0))
+            if last is not None:
+                self.phases["inference"].labels(m).observe(max(last - sched, 0.0))
+        if first is not None and last is not None:
+            self.phases["decode"].labels(m).observe(max(last - first, 0.0))
         if rec.first_token_time is not None:
             self.ttft.labels(m).observe(rec.first_token_time - rec.arrival_time)
             if rec.num_generation_tokens > 1:

@@ -64,6 +64,10 @@ class _Stream:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # stamped by the loop thread
     finished_time: float | None = None
+    # Seconds between successive outputs carrying new tokens, as the consumer saw them
+    # (inter_token_latency_seconds); filled by `iterate`.
+    itl: list[float] = field(default_factory=list)
+    last_token_seen: float | None = None  # when the consumer last got new tokens
 
 
 @dataclass
@@ -83,6 +87,19 @@ class _Abort:
 
 
 _STOP = object()
+
+
+def _note_tokens(stream: _Stream, prev: RequestOutput | None, out: RequestOutput) -> None:
+    """Record the gap since the last output that brought tokens, when this one brings more
+    (after the first token): the request's inter-token latencies."""
+    n = sum(len(o.token_ids) for o in out.outputs)
+    n_prev = sum(len(o.token_ids) for o in prev.outputs) if prev is not None else 0
+    if n <= n_prev:
+        return
+    now = time.monotonic()
+    if stream.last_token_seen is not None:
+        stream.itl.append(now - stream.last_token_seen)
+    stream.last_token_seen = now
 
 
 def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -199,6 +216,7 @@ class AsyncLLM:
                     item = stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
+                _note_tokens(stream, last, item)
                 last = item
                 finished = item.finished
                 yield item
@@ -219,6 +237,7 @@ class AsyncLLM:
             reason = "error" if self._dead is not None else "abort"
         n_prompt = len(last.prompt_token_ids) if last is not None else 0
         n_gen = sum(len(o.token_ids) for o in last.outputs) if last is not None else 0
+        m = last.metrics if last is not None else None
         rec = RequestRecord(
             arrival_time=stream.arrival_time,
             first_token_time=stream.first_token_time,
@@ -226,6 +245,11 @@ class AsyncLLM:
             num_prompt_tokens=n_prompt,
             num_generation_tokens=n_gen,
             finish_reason=reason,
+            first_scheduled_time=m.first_scheduled_time if m is not None else None,
+            last_token_time=m.last_token_time if m is not None else None,
+            engine_first_token_time=m.first_token_time if m is not None else None,
+            n=len(last.outputs) if last is not None else 1,
+            inter_token_latencies=stream.itl,
         )
         for fn in self._finish_listeners:
             try:

@@ -13,10 +13,11 @@ core process (`engine/core_proc.py`).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from xlaserve.config import EngineConfig
@@ -49,6 +50,26 @@ logger = logging.getLogger(__name__)
 WireLogprobs = tuple[list[int], list[float], int]
 
 
+# Upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total buckets).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class BucketCounts(tuple):
+    """Per-bucket counts of a histogram (last entry: above every bound); adds element-wise so
+    that summing snapshots (data-parallel replicas) sums the histograms."""
+
+    def __add__(self, other: Any) -> BucketCounts:  # noqa: ANN401
+        if isinstance(other, int) and other == 0:
+            return self
+        return BucketCounts(a + b for a, b in zip(self, other, strict=True))
+
+    __radd__ = __add__
+
+
+def empty_buckets() -> BucketCounts:
+    return BucketCounts([0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -70,6 +91,13 @@ class EngineStats:
     kv_offload_disk_hits: int = 0
     kv_offload_bytes_out: int = 0
     kv_offload_bytes_in: int = 0
+    # Tokens computed per engine step: counts per ITERATION_TOKEN_BUCKETS bucket, and their sum.
+    iteration_tokens_buckets: BucketCounts = field(default_factory=empty_buckets)
+    iteration_tokens_sum: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.iteration_tokens_buckets, BucketCounts):  # a list off the wire
+            self.iteration_tokens_buckets = BucketCounts(self.iteration_tokens_buckets)
 
 
 @dataclass
@@ -231,6 +259,14 @@ class _Counters:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_drafts: int = 0
+    iteration_tokens_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    )
+    iteration_tokens_sum: int = 0
+
+    def observe_step(self, tokens: int) -> None:
+        self.iteration_tokens_buckets[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self.iteration_tokens_sum += tokens
 
 
 class EngineCore:
@@ -468,6 +504,8 @@ class EngineCore:
     ) -> list[CoreOutput]:
         """Apply one step's RunnerOutput: tokens, stops, grammars, drafts -> CoreOutputs."""
         updates = self.scheduler.update_from_output(so, ro, scheduled)
+        if so.total_num_scheduled_tokens:
+            self.counters.observe_step(so.total_num_scheduled_tokens)
         spec = self._count_spec(so, ro) if so.spec_token_ids else {}
         outs: dict[str, CoreOutput] = {}
         for rid, entries in ro.prompt_logprobs.items():
@@ -634,6 +672,8 @@ class EngineCore:
             kv_offload_disk_hits=kv.offload_disk_hits,
             kv_offload_bytes_out=kv.offload.bytes_out if kv.offload is not None else 0,
             kv_offload_bytes_in=kv.offload.bytes_in if kv.offload is not None else 0,
+            iteration_tokens_buckets=BucketCounts(c.iteration_tokens_buckets),
+            iteration_tokens_sum=c.iteration_tokens_sum,
         )
 
     def shutdown(self) -> None:

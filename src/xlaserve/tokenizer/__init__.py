@@ -54,6 +54,16 @@ class _ChatTemplate:
             raise ValueError(f"chat template failed to render: {e}") from e
 
 
+def _cut_after(rendered: str, content: str) -> str:
+    """`rendered` up to the end of the last occurrence of `content` (continue_final_message)."""
+    i = rendered.rfind(content)
+    if i < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not write the last message's content"
+        )
+    return rendered[: i + len(content)]
+
+
 class Tokenizer:
     def __init__(self, tokenizer: Any, config: dict[str, Any]) -> None:
         self._tok = tokenizer
@@ -140,12 +150,21 @@ class Tokenizer:
         return self._chat_template is not None
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Render messages ({"role", "content"}) with the tokenizer's template."""
-        if self._chat_template is None:
+        """Render messages ({"role", "content"}, optionally "tool_calls" / "tool_call_id") with
+        the tokenizer's template, or `chat_template` (same sandbox) when given. `tools` (a list
+        of {"type": "function", "function": {...}}) and other kwargs go to the template."""
+        template = self._chat_template
+        if chat_template is not None:
+            template = _ChatTemplate(chat_template)
+        if template is None:
             raise ValueError("this model's tokenizer has no chat template; use completions instead")
-        return self._chat_template.render(
+        return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -171,9 +190,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> tuple[str, list[int]]:
         """(text, token ids) of a chat rendered with the template (no BOS added on top).
+
+        The one templating function the server and `LLM.chat` share. `tools` are shown to the
+        template (`tools` variable); messages may carry `tool_calls` (arguments as objects) and
+        `tool_call_id`. `continue_final_message`: the prompt ends right after the last
+        message's content (what the template writes after it, e.g. an end-of-turn token, is
+        cut), so the model continues that message; needs add_generation_prompt False.
+        `chat_template` replaces the model's template (same sandbox; the caller decides
+        whether a client may send one).
 
         Rule: message content is data. Unless `special_tokens_in_content`, the template is
         rendered with each string content replaced by a one-off placeholder; the text between
@@ -182,21 +212,39 @@ class Tokenizer:
         message stays text and cannot forge a role. Token boundaries fall at the template /
         content seams (a merge across a seam is not made).
         """
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt cannot both be true"
+                )
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ValueError("continue_final_message needs a last message with text content")
+        if tools is not None:
+            kwargs["tools"] = tools
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if not special_tokens_in_content:
+            self._refuse_control_text(messages, tools)
         if special_tokens_in_content:
             text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            if continue_final_message:
+                text = _cut_after(text, messages[-1]["content"])
             return text, self.encode(text, add_special_tokens=False)
         nonce = secrets.token_hex(8)
         contents: list[str] = []
         masked = []
-        for m in messages:
+        for i, m in enumerate(messages):
             c = m.get("content")
-            if isinstance(c, str) and c:
+            # The last message is masked even when empty: continue_final_message cuts after it.
+            if isinstance(c, str) and (c or (continue_final_message and i == len(messages) - 1)):
                 masked.append({**m, "content": f"\ue000{nonce}:{len(contents)}\ue001"})
                 contents.append(c)
             else:
                 masked.append(m)
         rendered = self.apply_chat_template(masked, add_generation_prompt, **kwargs)
         pattern = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        if continue_final_message:
+            rendered = _cut_after(rendered, masked[-1]["content"])
         text_parts: list[str] = []
         ids: list[int] = []
         pos = 0
@@ -213,6 +261,28 @@ class Tokenizer:
             ids += self.encode(tail, add_special_tokens=False)
         text_parts.append(tail)
         return "".join(text_parts), ids
+
+    def _control_texts(self) -> list[str]:
+        texts = getattr(self, "_control_text_cache", None)
+        if texts is None:
+            texts = [t for i in self.all_special_ids if (t := self.id_to_token(i))]
+            self._control_text_cache = texts
+        return texts
+
+    def _refuse_control_text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
+        """Tool definitions, tool-call arguments and other non-content message fields are
+        rendered into the template as they are (not masked like content): refuse any that spell
+        a control token, so they cannot forge a turn (ValueError -> HTTP 400)."""
+        extra = [{k: v for k, v in m.items() if k != "content"} for m in messages]
+        blob = json.dumps([extra, tools], ensure_ascii=False, default=str)
+        for t in self._control_texts():
+            if t in blob:
+                raise ValueError(
+                    f"control token text {t!r} in tools, tool calls or message fields is refused "
+                    "(only message content may hold it, as text)"
+                )
 
     def chat_prompt_ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

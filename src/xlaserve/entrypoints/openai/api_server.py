@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (aiohttp) over one AsyncLLM.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, GET /metrics, POST /tokenize, POST /detokenize.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+POST /v1/responses (serving_responses.py), GET /health, GET /version, GET /metrics,
+POST /tokenize, POST /detokenize; CORS preflight on every route (--allowed-origins).
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters,
 JSON or body encoding, a request over a per-request bound (ServerConfig: sequences, logprobs,
@@ -22,6 +23,7 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -43,6 +45,13 @@ from xlaserve.engine.async_llm import (
     EngineQueueFullError,
     RequestFailedError,
 )
+from xlaserve.entrypoints.openai.generation_defaults import (
+    apply_generation_defaults,
+    load_generation_defaults,
+)
+from xlaserve.entrypoints.openai.generation_defaults import (
+    describe as describe_generation_defaults,
+)
 from xlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +61,7 @@ from xlaserve.entrypoints.openai.protocol import (
     param_from_message,
     parse_body,
 )
+from xlaserve.entrypoints.openai.tools import ToolPlan, ToolRequestError, plan_tools
 from xlaserve.metrics import CONTENT_TYPE, ServerMetrics
 from xlaserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from xlaserve.sampling_params import SamplingParams
@@ -65,6 +75,8 @@ METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 STARTED_KEY = web.AppKey("started", float)
 KEYS_KEY = web.AppKey("api_keys", list)  # list[bytes]: accepted API keys
 POOL_KEY = web.AppKey("cpu_pool", cf.ThreadPoolExecutor)
+ORIGINS_KEY = web.AppKey("allowed_origins", frozenset)  # CORS origins; "*" = any
+GEN_DEFAULTS_KEY = web.AppKey("generation_defaults", dict)  # request field -> default value
 # Which API key a request authenticated with (index into KEYS_KEY).
 KEY_INDEX: Any = (
     web.RequestKey("api_key_index", int) if hasattr(web, "RequestKey") else "api_key_index"
@@ -151,6 +163,69 @@ async def _errors(
         if err.status >= 500 and not isinstance(e, (EngineDeadError, EngineQueueFullError)):
             logger.exception("request failed: %s %s", request.method, request.path)
         return err.response()
+
+
+def _allowed_origins(cfg: ServerConfig) -> frozenset[str]:
+    """--allowed-origins as a set: each value an origin or vLLM's JSON list of them."""
+    raw = cfg.allowed_origins
+    if raw is None:
+        return frozenset({"*"})
+    out: set[str] = set()
+    for v in [raw] if isinstance(raw, str) else raw:
+        v = v.strip()
+        if v.startswith("["):
+            try:
+                out.update(str(x) for x in json.loads(v))
+            except ValueError:
+                raise ValueError(f"--allowed-origins: {v!r} is not a JSON list") from None
+        elif v:
+            out.add(v)
+    return frozenset(out)
+
+
+def _cors_origin(request: web.Request) -> str | None:
+    """The Access-Control-Allow-Origin value for this request's Origin, or None (no CORS
+    headers: not a cross-origin request, or an origin not in --allowed-origins)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return None
+    allowed = request.app[ORIGINS_KEY]
+    if "*" in allowed:
+        return "*"
+    return origin if origin in allowed else None
+
+
+@web.middleware
+async def _cors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """CORS preflight (OPTIONS with Access-Control-Request-Method) answered before routing and
+    auth, as vLLM's CORSMiddleware: 200 for an allowed origin, 403 otherwise. The headers of
+    ordinary responses are added in `_cors_headers` (streams included)."""
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        allow = _cors_origin(request)
+        if allow is None:
+            return web.Response(status=403, text="CORS origin not allowed")
+        headers = {
+            "Access-Control-Allow-Origin": allow,
+            "Access-Control-Allow-Methods": "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT",
+            "Access-Control-Allow-Headers": request.headers.get(
+                "Access-Control-Request-Headers", "*"
+            ),
+            "Access-Control-Max-Age": "600",
+        }
+        if allow != "*":
+            headers["Vary"] = "Origin"
+        return web.Response(status=200, headers=headers)
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    allow = _cors_origin(request)
+    if allow is not None:
+        response.headers["Access-Control-Allow-Origin"] = allow
+        if allow != "*":
+            response.headers["Vary"] = "Origin"
 
 
 def _match_key(token: bytes, keys: list[bytes]) -> int | None:
@@ -313,6 +388,13 @@ def _check_model(engine: AsyncLLM, model: str | None) -> None:
 
 
 def _engine(request: web.Request) -> AsyncLLM:
+    """The engine of a generation request (completions, chat, responses)."""
+    if request.app[CONFIG_KEY].runner == "pooling":
+        raise APIError(
+            400,
+            "this server runs --runner pooling: use /v1/embeddings, /pooling, /score or /rerank",
+            code="wrong_runner",
+        )
     engine = request.app[ENGINE_KEY]
     if engine.errored:
         raise engine.dead_error  # type: ignore[misc]
@@ -425,8 +507,13 @@ class _Tok:
     """One position's logprobs, decoded: the actual token and the top alternatives."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: the first prompt position (nothing before it to condition on)
     top: list[tuple[str, float]]  # (token, logprob) by rank
+
+
+def _token_id_str(t: int) -> str:
+    """return_tokens_as_token_ids: a token written by id (vLLM's form)."""
+    return f"token_id:{t}"
 
 
 def _positions(
@@ -434,14 +521,20 @@ def _positions(
     logprobs: list[PositionLogprobs | None],
     k: int,
     decode: Callable[[int], str],
+    as_ids: bool = False,
 ) -> list[_Tok | None]:
+    """One `_Tok` per position (zip of ids and logprobs); `as_ids` writes tokens by id."""
     out: list[_Tok | None] = []
+    if as_ids:
+        decode = _token_id_str
     for tid, pos in zip(token_ids, logprobs, strict=False):
         if pos is None:
-            out.append(None)
+            out.append(_Tok(decode(tid), None, []))
             continue
         lp = pos.get(tid)
-        tok = (lp.decoded_token if lp and lp.decoded_token is not None else None) or decode(tid)
+        tok = (
+            None if as_ids or lp is None or lp.decoded_token is None else lp.decoded_token
+        ) or decode(tid)
         ranked = sorted(
             (
                 (p.rank or 0, t, p)
@@ -451,7 +544,10 @@ def _positions(
             key=lambda x: x[0],
         )
         top = [
-            (p.decoded_token if p.decoded_token is not None else decode(t), p.logprob)
+            (
+                p.decoded_token if p.decoded_token is not None and not as_ids else decode(t),
+                p.logprob,
+            )
             for _, t, p in ranked
         ]
         out.append(_Tok(tok, lp.logprob if lp else float("-inf"), top))
@@ -465,11 +561,14 @@ def _completion_logprobs(
     tokens, token_lps, tops, offsets = [], [], [], []
     off = text_start
     for t in toks:
-        if t is None:  # first prompt position has no logprob
-            tokens.append(None)
+        if t is None:
+            continue
+        if t.logprob is None:  # first prompt position: its token, no logprob (as OpenAI)
+            tokens.append(t.token)
             token_lps.append(None)
             tops.append(None)
             offsets.append(off)
+            off += len(t.token)
             continue
         tokens.append(t.token)
         token_lps.append(t.logprob)
@@ -489,6 +588,49 @@ def _completion_logprobs(
     }
 
 
+def _echo_only(out: RequestOutput | None) -> RequestOutput | None:
+    """echo with max_tokens=0: drop the one token the engine sampled (no text, no token, no
+    usage); a finished choice ends with "length", as OpenAI's does."""
+    if out is None:
+        return None
+    outs = [
+        dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            logprobs=[] if c.logprobs is not None else None,
+            cumulative_logprob=None,
+            finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
+            stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=outs)
+
+
+def _prompt_logprobs_json(
+    out: RequestOutput, decode: Callable[[int], str]
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or
+    {token id: {"logprob", "rank", "decoded_token"}} (the prompt's token and the top k)."""
+    res: list[dict[str, Any] | None] = []
+    for pos in out.prompt_logprobs or [None] * len(out.prompt_token_ids):
+        if pos is None:
+            res.append(None)
+            continue
+        res.append(
+            {
+                str(t): {
+                    "logprob": max(p.logprob, -9999.0),
+                    "rank": p.rank,
+                    "decoded_token": p.decoded_token if p.decoded_token is not None else decode(t),
+                }
+                for t, p in pos.items()
+            }
+        )
+    return res
+
+
 def _chat_logprobs(toks: list[_Tok | None]) -> list[dict[str, Any]]:
     def entry(tok: str, lp: float) -> dict[str, Any]:
         return {"token": tok, "logprob": max(lp, -9999.0), "bytes": list(tok.encode("utf-8"))}
@@ -496,7 +638,7 @@ def _chat_logprobs(toks: list[_Tok | None]) -> list[dict[str, Any]]:
     return [
         {**entry(t.token, t.logprob), "top_logprobs": [entry(a, b) for a, b in t.top]}
         for t in toks
-        if t is not None
+        if t is not None and t.logprob is not None
     ]
 
 
@@ -656,6 +798,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(CompletionRequest, await _json_body(request))
     _check_model(engine, req.model)
+    apply_generation_defaults(req, request.app[GEN_DEFAULTS_KEY])
     params = req.to_sampling_params()
     texts = req.prompts()
     _check_limits(request, engine, req, params, len(texts))
@@ -686,29 +829,41 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         if req.logprobs is None:
             return None
         toks: list[_Tok | None] = []
+        as_ids = req.return_tokens_as_token_ids
         if echo:
             plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-            toks += _positions(out.prompt_token_ids, plp, req.logprobs, decode)
+            toks += _positions(out.prompt_token_ids, plp, req.logprobs, decode, as_ids)
         toks += _positions(
-            c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], req.logprobs, decode
+            c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], req.logprobs, decode, as_ids
         )
         return _completion_logprobs(toks, text_start)
 
+    def extras(choice: dict[str, Any], out: RequestOutput, first: bool) -> dict[str, Any]:
+        if req.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = _prompt_logprobs_json(out, decode)
+        return choice
+
     if not req.stream:
-        finals = await _collect(engine, streams, deadline)
+        finals = [
+            _echo_only(o) if req.echo_only else o for o in await _collect(engine, streams, deadline)
+        ]
         choices = []
         for i, out in enumerate(finals):
             assert out is not None
             prefix = echo_text(out) if req.echo else ""
             for c in out.outputs:
                 choices.append(
-                    {
-                        "index": i * n + c.index,
-                        "text": prefix + c.text,
-                        "logprobs": logprobs_of(out, c, 0, req.echo, 0),
-                        "finish_reason": _finish(c),
-                        "stop_reason": c.stop_reason,
-                    }
+                    extras(
+                        {
+                            "index": i * n + c.index,
+                            "text": prefix + c.text,
+                            "logprobs": logprobs_of(out, c, 0, req.echo, 0),
+                            "finish_reason": _finish(c),
+                            "stop_reason": c.stop_reason,
+                        },
+                        out,
+                        True,
+                    )
                 )
         return web.json_response(
             {
@@ -723,7 +878,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
     sse = _SSE(request)
     await sse.start()
-    sent_text: dict[int, int] = {}  # choice index -> chars sent
+    sent_text: dict[int, int] = {}  # choice index -> chars of generated text sent
+    sent_off: dict[int, int] = {}  # choice index -> text_offset of its next token
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
     finals: list[RequestOutput | None] = [None] * len(streams)
@@ -744,6 +900,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     raise APIError(504, "request timed out", "timeout", code="timeout")
                 if out.error:
                     raise _generation_error(out.error)
+                if req.echo_only:
+                    out = _echo_only(out)
                 finals[i] = out
                 for c in out.outputs:
                     idx = i * n + c.index
@@ -760,11 +918,14 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     sent_text[idx], sent_toks[idx] = len(c.text), len(c.token_ids)
                     if fin:
                         done.add(idx)
-                    lp = (
-                        logprobs_of(out, c, k0, first and req.echo, 0)
-                        if req.logprobs is not None
-                        else None
-                    )
+                    # text_offset counts from the start of the choice's whole text (echo
+                    # included): each chunk continues where the last one ended (offsets add
+                    # token lengths, as the whole response's do).
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = logprobs_of(out, c, k0, first and req.echo, sent_off.get(idx, 0))
+                        if lp["tokens"]:
+                            sent_off[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                     choice = {
                         "index": idx,
                         "text": prefix + delta,
@@ -772,7 +933,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                         "finish_reason": fin,
                         "stop_reason": c.stop_reason if fin else None,
                     }
-                    if not await sse.send(chunk([choice])):
+                    body = chunk([extras(choice, out, first)])
+                    if req.continuous_usage:
+                        body["usage"] = _usage(finals, details)
+                    if not await sse.send(body):
                         return sse.resp  # client gone: leaving the loop aborts the requests
         if req.include_usage:
             await sse.send({**chunk([]), "usage": _usage(finals, details)})
@@ -784,24 +948,81 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 # ------------------------------------------------------------------------------- chat
 
 
+def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """Keyword arguments of Tokenizer.chat_prompt for a chat request (tools, continuation,
+    per-request template, chat_template_kwargs)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        kwargs["tools"] = [t.to_dict() for t in req.tools]
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    if req.chat_template is not None:
+        kwargs["chat_template"] = req.chat_template
+    return kwargs
+
+
+def _check_request_template(template: str | None, cfg: ServerConfig) -> None:
+    if template is not None and not cfg.trust_request_chat_template:
+        raise APIError(
+            400,
+            "per-request 'chat_template' is not allowed on this server "
+            "(start it with --trust-request-chat-template)",
+            param="chat_template",
+        )
+
+
 def _chat_prompt(
     engine: AsyncLLM, req: ChatCompletionRequest, allow_special: bool
 ) -> dict[str, Any]:
     """The chat's prompt dict (templated and tokenized: runs on the CPU pool)."""
     messages = [m.to_template_dict() for m in req.messages]
-    kwargs = req.chat_template_kwargs or {}
+    kwargs = _template_kwargs(req)
     text, ids = _render_chat(engine, messages, req.add_generation_prompt, allow_special, **kwargs)
     # The template writes BOS itself: no special tokens added on top.
     return {"prompt": text, "prompt_token_ids": ids}
+
+
+def chat_tool_plan(
+    req: ChatCompletionRequest, params: SamplingParams, cfg: ServerConfig
+) -> tuple[ToolPlan, SamplingParams]:
+    """The request's tool plan (tools/chat.py) and its sampling params adjusted for it: a
+    forced call gets its JSON schema as the structured-output constraint; "auto" keeps
+    special tokens in the text (parsers read markers such as <tool_call>). Also refuses a
+    per-request chat template unless the server trusts them."""
+    _check_request_template(req.chat_template, cfg)
+    try:
+        plan = plan_tools(
+            [t.to_dict() for t in req.tools] if req.tools else None,
+            req.tool_choice,
+            cfg.enable_auto_tool_choice,
+            cfg.tool_call_parser,
+            req.parallel_tool_calls,
+        )
+    except ToolRequestError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    if plan.forced:
+        if params.structured_outputs is not None:
+            raise APIError(
+                400,
+                "a forced tool call ('required' or a named function) cannot be combined with "
+                "response_format or structured outputs",
+                param="tool_choice",
+            )
+        params = dataclasses.replace(params, structured_outputs=plan.structured())
+    elif plan.mode == "auto":
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return plan, params
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(ChatCompletionRequest, await _json_body(request))
     _check_model(engine, req.model)
-    params = req.to_sampling_params()
-    _check_limits(request, engine, req, params, 1)
     cfg = request.app[CONFIG_KEY]
+    apply_generation_defaults(req, request.app[GEN_DEFAULTS_KEY])
+    params = req.to_sampling_params()
+    plan, params = chat_tool_plan(req, params, cfg)
+    _check_limits(request, engine, req, params, 1)
     prompt = await _offload(request, _chat_prompt, engine, req, cfg.allow_special_tokens_in_content)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     _log(request, rid, [prompt], params)
@@ -824,7 +1045,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             return None
         return {
             "content": _chat_logprobs(
-                _positions(c.token_ids[start:], (c.logprobs or [])[start:], k, decode)
+                _positions(
+                    c.token_ids[start:],
+                    (c.logprobs or [])[start:],
+                    k,
+                    decode,
+                    req.return_tokens_as_token_ids,
+                )
             )
         }
 
@@ -832,26 +1059,35 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         finals = await _collect(engine, streams, deadline)
         out = finals[0]
         assert out is not None
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": echo + c.text},
-                "logprobs": lp_of(c, 0),
-                "finish_reason": _finish(c),
-                "stop_reason": c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            content, calls = plan.message(c.text)
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": echo + content if content is not None else (echo or None),
             }
-            for c in out.outputs
-        ]
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": engine.model_name,
-                "choices": choices,
-                "usage": _usage(finals, details),
-            }
-        )
+            if plan.mode != "none":
+                message["tool_calls"] = [tc.to_openai() for tc in calls]
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": lp_of(c, 0),
+                    "finish_reason": plan.finish_reason(_finish(c), bool(calls)),
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        body = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": engine.model_name,
+            "choices": choices,
+            "usage": _usage(finals, details),
+        }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs_json(out, decode)
+        return web.json_response(body)
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -873,6 +1109,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
     final: RequestOutput | None = None
+    tool_streams = {i: plan.streamer() for i in range(params.n)}
     try:
         async with contextlib.aclosing(_merged(engine, streams)) as it:
             async for _, out in it:
@@ -885,22 +1122,29 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                     if c.index in done:
                         continue
                     t0, k0 = sent_text.get(c.index, 0), sent_toks.get(c.index, 0)
-                    delta = c.text[t0:]
                     fin = _finish(c)
                     new_toks = len(c.token_ids) - k0
-                    if not (delta or fin or (new_toks and req.logprobs)):
+                    if not (len(c.text) > t0 or fin or (new_toks and req.logprobs)):
                         continue
+                    ts = tool_streams[c.index]
+                    delta = ts.delta(c.text, fin is not None)
                     sent_text[c.index], sent_toks[c.index] = len(c.text), len(c.token_ids)
                     if fin:
                         done.add(c.index)
+                        fin = plan.finish_reason(fin, ts.n_calls > 0)
+                    elif not (delta or (new_toks and req.logprobs)):
+                        continue  # held back (a tool-call marker may be starting)
                     choice = {
                         "index": c.index,
-                        "delta": {"content": delta} if delta else {},
+                        "delta": delta,
                         "logprobs": lp_of(c, k0),
                         "finish_reason": fin,
                         "stop_reason": c.stop_reason if fin else None,
                     }
-                    if not await sse.send(chunk([choice])):
+                    body = chunk([choice])
+                    if req.continuous_usage:
+                        body["usage"] = _usage([final], details)
+                    if not await sse.send(body):
                         return sse.resp
         if req.include_usage:
             await sse.send({**chunk([]), "usage": _usage([final], details)})
@@ -912,9 +1156,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 # ------------------------------------------------------------------------------- small routes
 
 
-async def list_models(request: web.Request) -> web.Response:
+def _model_card(request: web.Request) -> dict[str, Any]:
     engine = request.app[ENGINE_KEY]
-    card = {
+    return {
         "id": engine.model_name,
         "object": "model",
         "created": int(request.app[STARTED_KEY]),
@@ -923,7 +1167,16 @@ async def list_models(request: web.Request) -> web.Response:
         "root": engine.model_name,
         "max_model_len": engine.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model's card, 404 for any other id."""
+    _check_model(request.app[ENGINE_KEY], request.match_info["model"])
+    return web.json_response(_model_card(request))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -950,16 +1203,23 @@ async def tokenize(request: web.Request) -> web.Response:
     _check_model(engine, req.model)
     tok = engine.tokenizer
     if req.messages is not None:
+        cfg = request.app[CONFIG_KEY]
+        _check_request_template(req.chat_template, cfg)
         messages = [m.to_template_dict() for m in req.messages]
-        allow = request.app[CONFIG_KEY].allow_special_tokens_in_content
+        kwargs = _template_kwargs(req)
+        allow = cfg.allow_special_tokens_in_content
         _, ids = await _offload(
-            request, _render_chat, engine, messages, req.add_generation_prompt, allow
+            request,
+            functools.partial(
+                _render_chat, engine, messages, req.add_generation_prompt, allow, **kwargs
+            ),
         )
     else:
         ids = await _offload(request, tok.encode, req.prompt or "", req.add_special_tokens)
-    return web.json_response(
-        {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
-    )
+    body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+    if req.return_token_strs:
+        body["token_strs"] = [tok.id_to_token(i) for i in ids]
+    return web.json_response(body)
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -1010,9 +1270,13 @@ def build_app(
     """The aiohttp app over `engine`; with `owns_engine` the app's cleanup shuts the engine down."""
     config = config or ServerConfig()
     _quiet_malformed_http()
-    app = web.Application(middlewares=[_errors, _guard], client_max_size=config.max_request_bytes)
+    app = web.Application(
+        middlewares=[_cors, _errors, _guard], client_max_size=config.max_request_bytes
+    )
+    app.on_response_prepare.append(_cors_headers)
     app[ENGINE_KEY] = engine
     app[CONFIG_KEY] = config
+    app[ORIGINS_KEY] = _allowed_origins(config)
     app[KEYS_KEY] = [k.encode("utf-8") for k in config.api_keys()]
     pool = cf.ThreadPoolExecutor(config.cpu_workers, thread_name_prefix="xlaserve-cpu")
     app[POOL_KEY] = pool
@@ -1022,6 +1286,9 @@ def build_app(
 
     app.on_cleanup.append(_stop_pool)
     app[STARTED_KEY] = time.time()
+    model_dir = getattr(getattr(engine, "engine", None), "model_dir", None)
+    app[GEN_DEFAULTS_KEY] = load_generation_defaults(config.generation_config, model_dir)
+    logger.info("%s", describe_generation_defaults(config.generation_config, app[GEN_DEFAULTS_KEY]))
     m = ServerMetrics(lambda: engine.stats, engine.model_name)
     engine.add_finish_listener(m.observe_request)
     if hasattr(engine, "metrics_collector"):  # data parallel: per-replica series (engine/dp.py)
@@ -1030,11 +1297,19 @@ def build_app(
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    from xlaserve.entrypoints.openai import serving_responses  # imports this module
+
+    serving_responses.add_routes(app)
+    if config.runner == "pooling":
+        from xlaserve.entrypoints.openai import serving_pooling
+
+        serving_pooling.add_routes(app, engine, config.pooling_type, config.pooling_normalize)
 
     if owns_engine:
 
@@ -1065,7 +1340,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     """Load the engine and serve until SIGINT/SIGTERM (then stop the engine). With
     `server_config.engine_process` (the default) the engine core runs in its own process;
     if it dies, the server exits with status 1. `api_server_count` > 1: that many front
-    processes share the port (entrypoints/openai/fronts.py)."""
+    processes share the port (entrypoints/openai/fronts.py). `--runner pooling`: one front
+    with the engine in this process (the pooling forward runs on its runner)."""
+    if server_config.runner == "pooling":
+        server_config = dataclasses.replace(server_config, engine_process=False, api_server_count=1)
     n = resolve_api_server_count(engine_config, server_config)
     server_config = dataclasses.replace(server_config, api_server_count=n)
     if n > 1:

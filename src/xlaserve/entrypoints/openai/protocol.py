@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import types
 import typing
@@ -171,6 +172,8 @@ def parse_body(cls: type, body: Any, prefix: str = "") -> Any:
 @dataclass
 class StreamOptions:
     include_usage: bool = False
+    # vLLM extra: usage in every chunk too (with include_usage).
+    continuous_usage_stats: bool = False
 
 
 @dataclass
@@ -208,6 +211,10 @@ class _SamplingFields:
     # xlaserve extras.
     priority: int = 0
     cache_salt: str | None = None
+    # vLLM extras: prompt log-probabilities (top k per prompt position, first None) returned
+    # as `prompt_logprobs`; tokens written "token_id:<id>" in logprobs.
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
     # Guided decoding (vLLM names).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -292,6 +299,12 @@ class _SamplingFields:
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM: include_usage and continuous_usage_stats)."""
+        so = self.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
+
 
 @dataclass
 class CompletionRequest(_SamplingFields):
@@ -310,6 +323,8 @@ class CompletionRequest(_SamplingFields):
             raise ProtocolError("best_of != n is not supported; leave best_of unset", "best_of")
         if self.suffix:
             raise ProtocolError("suffix is not supported", "suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise ProtocolError("max_tokens=0 is only allowed with echo=true", "max_tokens")
         self.prompts()  # validates shape and emptiness
 
     def prompts(self) -> list[str | list[int]]:
@@ -333,7 +348,17 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         # echo + logprobs: the prompt's logprobs are returned too (first position None).
         prompt_lp = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._sampling(self.max_tokens, self.logprobs, prompt_lp)
+        if self.prompt_logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, self.prompt_logprobs)
+        # max_tokens=0 (echo only, scoring clients): the engine samples one token, which the
+        # server drops (`echo_only`).
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self._sampling(max_tokens, self.logprobs, prompt_lp)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo=true with max_tokens=0: the prompt (and its logprobs) and nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 @dataclass
@@ -343,12 +368,64 @@ class TextContentPart:
 
 
 @dataclass
+class FunctionCallBody:
+    name: str
+    arguments: str = "{}"  # JSON text of an object, as OpenAI sends it
+
+
+@dataclass
+class MessageToolCall:
+    """An assistant message's earlier tool call (`messages[i].tool_calls[j]`)."""
+
+    function: FunctionCallBody
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+@dataclass
+class FunctionDefinition:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+@dataclass
+class ToolDefinition:
+    """One entry of `tools`: {"type": "function", "function": {...}}."""
+
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+    def to_dict(self) -> dict[str, Any]:
+        f = self.function
+        fn: dict[str, Any] = {"name": f.name}
+        if f.description is not None:
+            fn["description"] = f.description
+        fn["parameters"] = f.parameters if f.parameters is not None else {"type": "object"}
+        return {"type": "function", "function": fn}
+
+
+@dataclass
 class ChatMessage:
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this result answers
 
     def __post_init__(self) -> None:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ProtocolError("only assistant messages may carry 'tool_calls'", "messages")
+        for tc in self.tool_calls or []:
+            try:
+                args = json.loads(tc.function.arguments)
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise ProtocolError(
+                    "'tool_calls[].function.arguments' must be JSON text of an object", "messages"
+                )
         if isinstance(self.content, list):
             for part in self.content:
                 if part.type != "text":
@@ -369,6 +446,22 @@ class ChatMessage:
         d: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls:
+            # Templates index arguments as a mapping (`tool_call.arguments | tojson`, `.items()`):
+            # they get the decoded object, as vLLM and transformers pass them.
+            d["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {
+                        "name": tc.function.name,
+                        "arguments": json.loads(tc.function.arguments),
+                    },
+                }
+                for tc in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
 
 
@@ -384,11 +477,32 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM extra: prepend the last message's content when it is the assistant's
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling: "none" | "auto" | "required" | {"type": "function", "function": {"name"}};
+    # unset means "auto" when tools are given, else "none" (as OpenAI and vLLM).
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras: end the prompt inside the last (assistant) message so the model continues
+    # it; a per-request template (only with --trust-request-chat-template).
+    continue_final_message: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         self._check_common()
         if not self.messages:
             raise ProtocolError("'messages' must be a non-empty array", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError(
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                "(set add_generation_prompt to false)",
+                "continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ProtocolError(
+                "'continue_final_message' needs the last message to be the assistant's",
+                "continue_final_message",
+            )
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {})
@@ -397,6 +511,45 @@ class ChatCompletionRequest(_SamplingFields):
                 f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs"
             )
 
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if self.tools is not None and not self.tools:
+            raise ProtocolError("'tools' must not be empty (leave it out)", "tools")
+        if len(set(names)) != len(names):
+            raise ProtocolError("'tools' has two functions of the same name", "tools")
+        tc = self.tool_choice
+        if tc is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        elif isinstance(tc, str):
+            if tc not in ("none", "auto", "required"):
+                raise ProtocolError(
+                    "'tool_choice' must be 'none', 'auto', 'required' or "
+                    '{"type": "function", "function": {"name": ...}}',
+                    "tool_choice",
+                )
+            if tc != "none" and not self.tools:
+                raise ProtocolError(f"'tool_choice' {tc!r} needs 'tools'", "tool_choice")
+        else:
+            fn = tc.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if tc.get("type") != "function" or not isinstance(name, str):
+                raise ProtocolError(
+                    "'tool_choice' object must be "
+                    '{"type": "function", "function": {"name": ...}}',
+                    "tool_choice",
+                )
+            if name not in names:
+                raise ProtocolError(
+                    f"'tool_choice' names function {name!r}, which is not in 'tools'",
+                    "tool_choice",
+                )
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function `tool_choice` forces, if it names one."""
+        tc = self.tool_choice
+        return tc["function"]["name"] if isinstance(tc, dict) else None
+
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = (
             self.max_completion_tokens
@@ -404,7 +557,7 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, None)
+        return self._sampling(max_tokens, logprobs, self.prompt_logprobs)
 
 
 @dataclass
@@ -416,10 +569,27 @@ class TokenizeRequest:
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # Chat form only, as in /v1/chat/completions (vLLM's tokenize takes them too).
+    tools: list[ToolDefinition] | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # vLLM extra: also each token's string (`token_strs`)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ProtocolError("give exactly one of 'prompt' or 'messages'", "prompt")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError(
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                "(set add_generation_prompt to false)",
+                "continue_final_message",
+            )
+        reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise ProtocolError(
+                f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs"
+            )
 
 
 @dataclass
