@@ -41,7 +41,7 @@ class ModelConfig:
     max_model_len: int | None = None
     # Global seed for the engine's random state (per-request seeds override).
     seed: int = 0
-    # Name reported by the server; None = the model path's basename.
+    # Name the server reports and accepts as `model`; None = the model argument as given (vLLM).
     served_model_name: str | None = None
     # Hub revision, used only when downloading.
     revision: str | None = None
@@ -478,6 +478,10 @@ class ServerConfig:
     # Per-request timeout in seconds (None = none).
     request_timeout: float | None = None
     log_requests: bool = False
+    # No periodic stats line (throughput, running/waiting, KV cache usage, prefix-cache hits).
+    disable_log_stats: bool = False
+    # Seconds between two stats lines (only intervals with work log one).
+    log_stats_interval: float = 10.0
     # Most sequences one request may start: prompts x n (400 beyond).
     max_sequences_per_request: int = 256
     # Most logprobs one response may carry per position: prompts x n x (top) logprobs.
@@ -511,6 +515,8 @@ class ServerConfig:
             "cpu_workers",
         ):
             _check(getattr(self, name) > 0, f"{name} must be positive")
+        _check(self.log_stats_interval > 0, "log_stats_interval must be positive")
+        _check(1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}")
         n = self.api_server_count
         _check(n is None or n >= 1, "api_server_count must be >= 1")
         _check(

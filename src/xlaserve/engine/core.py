@@ -91,9 +91,8 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     model_dir = resolve_model_dir(mc.model, mc.revision, config.load.download_dir)
     spec = build_spec(model_dir)
     tokenizer = Tokenizer.from_dir(mc.tokenizer or model_dir)
-    model_name = mc.served_model_name or (
-        mc.model.rstrip("/").split("/")[-1] if mc.model else "demo-kjv"
-    )
+    # vLLM's rule: the model argument as the user gave it (a hub id stays "org/name").
+    model_name = mc.served_model_name or mc.model or "demo-kjv"
     max_model_len = mc.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings and spec.rope_scaling is None:
         raise ValueError(

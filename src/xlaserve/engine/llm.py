@@ -31,6 +31,9 @@ class LLM:
     def __init__(
         self, model: str | None = None, engine_process: bool = False, **kwargs: Any
     ) -> None:
+        from xlaserve.logger import configure_logging
+
+        configure_logging()  # XLASERVE_LOGGING_LEVEL covers offline use too
         # Offline batches take the platform's larger step budget unless the caller sets one.
         seqs, tokens = default_batch_limits(
             current_platform, offline=True, backend=kwargs.get("backend", "auto")
