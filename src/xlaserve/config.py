@@ -49,6 +49,12 @@ class ModelConfig:
     trust_remote_code: bool = False
     # Weight quantization: None, "int8", "int4", "fp8".
     quantization: str | None = None
+    # Chat template (Jinja text, or the path of a file holding it) used instead of the
+    # tokenizer's own; None = the tokenizer's.
+    chat_template: str | None = None
+    # Most logprobs (and prompt_logprobs) a request may ask for per position; at most 20 (the
+    # top-k both samplers compute).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -59,6 +65,10 @@ class ModelConfig:
         _check(
             not self.trust_remote_code,
             "trust_remote_code is not supported: xlaserve never runs code shipped with a model",
+        )
+        _check(
+            0 <= self.max_logprobs <= 20,
+            f"max_logprobs must be in [0, 20], got {self.max_logprobs}",
         )
         _check(
             self.quantization in (None, "int8", "int4", "fp8"),

@@ -83,6 +83,8 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: list[int]
     backend: str
+    # Most logprobs a request may ask for per position (ModelConfig.max_logprobs).
+    max_logprobs: int = 20
 
 
 def load_model_info(config: EngineConfig) -> ModelInfo:
@@ -115,7 +117,11 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
                     f"backend={backend_names(able)} or the safetensors directory"
                 )
             backend = able[0]
-    return ModelInfo(model_dir, spec, tokenizer, model_name, max_model_len, eos, backend)
+    if mc.chat_template is not None:
+        tokenizer.set_chat_template(mc.chat_template)
+    return ModelInfo(
+        model_dir, spec, tokenizer, model_name, max_model_len, eos, backend, mc.max_logprobs
+    )
 
 
 @dataclass
