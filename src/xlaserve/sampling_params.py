@@ -74,6 +74,27 @@ class StructuredOutputsParams:
         return ("grammar", self.grammar or "")
 
 
+@dataclass
+class BeamSearchParams:
+    """`LLM.beam_search` parameters (vLLM's names). Beams are ranked by
+    cum_logprob / generated_len ** length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each RequestOutput of a request carries (vLLM's enum, same names)."""
 

@@ -54,6 +54,21 @@ class _ChatTemplate:
             raise ValueError(f"chat template failed to render: {e}") from e
 
 
+def load_chat_template(template: str) -> str:
+    """A chat template given as Jinja text or as the path of a file holding it (`--chat-template`,
+    vLLM's rule). ValueError for a path that does not exist or a file that cannot be read."""
+    path = os.path.expanduser(template)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"chat template {template!r}: cannot read it: {e}") from None
+    if "{" not in template and ("/" in template or template.endswith((".jinja", ".j2"))):
+        raise ValueError(f"chat template file {template!r} does not exist")
+    return template
+
+
 class Tokenizer:
     def __init__(self, tokenizer: Any, config: dict[str, Any]) -> None:
         self._tok = tokenizer
@@ -139,19 +154,57 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the model's chat template (`serve --chat-template`): `template` is a Jinja
+        template or the path of a file holding one."""
+        self._chat_template = _ChatTemplate(load_chat_template(template))
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Render messages ({"role", "content"}) with the tokenizer's template."""
-        if self._chat_template is None:
+        """Render messages ({"role", "content"}) with the tokenizer's template (or
+        `chat_template`, a template or a file path, for this call). `tools` is passed to the
+        template as `tools`; extra `kwargs` too (chat_template_kwargs). `continue_final_message`:
+        the last message is left open (the text ends with its content, no end-of-turn), for the
+        model to continue it; it excludes `add_generation_prompt`."""
+        template = (
+            _ChatTemplate(load_chat_template(chat_template)) if chat_template else None
+        ) or self._chat_template
+        if template is None:
             raise ValueError("this model's tokenizer has no chat template; use completions instead")
-        return self._chat_template.render(
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt exclude each other"
+                )
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ValueError("continue_final_message needs a last message with text content")
+        if tools is not None:
+            kwargs["tools"] = tools
+        text = template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        if continue_final_message:
+            final = messages[-1]["content"]
+            cut = text.rfind(final) if final else -1
+            if cut < 0:
+                raise ValueError(
+                    "continue_final_message: the last message is empty or the template did not "
+                    "write it"
+                )
+            text = text[: cut + len(final)]
+        return text
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` with special-token text ("<|im_start|>") read as ordinary text:
