@@ -488,6 +488,11 @@ class ServerConfig:
     # Per-request timeout in seconds (None = none).
     request_timeout: float | None = None
     log_requests: bool = False
+    # TLS: serve HTTPS with this private key and certificate (PEM files); both or neither.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    # CA certificates (PEM): clients must then present a certificate signed by one of them.
+    ssl_ca_certs: str | None = None
     # No periodic stats line (throughput, running/waiting, KV cache usage, prefix-cache hits).
     disable_log_stats: bool = False
     # Seconds between two stats lines (only intervals with work log one).
@@ -526,6 +531,14 @@ class ServerConfig:
         ):
             _check(getattr(self, name) > 0, f"{name} must be positive")
         _check(self.log_stats_interval > 0, "log_stats_interval must be positive")
+        _check(
+            (self.ssl_keyfile is None) == (self.ssl_certfile is None),
+            "ssl_keyfile and ssl_certfile go together (give both for HTTPS)",
+        )
+        _check(
+            self.ssl_ca_certs is None or self.ssl_certfile is not None,
+            "ssl_ca_certs needs ssl_keyfile and ssl_certfile",
+        )
         _check(1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}")
         n = self.api_server_count
         _check(n is None or n >= 1, "api_server_count must be >= 1")
@@ -533,6 +546,23 @@ class ServerConfig:
             n is None or n == 1 or self.engine_process,
             "api_server_count > 1 needs the engine core in its own process (--engine-process)",
         )
+
+    def ssl_context(self) -> Any:  # noqa: ANN401 - ssl.SSLContext or None
+        """The server's TLS context (None without ssl_certfile). ValueError when a file is
+        missing or the key does not match the certificate."""
+        if self.ssl_certfile is None:
+            return None
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+            if self.ssl_ca_certs:
+                ctx.load_verify_locations(self.ssl_ca_certs)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"TLS set-up failed (--ssl-keyfile/--ssl-certfile): {e}") from None
+        return ctx
 
     def api_keys(self) -> list[str]:
         """Every accepted key: api_key (one or a list) plus api_key_file's lines. Raises

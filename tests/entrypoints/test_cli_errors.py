@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -155,3 +156,67 @@ def test_serve_names_the_model_as_given_and_logs_after_bind(model_path: str) -> 
     assert "Traceback" not in out
     assert "Avg prompt throughput:" in out and "Prefix cache hit rate:" in out
     assert '"POST /v1/completions HTTP/1.1" 200' in out  # the access log (--enable-log-requests)
+
+
+def test_config_file_errors_are_one_line(tmp_path) -> None:  # noqa: ANN001
+    bad_key = tmp_path / "a.yaml"
+    bad_key.write_text("max-num-seqs: 4\nno-such-flag: 1\n")
+    _one_error_line(_run("serve", "--config", str(bad_key)), 2, "unknown option", "no-such-flag")
+    bad_yaml = tmp_path / "b.yaml"
+    bad_yaml.write_text("port: [1,\n")
+    _one_error_line(_run("serve", "--config", str(bad_yaml)), 2, "not valid YAML")
+    _one_error_line(_run("serve", "--config", str(tmp_path / "none.yaml")), 2, "--config")
+    bad_value = tmp_path / "c.yaml"
+    bad_value.write_text("max-num-seqs: 0\n")
+    _one_error_line(_run("serve", "--config", str(bad_value)), 2, "max_num_seqs must be positive")
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:  # noqa: ANN001
+    """(key, cert) PEM files of a throwaway certificate for 127.0.0.1 (openssl CLI)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out",
+         cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return key, cert
+
+
+def test_ssl_from_a_config_file(model_path: str, tmp_path) -> None:  # noqa: ANN001
+    key, cert = _self_signed(tmp_path)
+    # A certificate is no private key: refused before anything loads.
+    _one_error_line(_run("serve", "--ssl-keyfile", cert, "--ssl-certfile", cert), 2, "TLS")
+    _one_error_line(_run("serve", "--ssl-certfile", cert), 2, "ssl_keyfile and ssl_certfile")
+    port = serve_proc._free_port()
+    conf = tmp_path / "serve.yaml"
+    conf.write_text(
+        f"model: {model_path}\nport: {port}\nssl-keyfile: {key}\nssl-certfile: {cert}\n"
+        "served-model-name: from-yaml\nbackend: torch\ndtype: float32\nblock-size: 4\n"
+        "num-kv-blocks: 64\nengine-process: false\nmax-num-seqs: 4\n"
+        "max-num-batched-tokens: 64\n"
+    )
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--config", str(conf)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    ctx = ssl.create_default_context(cafile=cert)
+    try:
+        end = time.monotonic() + TIMEOUT_S
+        models = None
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                url = f"https://127.0.0.1:{port}/v1/models"
+                with urllib.request.urlopen(url, timeout=5, context=ctx) as r:
+                    models = json.load(r)
+                    break
+            except OSError:
+                time.sleep(0.2)
+        assert models is not None, "server did not come up"
+        assert [m["id"] for m in models["data"]] == ["from-yaml"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert f"serving from-yaml on https://127.0.0.1:{port}" in out

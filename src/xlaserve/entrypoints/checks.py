@@ -108,7 +108,11 @@ def _check_weights(model_dir: str, load_format: str, orbax: bool) -> None:
 
 
 def check_serve(engine_config: EngineConfig, server_config: ServerConfig) -> ModelCheck:
-    """Every check `xlaserve serve` runs before loading: the port, then the model."""
+    """Every check `xlaserve serve` runs before loading: TLS files, the port, then the model."""
+    try:
+        server_config.ssl_context()
+    except ValueError as e:
+        raise StartupError(str(e), exit_code=2) from None
     check_port(
         server_config.host,
         server_config.port,

@@ -75,6 +75,8 @@ _EXTRA_HELP = {
     "several keys. A key on the command line shows in `ps`: prefer --api-key-file or "
     "XLASERVE_API_KEY (several keys: separated by spaces).",
     ("server", "request_timeout"): "Per-request timeout in seconds (504 past it).",
+    ("model", "max_logprobs"): "Most logprobs / prompt_logprobs per position a request may ask "
+    "for (at most 20).",
     ("server", "log_requests"): "Log each request (its prompt and sampling parameters) and the "
     "HTTP access log (one line per request). Off by default.",
 }
@@ -335,8 +337,74 @@ def main() -> None:
 # ------------------------------------------------------------------------------- serve
 
 
+def _load_config_file(ctx: click.Context, _param: click.Parameter, path: str | None) -> None:
+    """`--config FILE` (vLLM's): a YAML (or JSON) mapping of flag names to values, e.g.
+    `max-num-seqs: 32` or `model: /models/x`; the values become the flags' defaults, so a flag
+    given on the command line (or its XLASERVE_ variable) still wins."""
+    if path is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise _StartupFailure(f"--config {path}: {e.strerror or e}", exit_code=2) from None
+    try:
+        if path.endswith(".json"):
+            import json
+
+            data = json.loads(text)
+        else:
+            try:
+                import yaml
+            except ImportError:
+                raise _StartupFailure(
+                    "--config FILE.yaml needs PyYAML (pip install pyyaml), or give a .json file",
+                    exit_code=2,
+                ) from None
+            data = yaml.safe_load(text)
+    except ValueError as e:  # json.JSONDecodeError
+        raise _StartupFailure(f"--config {path}: not valid JSON: {e}", exit_code=2) from None
+    except Exception as e:  # yaml.YAMLError: yaml is imported lazily
+        if type(e).__module__.startswith("yaml"):
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise _StartupFailure(f"--config {path}: not valid YAML: {first}", 2) from None
+        raise
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _StartupFailure(f"--config {path}: must hold a mapping of flag: value", 2)
+    names = {p.name for p in ctx.command.params if p.name}
+    mapping: dict[str, Any] = {}
+    unknown = []
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in names or name == "config":
+            unknown.append(str(key))
+        else:
+            mapping[name] = value
+    if unknown:
+        raise _StartupFailure(
+            f"--config {path}: unknown option(s): {', '.join(sorted(unknown))}", exit_code=2
+        )
+    ctx.default_map = {**(ctx.default_map or {}), **mapping}
+
+
+def _config_file_option(fn: Callable) -> Callable:
+    return click.option(
+        "--config",
+        type=click.Path(dir_okay=False),
+        default=None,
+        is_eager=True,  # read first: its values are the other flags' defaults
+        expose_value=False,
+        callback=_load_config_file,
+        help="YAML (or .json) file of flag: value pairs (e.g. 'max-num-seqs: 32'); flags on "
+        "the command line win over it.",
+    )(fn)
+
+
 @main.command(cls=_GroupedCommand)
 @click.argument("model", required=False, envvar="XLASERVE_MODEL")
+@_config_file_option
 @_config_options(_ENGINE_SECTIONS | {"server"})
 @click.pass_context
 def serve(ctx: click.Context, model: str | None, **_: Any) -> None:

@@ -1126,11 +1126,13 @@ def serve_engine(engine: Any, server_config: ServerConfig, reuse_port: bool = Fa
     app.on_startup.append(_start_watch)
     app.on_shutdown.append(_stop_watch)
     host, port = server_config.host, server_config.port
+    ssl_context = server_config.ssl_context()  # None: plain HTTP
+    scheme = "https" if ssl_context is not None else "http"
 
     def _listening(msg: str) -> None:
         # run_app prints once its sites are bound: only then is the server reachable.
         if msg.startswith("======== Running on"):
-            logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
+            logger.info("serving %s on %s://%s:%d", engine.model_name, scheme, host, port)
         else:
             logger.debug("%s", msg)
 
@@ -1140,6 +1142,7 @@ def serve_engine(engine: Any, server_config: ServerConfig, reuse_port: bool = Fa
             host=host,
             port=port,
             reuse_port=reuse_port or None,
+            ssl_context=ssl_context,
             # handler_cancellation: a client that disconnects cancels its handler -> abort;
             # auto_decompress off: bodies are inflated on the CPU pool, bounded (see _inflate).
             **RUNNER_KWARGS,
