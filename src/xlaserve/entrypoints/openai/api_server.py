@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 import zlib
@@ -1120,6 +1121,12 @@ def serve_engine(engine: Any, server_config: ServerConfig, reuse_port: bool = Fa
             watch.append(asyncio.get_running_loop().create_task(_log_stats(app)))
 
     async def _stop_watch(app: web.Application) -> None:
+        # Stopping: a repeated SIGTERM (a supervisor signalling the process and then its group)
+        # must not interrupt the engine's shutdown half-way (tensor-parallel workers would be
+        # left mid-collective and the stop would end in tracebacks).
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for t in watch:
             t.cancel()
 
