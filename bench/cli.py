@@ -271,11 +271,27 @@ def _engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+def _check_model(model: str | None, load_format: str | None) -> None:
+    """The model directory is readable (config, known architecture, weights) before anything
+    loads: one `Error:` line otherwise (as `xlaserve serve`)."""
+    from xlaserve.config import EngineConfig, LoadConfig, ModelConfig
+    from xlaserve.entrypoints.checks import StartupError, check_model
+
+    try:
+        config = EngineConfig(
+            model=ModelConfig(model=model), load=LoadConfig(load_format=load_format or "auto")
+        )
+        check_model(config)
+    except (StartupError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 def _split(kw: dict[str, Any], stem: str = "bench") -> tuple[str | None, dict[str, Any]]:
     """(model, the runner's keyword arguments): the CLI-only flags resolved and removed."""
     kw.pop("dataset_name", None)
     kw["output_json"] = _result_path(kw, stem)
     model = kw.pop("model")
+    _check_model(model, kw.get("load_format"))
     if kw.get("enforce_eager") is False:
         kw["enforce_eager"] = None
     return model, kw

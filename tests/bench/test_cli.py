@@ -94,3 +94,13 @@ def test_throughput_saves_results_and_shows_progress(tmp_path) -> None:  # noqa:
     assert "Processed prompts" in r.output  # LLM.generate's tqdm bar (stderr is mixed in)
     r = CliRunner().invoke(bench, [*args[:-1], "q.json", "--disable-tqdm"])
     assert r.exit_code == 0 and "Processed prompts" not in r.output
+
+
+def test_offline_bench_checks_the_model_first(tmp_path) -> None:  # noqa: ANN001
+    from xlaserve.bench.cli import bench
+
+    r = CliRunner().invoke(bench, ["throughput", "--model", str(tmp_path / "none")])
+    assert r.exit_code == 1 and r.output.startswith("Error: ") and "does not exist" in r.output
+    assert r.output.count("\n") == 1
+    r = CliRunner().invoke(bench, ["latency", "--model", str(tmp_path)])  # no config.json
+    assert r.exit_code == 1 and "config.json" in r.output
