@@ -17,9 +17,9 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def logging_level() -> int:
-    """The level `XLASERVE_LOGGING_LEVEL` names (INFO when unset). ValueError when unknown."""
-    raw = os.environ.get(LEVEL_ENV, "INFO").strip().upper() or "INFO"
+def logging_level(default: str = "INFO") -> int:
+    """The level `XLASERVE_LOGGING_LEVEL` names (`default` when unset). ValueError when unknown."""
+    raw = os.environ.get(LEVEL_ENV, default).strip().upper() or default
     if raw not in _LEVELS:
         raise ValueError(f"{LEVEL_ENV} must be one of {', '.join(_LEVELS)}, got {raw!r}")
     return getattr(logging, raw)
@@ -33,8 +33,8 @@ def debug_enabled() -> bool:
         return False
 
 
-def configure_logging(root: bool = False) -> int:
-    """Apply `XLASERVE_LOGGING_LEVEL`; returns the level.
+def configure_logging(root: bool = False, default: str = "INFO") -> int:
+    """Apply `XLASERVE_LOGGING_LEVEL` (`default` when unset); returns the level.
 
     `root=True` (the CLI, which owns the process): the root logger gets the handler, so aiohttp's
     access log shows too. `root=False` (offline `LLM`): only the `xlaserve` logger gets a stderr
@@ -42,7 +42,7 @@ def configure_logging(root: bool = False) -> int:
     logging keeps its own)."""
     if os.environ.get("XLASERVE_CONFIGURE_LOGGING", "1") == "0":
         return logging.getLogger("xlaserve").getEffectiveLevel()
-    level = logging_level()
+    level = logging_level(default)
     pkg = logging.getLogger("xlaserve")
     pkg.setLevel(level)
     if root:

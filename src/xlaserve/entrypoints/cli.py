@@ -428,12 +428,13 @@ def serve(ctx: click.Context, model: str | None, **_: Any) -> None:
     run_server(engine_config, server_config)
 
 
-def _setup_logging() -> None:
-    """XLASERVE_LOGGING_LEVEL for the whole process (a bad value is a usage error)."""
+def _setup_logging(default: str = "INFO") -> None:
+    """XLASERVE_LOGGING_LEVEL for the whole process (a bad value is a usage error); `default`
+    when it is unset (generate / chat: WARNING, so log lines do not interleave the text)."""
     from xlaserve.logger import configure_logging
 
     try:
-        configure_logging(root=True)
+        configure_logging(root=True, default=default)
     except ValueError as e:
         raise _StartupFailure(str(e), exit_code=2) from None
 
@@ -485,7 +486,7 @@ def _make_params(max_tokens: int, temperature: float, top_p: float) -> Any:
 
 def _make_engine(ctx: click.Context, model: str | None) -> Any:
     config = _engine_config(ctx, model)
-    _setup_logging()
+    _setup_logging(default="WARNING")
     from xlaserve.entrypoints.checks import check_model
 
     check_model(config)  # a missing directory, unknown architecture or no weights: one line
