@@ -1,7 +1,7 @@
 """On-device sampling implementing SamplingParams in the order its docstring fixes:
 
 1. logit_bias (added); min_tokens (stop/EOS ids -> -inf while fewer outputs than min_tokens);
-   structured-output bitmask (disallowed -> -inf)
+   bad_words, allowed_token_ids, logits_processors; structured-output bitmask (disallowed -> -inf)
 2. repetition_penalty (prompt + output tokens), frequency_penalty, presence_penalty (output tokens)
 3. greedy argmax when temperature == 0; else / temperature, top_k, top_p, min_p, then sample with
    the request's generator (seeded per request when `seed` is set, else the sampler's generator).
@@ -51,6 +51,7 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     return (
         params.greedy
         and not params.logit_bias
+        and not params.has_token_constraints
         and not params.needs_penalties
         and params.logprobs is None
     )
@@ -74,6 +75,7 @@ def deferrable_step(params: SamplingParams, num_output: int, has_bitmask: bool) 
         has_bitmask
         or p.needs_penalties
         or p.logit_bias
+        or p.has_token_constraints  # bad_words / processors read the output tokens
         or p.logprobs is not None
         or p.masks_stop_tokens(num_output)
     )
@@ -187,6 +189,16 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             stop = [t for t in p.all_stop_token_ids() if 0 <= t < vocab]
             if stop:
                 logits[i, stop] = float("-inf")
+        if p.has_token_constraints:  # bad_words, allowed_token_ids, logits_processors
+            banned = [t for t in p.banned_token_ids(r.output_ids) if 0 <= t < vocab]
+            if banned:
+                logits[i, banned] = float("-inf")
+            off = p.disallowed_mask(vocab)
+            if off is not None:
+                logits[i].masked_fill_(torch.from_numpy(off).to(logits.device), float("-inf"))
+            if p.logits_processors:
+                row = p.run_logits_processors(r.prompt_ids, r.output_ids, logits[i].clone())
+                logits[i] = row.to(logits.dtype)
     masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
     if masked:
         # One packed [B, W] array (all bits set = any token for unmasked rows), one unpack and
@@ -515,11 +527,13 @@ def sample_requests(
                     f"req {rid}: grammar bitmask has {mask.shape[0]} rows for {1 + len(ds)} "
                     "scored positions (need one row per position)"
                 )
-        # The sampler reads prompt/output tokens only for penalties (output: also its length
-        # for min_tokens): skip the copies otherwise.
+        # The sampler reads prompt/output tokens only for penalties and logits processors
+        # (output: also for min_tokens and bad_words): skip the copies otherwise.
         p = st.params
-        prompt = st.token_ids[: st.num_prompt_tokens] if p.needs_penalties else []
-        output = st.output_ids if p.needs_penalties or p.min_tokens else []
+        procs = bool(p.logits_processors)
+        prompt = st.token_ids[: st.num_prompt_tokens] if p.needs_penalties or procs else []
+        history = p.needs_penalties or p.min_tokens or p.has_token_constraints
+        output = st.output_ids if history else []
         for i in range(1 + len(ds)):
             rows.append(
                 SamplingRow(

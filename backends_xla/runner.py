@@ -450,12 +450,14 @@ class XlaModelRunner(RunnerCore):
 
     def _deferrable(self, rows: list[_ReqState | None]) -> bool:
         """Tokens may stay on the device: nothing this step reads them on the host (no draft
-        model, no prompt logprobs, no penalties whose counts the host keeps)."""
+        model, no prompt logprobs, no penalties whose counts the host keeps, no bad_words)."""
         if self.draft is not None:
             return False
         for r in rows:
             if r is not None and (
-                r.output_counts is not None or r.params.prompt_logprobs is not None
+                r.output_counts is not None
+                or r.params.prompt_logprobs is not None
+                or r.params.bad_words_token_ids  # the next step matches the real last tokens
             ):
                 return False
         return True

@@ -362,6 +362,13 @@ def sampling_host(
         if n_out < p.min_tokens:
             stop = [t for t in p.all_stop_token_ids() if 0 <= t < v]
             h["bias"][i, stop] = -np.inf
+        if p.has_token_constraints:  # bad_words, allowed_token_ids (processors: torch only)
+            out_ids = r.output_ids + (prefixes[i] if prefixes is not None else [])
+            banned = [t for t in p.banned_token_ids(out_ids) if 0 <= t < v]
+            h["bias"][i, banned] = -np.inf
+            off = p.disallowed_mask(v)
+            if off is not None:
+                h["bias"][i, off] = -np.inf
         if req_ids[i] in bitmasks:
             w = h["bitmask"].shape[1]
             mask = np.asarray(bitmasks[req_ids[i]], np.int32).reshape(-1, w)
@@ -383,7 +390,10 @@ def sampling_host(
             del h["output_counts"], h["prompt_mask"]
         pos = positions if positions is not None else [0] * len(rows)
         if not any(
-            r.params.logit_bias or r.num_output + pos[i] < r.params.min_tokens for i, r in live
+            r.params.logit_bias
+            or r.params.has_token_constraints
+            or r.num_output + pos[i] < r.params.min_tokens
+            for i, r in live
         ):
             del h["bias"]
     return h
@@ -395,7 +405,11 @@ def needs_extras(r: ReqState | None, rid: str, bitmasks: dict) -> bool:
         return False
     p = r.params
     return bool(
-        p.logit_bias or p.needs_penalties or rid in bitmasks or p.masks_stop_tokens(r.num_output)
+        p.logit_bias
+        or p.has_token_constraints
+        or p.needs_penalties
+        or rid in bitmasks
+        or p.masks_stop_tokens(r.num_output)
     )
 
 

@@ -75,9 +75,12 @@ def run_throughput(
     warmup: bool = True,
     output_json: str | None = None,
     echo: Echo = print,
+    use_tqdm: bool = False,
     **engine_kwargs: Any,
 ) -> dict[str, Any]:
-    """Time one `LLM.generate` over `num_prompts` requests; tokens/s in, out and total."""
+    """Time one `LLM.generate` over `num_prompts` requests; tokens/s in, out and total.
+    `use_tqdm`: LLM.generate's progress bar during the timed run (`bench throughput` shows it
+    unless --disable-tqdm)."""
     t0 = time.perf_counter()
     llm = make_llm(model, seed=seed, **engine_kwargs)
     load_s = time.perf_counter() - t0
@@ -89,7 +92,7 @@ def run_throughput(
         if warmup:
             llm.generate(prompts[:1], _sampling(min(output_len, 4), temperature), use_tqdm=False)
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         elapsed = time.perf_counter() - start
     finally:
         _shutdown(llm)

@@ -91,3 +91,17 @@ def test_every_package_folder_is_listed() -> None:
                 rel = os.path.relpath(dirpath, os.path.join(ROOT, folder))
                 found.add(pkg if rel == "." else pkg + "." + rel.replace(os.sep, "."))
     assert found - listed == set(), f"add to pyproject packages: {sorted(found - listed)}"
+
+
+def test_build_has_no_setuptools_warnings(tmp_path) -> None:
+    """No deprecation (license table) or packaging (a data folder missing from `packages`)
+    warnings while building the wheel."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), ROOT],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = r.stdout + r.stderr
+    for marker in ("DeprecationWarning", "BuildBackendWarning", "is absent from the `packages`"):
+        assert marker not in log, [ln for ln in log.splitlines() if marker in ln][:5]

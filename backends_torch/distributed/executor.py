@@ -16,9 +16,12 @@ returned to the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
+import sys
 import time
 import traceback
 from typing import Any
@@ -116,7 +119,13 @@ def _worker_main(
     spec: ModelSpec,
 ) -> None:
     """Ranks 1..tp-1 of the mp executor: receive each call from rank 0, run it, until shutdown.
-    Any error ends the process (rank 0 then fails its next collective and reports it)."""
+    Any error ends the process (rank 0 then fails its next collective and reports it).
+
+    Signals: a worker ignores SIGINT and SIGTERM, which a terminal's Ctrl-C or a service
+    manager's stop sends to the whole process group: rank 0 stops it (the shutdown broadcast,
+    then SIGKILL if it hangs), so the group's stop ends without a gloo "connection reset"
+    traceback. It dies with rank 0 (PR_SET_PDEATHSIG, SIGKILL)."""
+    _quiet_worker_signals()
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -134,10 +143,32 @@ def _worker_main(
                 runner.shutdown()
                 break
             run_command(runner, method, args)
-    except BaseException:  # noqa: BLE001 - report, then die so rank 0 notices
+    except BaseException as e:  # noqa: BLE001 - report, then die so rank 0 notices
+        if _peer_gone(e):  # rank 0 exited first (it was killed): nothing to report
+            logger.warning("tensor-parallel rank %d: rank 0 went away; exiting", rank)
+            os._exit(1)
         traceback.print_exc()
         os._exit(1)
     ps.destroy_tensor_parallel()
+
+
+def _quiet_worker_signals() -> None:
+    """Ignore SIGINT/SIGTERM; SIGKILL this process when its parent (rank 0) dies (Linux)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PDEATHSIG
+
+
+def _peer_gone(e: BaseException) -> bool:
+    """A collective failed because the other end closed its connection (gloo / TCPStore)."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        m in text for m in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    )
 
 
 class MultiprocExecutor:
@@ -234,7 +265,7 @@ class MultiprocExecutor:
     def _kill_workers(self) -> None:
         for p in self.workers:
             if p.is_alive():
-                p.terminate()
+                p.kill()  # workers ignore SIGTERM (see _worker_main)
                 p.join(timeout=5)
         self.workers = []
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from xlaserve.outputs import CompletionOutput, Logprob, RequestOutput
-from xlaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from xlaserve.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 
@@ -18,6 +23,8 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "SamplingParams",
+    "RequestOutputKind",
+    "BeamSearchParams",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",

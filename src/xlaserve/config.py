@@ -41,7 +41,7 @@ class ModelConfig:
     max_model_len: int | None = None
     # Global seed for the engine's random state (per-request seeds override).
     seed: int = 0
-    # Name reported by the server; None = the model path's basename.
+    # Name the server reports and accepts as `model`; None = the model argument as given (vLLM).
     served_model_name: str | None = None
     # Hub revision, used only when downloading.
     revision: str | None = None
@@ -49,6 +49,12 @@ class ModelConfig:
     trust_remote_code: bool = False
     # Weight quantization: None, "int8", "int4", "fp8".
     quantization: str | None = None
+    # Chat template (Jinja text, or the path of a file holding it) used instead of the
+    # tokenizer's own; None = the tokenizer's.
+    chat_template: str | None = None
+    # Most logprobs (and prompt_logprobs) a request may ask for per position; at most 20 (the
+    # top-k both samplers compute).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -59,6 +65,10 @@ class ModelConfig:
         _check(
             not self.trust_remote_code,
             "trust_remote_code is not supported: xlaserve never runs code shipped with a model",
+        )
+        _check(
+            0 <= self.max_logprobs <= 20,
+            f"max_logprobs must be in [0, 20], got {self.max_logprobs}",
         )
         _check(
             self.quantization in (None, "int8", "int4", "fp8"),
@@ -499,6 +509,15 @@ class ServerConfig:
     # Per-request timeout in seconds (None = none).
     request_timeout: float | None = None
     log_requests: bool = False
+    # TLS: serve HTTPS with this private key and certificate (PEM files); both or neither.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    # CA certificates (PEM): clients must then present a certificate signed by one of them.
+    ssl_ca_certs: str | None = None
+    # No periodic stats line (throughput, running/waiting, KV cache usage, prefix-cache hits).
+    disable_log_stats: bool = False
+    # Seconds between two stats lines (only intervals with work log one).
+    log_stats_interval: float = 10.0
     # Most sequences one request may start: prompts x n (400 beyond).
     max_sequences_per_request: int = 256
     # Most logprobs one response may carry per position: prompts x n x (top) logprobs.
@@ -571,12 +590,39 @@ class ServerConfig:
             "cpu_workers",
         ):
             _check(getattr(self, name) > 0, f"{name} must be positive")
+        _check(self.log_stats_interval > 0, "log_stats_interval must be positive")
+        _check(
+            (self.ssl_keyfile is None) == (self.ssl_certfile is None),
+            "ssl_keyfile and ssl_certfile go together (give both for HTTPS)",
+        )
+        _check(
+            self.ssl_ca_certs is None or self.ssl_certfile is not None,
+            "ssl_ca_certs needs ssl_keyfile and ssl_certfile",
+        )
+        _check(1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}")
         n = self.api_server_count
         _check(n is None or n >= 1, "api_server_count must be >= 1")
         _check(
             n is None or n == 1 or self.engine_process,
             "api_server_count > 1 needs the engine core in its own process (--engine-process)",
         )
+
+    def ssl_context(self) -> Any:  # noqa: ANN401 - ssl.SSLContext or None
+        """The server's TLS context (None without ssl_certfile). ValueError when a file is
+        missing or the key does not match the certificate."""
+        if self.ssl_certfile is None:
+            return None
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+            if self.ssl_ca_certs:
+                ctx.load_verify_locations(self.ssl_ca_certs)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"TLS set-up failed (--ssl-keyfile/--ssl-certfile): {e}") from None
+        return ctx
 
     def api_keys(self) -> list[str]:
         """Every accepted key: api_key (one or a list) plus api_key_file's lines. Raises

@@ -56,3 +56,21 @@ class RequestOutput:
     # Set when the request failed inside the engine (fault isolation); finish_reason "error".
     error: str | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam of `LLM.beam_search`: prompt + generated tokens."""
+
+    tokens: list[int]  # prompt ids followed by the generated ids
+    cum_logprob: float  # sum of the generated tokens' logprobs (raw model distribution)
+    text: str | None = None  # the generated text (prompt excluded)
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    logprobs: list[PositionLogprobs] = field(default_factory=list)  # per generated token
+
+
+@dataclass
+class BeamSearchOutput:
+    """`LLM.beam_search`'s result for one prompt: the best `beam_width` beams, best first."""
+
+    sequences: list[BeamSearchSequence]

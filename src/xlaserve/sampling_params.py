@@ -7,13 +7,19 @@ Order of logits processing, identical in every backend's sampler:
    frequency_penalty (minus count in output), presence_penalty (minus once if in output),
 3. greedy (temperature == 0): argmax; else divide by temperature, then top_k, top_p, min_p
    filtering, then sample with the request's generator (seeded when `seed` is set).
+   Token constraints go with step 1, after logit_bias: bad_words (a word's last token -> -inf
+   when the output ends with the word's other tokens), allowed_token_ids (every other token ->
+   -inf), then logits_processors (callables, in list order; torch backend).
 Logprobs are of the raw model distribution (log_softmax of the unprocessed logits).
 """
 
 from __future__ import annotations
 
 import copy
+import enum
+import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +78,40 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class BeamSearchParams:
+    """`LLM.beam_search` parameters (vLLM's names). Beams are ranked by
+    cum_logprob / generated_len ** length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's enum, same names)."""
+
+    CUMULATIVE = 0  # the whole output so far, every time
+    DELTA = 1  # only what is new since the previous RequestOutput of the request
+    FINAL_ONLY = 2  # one RequestOutput, when the request finishes
+
+
+# A logits processor: fn(output_ids, logits) or fn(prompt_ids, output_ids, logits) -> logits,
+# logits a 1-D tensor [V] of the backend's framework (torch); returns it or a new one.
+LogitsProcessor = Callable[..., Any]
+
+
+@dataclass
 class SamplingParams:
     """Stop strings (`stop`): checked after every generated token (also with speculative
     decoding, where one step appends several). Among the stop strings found complete in the text
@@ -103,8 +143,21 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Words never generated: each is tokenized with and without a leading space; the word's last
+    # token is masked whenever the output ends with its other tokens.
+    bad_words: list[str] | None = None
+    # Only these token ids may be generated (None = any).
+    allowed_token_ids: list[int] | None = None
+    # Keep only the last k prompt tokens (left truncation); None = all, -1 = max_model_len.
+    truncate_prompt_tokens: int | None = None
+    # Callables applied to each step's logits row (see LogitsProcessor); must be picklable when
+    # the engine core runs in its own process. Torch backend only.
+    logits_processors: list[LogitsProcessor] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer / generation_config (not by users).
     eos_token_ids: list[int] = field(default_factory=list)
+    # Filled by the engine: bad_words as token id sequences.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +168,18 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.output_kind, int) and not isinstance(
+            self.output_kind, RequestOutputKind
+        ):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise ValueError(
+                    f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"
+                ) from None
+        self._disallowed: Any = None  # cached allowed_token_ids mask (see disallowed_mask)
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -173,6 +238,24 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            bad("bad_words must be a list of non-empty strings")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            bad("allowed_token_ids must be a non-empty list of non-negative token ids")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or (t < 1 and t != -1)):
+            bad(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {t!r}")
+        if self.logits_processors is not None and any(
+            not callable(f) for f in self.logits_processors
+        ):
+            bad("logits_processors must be a list of callables")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
@@ -187,7 +270,61 @@ class SamplingParams:
         )
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """A deep copy (logits processors are shared, not copied: they may hold models)."""
+        procs = self.logits_processors
+        self.logits_processors = None
+        try:
+            out = copy.deepcopy(self)
+        finally:
+            self.logits_processors = procs
+        out.logits_processors = list(procs) if procs is not None else None
+        return out
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """bad_words, allowed_token_ids or logits_processors: per-step work on the logits."""
+        return bool(
+            self.bad_words_token_ids or self.allowed_token_ids is not None or self.logits_processors
+        )
+
+    def banned_token_ids(self, output_ids: Sequence[int]) -> list[int]:
+        """Tokens bad_words forbid next, after `output_ids`: a one-token word always; a longer
+        word's last token when the output ends with the word's other tokens."""
+        out = []
+        for seq in self.bad_words_token_ids:
+            head = seq[:-1]
+            if not head or (
+                len(output_ids) >= len(head)
+                and list(output_ids[len(output_ids) - len(head) :]) == head
+            ):
+                out.append(seq[-1])
+        return out
+
+    def disallowed_mask(self, vocab: int) -> Any:  # noqa: ANN401 - numpy bool [vocab] or None
+        """numpy bool [vocab], True for tokens allowed_token_ids leaves out (None: no limit).
+        Built once per request."""
+        if self.allowed_token_ids is None:
+            return None
+        if self._disallowed is None or len(self._disallowed) != vocab:
+            import numpy as np
+
+            mask = np.ones(vocab, dtype=bool)
+            ids = [t for t in self.allowed_token_ids if 0 <= t < vocab]
+            mask[ids] = False
+            self._disallowed = mask
+        return self._disallowed
+
+    def run_logits_processors(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], logits: Any
+    ) -> Any:  # noqa: ANN401 - a framework tensor [V]
+        """Apply logits_processors in order to one row; each takes (output_ids, logits) or
+        (prompt_ids, output_ids, logits) (vLLM's two forms, told apart by arity)."""
+        for fn in self.logits_processors or ():
+            args = (list(output_ids), logits)
+            if _arity(fn) >= 3:
+                args = (list(prompt_ids), list(output_ids), logits)
+            logits = fn(*args)
+        return logits
 
     def all_stop_token_ids(self) -> set[int]:
         """Token ids that end generation (EOS unless ignore_eos, plus stop_token_ids)."""
@@ -206,3 +343,13 @@ class SamplingParams:
         return token_id in self.stop_token_ids or (
             not self.ignore_eos and token_id in self.eos_token_ids
         )
+
+
+def _arity(fn: Callable[..., Any]) -> int:
+    """Positional parameters of `fn` (2 when they cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in params if p.kind in kinds)

@@ -241,3 +241,20 @@ def test_unreachable_server_without_model_is_a_clear_cli_error(free_port: int) -
     assert result.exit_code == 1
     assert "could not get a model name" in result.output and "--model" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_serve_with_vllm_flag_names(server: LiveServer, tmp_path: Path) -> None:
+    """vLLM's spellings: --host/--port, --dataset-name, --random-*-len, --save-result with
+    --result-dir/--result-filename."""
+    n = 3
+    result = CliRunner().invoke(
+        bench,
+        ["serve", "--host", "127.0.0.1", "--port", str(server.port), "--model", "tiny",
+         "--dataset-name", "random", "--num-prompts", str(n), "--random-input-len", "16",
+         "--random-output-len", "4", "--random-range-ratio", "0", "--ignore-eos",
+         "--save-result", "--result-dir", str(tmp_path / "res"), "--result-filename", "v.json",
+         "--disable-tqdm"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    res = json.loads((tmp_path / "res" / "v.json").read_text())
+    assert res["completed"] == n and res["output_lens"] == [4] * n

@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import serve_proc
 from click.testing import CliRunner
 from ep_helpers import MODEL_NAME
 
@@ -45,7 +46,9 @@ def test_serve_help_lists_every_config_field_grouped() -> None:
                 assert (section, f.name) in seen, (section, f.name)
 
 
-def test_serve_flags_and_env_map_onto_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_flags_and_env_map_onto_config(
+    monkeypatch: pytest.MonkeyPatch, model_path: str
+) -> None:
     got: dict = {}
 
     def fake_run(engine_config: cfg.EngineConfig, server_config: cfg.ServerConfig) -> None:
@@ -54,7 +57,8 @@ def test_serve_flags_and_env_map_onto_config(monkeypatch: pytest.MonkeyPatch) ->
     # serve's last step is run_server; capture its arguments instead of binding a port
     monkeypatch.setattr("xlaserve.entrypoints.openai.api_server.run_server", fake_run)
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
-    args = ["serve", "/models/x", "--max-num-seqs", "7", "--no-enable-prefix-caching", "--port", "9001",
+    port = serve_proc._free_port()  # serve checks the port is free before anything loads
+    args = ["serve", model_path, "--max-num-seqs", "7", "--no-enable-prefix-caching", "--port", str(port),
             "--speculative-config", spec, "--api-key", "k", "--max-num-waiting", "3"]  # fmt: skip
     env = {
         "XLASERVE_BLOCK_SIZE": "32",
@@ -64,16 +68,16 @@ def test_serve_flags_and_env_map_onto_config(monkeypatch: pytest.MonkeyPatch) ->
     res = CliRunner().invoke(cli.main, args, env=env)
     assert res.exit_code == 0, res.output
     e, s = got["engine"], got["server"]
-    assert e.model.model == "/models/x" and e.model.served_model_name == "m"
+    assert e.model.model == model_path and e.model.served_model_name == "m"
     assert e.scheduler.max_num_seqs == 7  # the flag beats the env var
     assert e.cache.block_size == 32 and e.cache.enable_prefix_caching is False
     assert e.scheduler.max_num_waiting == 3
     assert e.speculative == cfg.SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    assert (s.port, s.api_keys(), s.host) == (9001, ["k"], "127.0.0.1")
-    res = CliRunner().invoke(cli.main, ["serve"])
+    assert (s.port, s.api_keys(), s.host) == (port, ["k"], "127.0.0.1")
+    res = CliRunner().invoke(cli.main, ["serve", "--port", str(port)])
     assert res.exit_code == 0 and got["engine"].model.model is None  # no MODEL: the demo model
     res = CliRunner().invoke(cli.main, ["serve", "--max-num-seqs", "0"])
-    assert res.exit_code == 2 and "max_num_seqs must be positive" in res.output
+    assert res.exit_code == 2 and res.output == "Error: max_num_seqs must be positive, got 0\n"
     res = CliRunner().invoke(cli.main, ["serve", "--dtype", "int3"])
     assert res.exit_code == 2
 

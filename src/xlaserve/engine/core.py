@@ -111,6 +111,8 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: list[int]
     backend: str
+    # Most logprobs a request may ask for per position (ModelConfig.max_logprobs).
+    max_logprobs: int = 20
 
 
 def load_model_info(config: EngineConfig) -> ModelInfo:
@@ -119,9 +121,8 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     model_dir = resolve_model_dir(mc.model, mc.revision, config.load.download_dir)
     spec = build_spec(model_dir)
     tokenizer = Tokenizer.from_dir(mc.tokenizer or model_dir)
-    model_name = mc.served_model_name or (
-        mc.model.rstrip("/").split("/")[-1] if mc.model else "demo-kjv"
-    )
+    # vLLM's rule: the model argument as the user gave it (a hub id stays "org/name").
+    model_name = mc.served_model_name or mc.model or "demo-kjv"
     max_model_len = mc.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings and spec.rope_scaling is None:
         raise ValueError(
@@ -144,7 +145,11 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
                     f"backend={backend_names(able)} or the safetensors directory"
                 )
             backend = able[0]
-    return ModelInfo(model_dir, spec, tokenizer, model_name, max_model_len, eos, backend)
+    if mc.chat_template is not None:
+        tokenizer.set_chat_template(mc.chat_template)
+    return ModelInfo(
+        model_dir, spec, tokenizer, model_name, max_model_len, eos, backend, mc.max_logprobs
+    )
 
 
 @dataclass

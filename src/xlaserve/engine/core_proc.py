@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -89,6 +90,9 @@ def _die_with_parent() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:  # noqa: ANN401
+    # Once: a group-wide stop delivers SIGTERM again (from the server) while the core shuts
+    # down, and a second SystemExit inside the cleanup would break it into tracebacks.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(0)
 
 
@@ -102,6 +106,10 @@ def run_engine_core(
     """Entry point of the core process (multiprocessing spawn target). `env`: variables set
     before anything imports torch / jax (a data-parallel rank's CUDA_VISIBLE_DEVICES)."""
     os.environ.update(env or {})
+    # The core is a daemon of the server (it dies with it) but must start tensor-parallel
+    # workers of its own, which multiprocessing refuses to daemons; they die with the core
+    # (executor.py), so the flag is only cleared here, in the core itself.
+    multiprocessing.current_process().daemon = False
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _die_with_parent()

@@ -8,9 +8,9 @@ from typing import Any
 
 from xlaserve.config import EngineConfig, default_batch_limits
 from xlaserve.engine.llm_engine import LLMEngine, PromptType
-from xlaserve.outputs import RequestOutput
+from xlaserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from xlaserve.platforms import current_platform
-from xlaserve.sampling_params import SamplingParams
+from xlaserve.sampling_params import BeamSearchParams, SamplingParams
 from xlaserve.tokenizer import Tokenizer
 
 Messages = list[dict[str, Any]]
@@ -31,6 +31,9 @@ class LLM:
     def __init__(
         self, model: str | None = None, engine_process: bool = False, **kwargs: Any
     ) -> None:
+        from xlaserve.logger import configure_logging
+
+        configure_logging()  # XLASERVE_LOGGING_LEVEL covers offline use too
         # Offline batches take the platform's larger step budget unless the caller sets one.
         seqs, tokens = default_batch_limits(
             current_platform, offline=True, backend=kwargs.get("backend", "auto")
@@ -139,11 +142,126 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the chat template to each conversation, then generate (vLLM's signature).
+
+        `chat_template`: a Jinja template (or its file path) instead of the model's;
+        `continue_final_message`: the last message stays open for the model to continue (pass
+        add_generation_prompt=False with it); `tools`: tool definitions (OpenAI format) handed
+        to the template as `tools`; `chat_template_kwargs`: extra template variables. Rendered
+        by `Tokenizer.chat_prompt`, the function the server uses; content is trusted here
+        (special-token text in it is read as tokens, as with a plain prompt)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        prompts = [
-            {"prompt_token_ids": tok.chat_prompt_ids(c, add_generation_prompt)} for c in convs
-        ]
+        kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
+        if chat_template is not None:  # offline: a path is the caller's own file
+            from xlaserve.tokenizer import load_chat_template
+
+            kwargs["chat_template"] = load_chat_template(chat_template)
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        if tools is not None:
+            kwargs["tools"] = tools
+        prompts = []
+        for c in convs:
+            text, ids = tok.chat_prompt(
+                c, add_generation_prompt, special_tokens_in_content=True, **kwargs
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults of the model's generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens -> max_tokens);
+        plain SamplingParams() when it has none (vLLM's rule)."""
+        import json
+        import os
+
+        path = os.path.join(self.llm_engine.model_dir, "generation_config.json")
+        if not os.path.exists(path):
+            return SamplingParams()
+        with open(path, encoding="utf-8") as f:
+            gen = json.load(f)
+        keys = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+        args: dict[str, Any] = {k: gen[k] for k in keys if gen.get(k) is not None}
+        if gen.get("max_new_tokens") is not None:
+            args["max_tokens"] = gen["max_new_tokens"]
+        if gen.get("do_sample") is False:
+            args["temperature"] = 0.0  # transformers' greedy flag
+        return SamplingParams(**args)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`): each step every live beam is extended by one
+        token with its top 2 x beam_width logprobs (capped at max_logprobs), and the best
+        beam_width candidates by cumulative logprob go on; a beam ending in EOS (unless
+        ignore_eos) is finished. Beams share their prefix's KV blocks through prefix caching.
+        Returns per prompt the best beam_width sequences by
+        cum_logprob / generated_len ** length_penalty, best first."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        tok = self.get_tokenizer()
+        engine = self.llm_engine
+        eos = set() if params.ignore_eos else set(engine.eos_token_ids)
+        k = min(2 * params.beam_width, self.config.model.max_logprobs)
+        if k < 1:
+            raise ValueError("beam_search needs max_logprobs >= 1")
+        step = SamplingParams(
+            max_tokens=1, logprobs=k, temperature=params.temperature, ignore_eos=True
+        )
+        starts = [engine.processor.prompt_ids(p)[1] for p in prompts]
+        live: list[list[BeamSearchSequence]] = [
+            [BeamSearchSequence(list(ids), 0.0)] for ids in starts
+        ]
+        done: list[list[BeamSearchSequence]] = [[] for _ in starts]
+        for _ in range(params.max_tokens):
+            flat = [(i, b) for i, beams in enumerate(live) for b in beams]
+            if not flat:
+                break
+            outs = self.generate(
+                [{"prompt_token_ids": b.tokens} for _, b in flat], step, use_tqdm=False
+            )
+            cands: list[list[BeamSearchSequence]] = [[] for _ in starts]
+            for (i, beam), out in zip(flat, outs, strict=True):
+                for tid, lp in (out.outputs[0].logprobs or [{}])[0].items():
+                    cands[i].append(
+                        BeamSearchSequence(
+                            beam.tokens + [tid],
+                            beam.cum_logprob + lp.logprob,
+                            logprobs=beam.logprobs + [out.outputs[0].logprobs[0]],
+                        )
+                    )
+            for i, cs in enumerate(cands):
+                cs.sort(key=lambda b: b.cum_logprob, reverse=True)
+                live[i] = []
+                for b in cs[: params.beam_width]:
+                    if b.tokens[-1] in eos:
+                        b.finish_reason = "stop"
+                        done[i].append(b)
+                    else:
+                        live[i].append(b)
+        results = []
+        for i, ids in enumerate(starts):
+            for b in live[i]:
+                b.finish_reason = "length"
+            n = len(ids)
+
+            def score(b: BeamSearchSequence, n: int = n) -> float:
+                return b.cum_logprob / max(len(b.tokens) - n, 1) ** params.length_penalty
+
+            best = sorted(done[i] + live[i], key=score, reverse=True)[: params.beam_width]
+            for b in best:
+                gen = b.tokens[n:]
+                if b.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    gen = gen[:-1]
+                b.text = tok.decode(gen)
+            results.append(BeamSearchOutput(best))
+        return results

@@ -25,7 +25,7 @@ from xlaserve.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from xlaserve.sampling_params import SamplingParams
+from xlaserve.sampling_params import RequestOutputKind, SamplingParams
 from xlaserve.tokenizer import IncrementalDetokenizer
 
 PromptType = str | list[int] | dict
@@ -47,6 +47,9 @@ class _Sequence:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # output_kind DELTA: characters, tokens and logprob positions already returned.
+    sent_chars: int = 0
+    sent_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -119,6 +122,7 @@ class OutputProcessor:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.info.spec.vocab_size
+        text, ids = self._token_constraints(params, text, ids, vocab)
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if params.logit_bias and any(t < 0 or t >= vocab for t in params.logit_bias):
@@ -172,6 +176,41 @@ class OutputProcessor:
         self._parents[request_id] = parent
         return core_reqs
 
+    def _token_constraints(
+        self, params: SamplingParams, text: str | None, ids: list[int], vocab: int
+    ) -> tuple[str | None, list[int]]:
+        """Check and prepare truncate_prompt_tokens, max_logprobs, allowed_token_ids,
+        bad_words (tokenized here) and logits_processors; the (text, ids) of the prompt."""
+        k = params.truncate_prompt_tokens
+        if k == -1:
+            k = self.info.max_model_len
+        if k is not None and len(ids) > k:
+            ids = ids[-k:]
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        limit = self.info.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > limit:
+                raise ValueError(f"{name} must be at most {limit} (--max-logprobs), got {v}")
+        if params.allowed_token_ids is not None and any(
+            t >= vocab for t in params.allowed_token_ids
+        ):
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
+        if params.bad_words:
+            seqs: list[list[int]] = []
+            for word in params.bad_words:
+                for prefix in ("", " "):  # as the word starts the text, and inside it
+                    seq = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                    if seq and seq not in seqs:
+                        seqs.append(seq)
+            params.bad_words_token_ids = seqs
+        if params.logits_processors and self.info.backend != "torch":
+            raise ValueError(
+                "logits_processors run on the torch backend only (the XLA sampler is one "
+                "compiled program); use logit_bias, allowed_token_ids or bad_words there"
+            )
+        return text, ids
+
     def drop(self, request_id: str) -> list[str]:
         """Forget a request (abort or refused by the core); the core ids to abort."""
         parent = self._parents.pop(request_id, None)
@@ -220,7 +259,8 @@ class OutputProcessor:
                 parent.error = f"output processing failed: {type(e).__name__}: {e}"
         outputs: list[RequestOutput] = []
         for parent in changed.values():
-            if final_only and not parent.finished:
+            kind = parent.params.output_kind
+            if (final_only or kind == RequestOutputKind.FINAL_ONLY) and not parent.finished:
                 continue
             out = self._make_output(parent)
             outputs.append(out)
@@ -300,16 +340,21 @@ class OutputProcessor:
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = []
         all_finished = True
+        delta = parent.params.output_kind == RequestOutputKind.DELTA
         for seq in parent.seqs:
             finished = seq.finish_reason is not None
             all_finished = all_finished and finished
+            text = seq.detok.output_text(finished)
+            c, t = (seq.sent_chars, seq.sent_tokens) if delta else (0, 0)
+            if delta:  # only what is new since this request's previous output
+                seq.sent_chars, seq.sent_tokens = len(text), len(seq.token_ids)
             outs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.detok.output_text(finished),
-                    token_ids=list(seq.token_ids),
+                    text=text[c:],
+                    token_ids=seq.token_ids[t:],
                     cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    logprobs=seq.logprobs[t:] if seq.logprobs is not None else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

@@ -18,7 +18,6 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-import logging
 import sys
 import typing
 import uuid
@@ -76,7 +75,14 @@ _EXTRA_HELP = {
     "several keys. A key on the command line shows in `ps`: prefer --api-key-file or "
     "XLASERVE_API_KEY (several keys: separated by spaces).",
     ("server", "request_timeout"): "Per-request timeout in seconds (504 past it).",
-    ("server", "log_requests"): "Log each request and the access log.",
+    ("model", "max_logprobs"): "Most logprobs / prompt_logprobs per position a request may ask "
+    "for (at most 20).",
+    ("server", "log_requests"): "Log each request (its prompt and sampling parameters) and the "
+    "HTTP access log (one line per request). Off by default.",
+}
+# vLLM's spellings kept as extra names of a flag (a bool flag: "--on/--off" pairs).
+_ALIASES: dict[tuple[str, str], list[str]] = {
+    ("server", "log_requests"): ["--enable-log-requests/--disable-log-requests"],
 }
 _CHOICES = {
     ("model", "dtype"): cfg.DTYPES,
@@ -198,7 +204,7 @@ def _config_options(sections: set[str]) -> Callable[[Callable], Callable]:
                 kw.update(default=None, envvar=None, show_default=str(default))
                 kw["help"] = f"{help_} (env XLASERVE_{dest.upper()})"
             if is_bool:
-                decl = [f"{flag}/--no-{flag[2:]}", dest]
+                decl = [f"{flag}/--no-{flag[2:]}", *_ALIASES.get((section, f.name), []), dest]
                 kw["is_flag"] = True
             elif _is_repeatable(hints[f.name]):
                 decl = [flag, dest]
@@ -250,7 +256,7 @@ def _engine_config(ctx: click.Context, model: str | None) -> cfg.EngineConfig:
     try:
         return build_engine_config(model, _sections_kwargs(ctx))
     except (ValueError, TypeError) as e:  # __post_init__ checks, bad speculative JSON
-        raise click.UsageError(str(e)) from None
+        raise _StartupFailure(str(e), exit_code=2) from None
 
 
 _ENGINE_SECTIONS = {
@@ -265,6 +271,18 @@ class _LazyGroup(click.Group):
         lazy = [n for n, target in LAZY_COMMANDS.items() if _module_exists(target.split(":")[0])]
         return sorted(set(super().list_commands(ctx)) | set(lazy))
 
+    def invoke(self, ctx: click.Context) -> Any:
+        """Start-up failures become one `Error: ...` line on stderr and a non-zero exit (a
+        traceback only with XLASERVE_LOGGING_LEVEL=DEBUG)."""
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            raise click.Abort() from None
+        except Exception as e:
+            _fail(e)
+
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         cmd = super().get_command(ctx, name)
         if cmd is not None or name not in LAZY_COMMANDS:
@@ -273,6 +291,31 @@ class _LazyGroup(click.Group):
         if not _module_exists(module):
             return None
         return getattr(importlib.import_module(module), attr)
+
+
+class _StartupFailure(click.ClickException):
+    """Printed by click as `Error: <message>`; exit code 2 (bad argument) or 1."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _fail(e: BaseException) -> typing.NoReturn:
+    """Raise `e` as one `Error:` line (StartupError keeps its exit code); with
+    XLASERVE_LOGGING_LEVEL=DEBUG the traceback is printed first."""
+    from xlaserve.entrypoints.checks import StartupError
+    from xlaserve.logger import debug_enabled
+
+    if debug_enabled():
+        import traceback
+
+        traceback.print_exception(e)
+    if isinstance(e, StartupError):
+        raise _StartupFailure(str(e), e.exit_code) from None
+    detail = str(e).strip().splitlines()
+    msg = detail[0] if detail else ""
+    raise _StartupFailure(f"{type(e).__name__}: {msg}" if msg else type(e).__name__) from None
 
 
 def _module_exists(module: str) -> bool:
@@ -294,8 +337,74 @@ def main() -> None:
 # ------------------------------------------------------------------------------- serve
 
 
+def _load_config_file(ctx: click.Context, _param: click.Parameter, path: str | None) -> None:
+    """`--config FILE` (vLLM's): a YAML (or JSON) mapping of flag names to values, e.g.
+    `max-num-seqs: 32` or `model: /models/x`; the values become the flags' defaults, so a flag
+    given on the command line (or its XLASERVE_ variable) still wins."""
+    if path is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise _StartupFailure(f"--config {path}: {e.strerror or e}", exit_code=2) from None
+    try:
+        if path.endswith(".json"):
+            import json
+
+            data = json.loads(text)
+        else:
+            try:
+                import yaml
+            except ImportError:
+                raise _StartupFailure(
+                    "--config FILE.yaml needs PyYAML (pip install pyyaml), or give a .json file",
+                    exit_code=2,
+                ) from None
+            data = yaml.safe_load(text)
+    except ValueError as e:  # json.JSONDecodeError
+        raise _StartupFailure(f"--config {path}: not valid JSON: {e}", exit_code=2) from None
+    except Exception as e:  # yaml.YAMLError: yaml is imported lazily
+        if type(e).__module__.startswith("yaml"):
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise _StartupFailure(f"--config {path}: not valid YAML: {first}", 2) from None
+        raise
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _StartupFailure(f"--config {path}: must hold a mapping of flag: value", 2)
+    names = {p.name for p in ctx.command.params if p.name}
+    mapping: dict[str, Any] = {}
+    unknown = []
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in names or name == "config":
+            unknown.append(str(key))
+        else:
+            mapping[name] = value
+    if unknown:
+        raise _StartupFailure(
+            f"--config {path}: unknown option(s): {', '.join(sorted(unknown))}", exit_code=2
+        )
+    ctx.default_map = {**(ctx.default_map or {}), **mapping}
+
+
+def _config_file_option(fn: Callable) -> Callable:
+    return click.option(
+        "--config",
+        type=click.Path(dir_okay=False),
+        default=None,
+        is_eager=True,  # read first: its values are the other flags' defaults
+        expose_value=False,
+        callback=_load_config_file,
+        help="YAML (or .json) file of flag: value pairs (e.g. 'max-num-seqs: 32'); flags on "
+        "the command line win over it.",
+    )(fn)
+
+
 @main.command(cls=_GroupedCommand)
 @click.argument("model", required=False, envvar="XLASERVE_MODEL")
+@_config_file_option
 @_config_options(_ENGINE_SECTIONS | {"server"})
 @click.pass_context
 def serve(ctx: click.Context, model: str | None, **_: Any) -> None:
@@ -309,13 +418,25 @@ def serve(ctx: click.Context, model: str | None, **_: Any) -> None:
         server_config = cfg.ServerConfig(**_sections_kwargs(ctx).get("server", {}))
         server_config.api_keys()  # an unreadable or empty --api-key-file stops here
     except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+        raise _StartupFailure(str(e), exit_code=2) from None
+    _setup_logging()
+    from xlaserve.entrypoints.checks import check_serve
+
+    check_serve(engine_config, server_config)  # port free, model readable: before any loading
     from xlaserve.entrypoints.openai.api_server import run_server
 
     run_server(engine_config, server_config)
+
+
+def _setup_logging(default: str = "INFO") -> None:
+    """XLASERVE_LOGGING_LEVEL for the whole process (a bad value is a usage error); `default`
+    when it is unset (generate / chat: WARNING, so log lines do not interleave the text)."""
+    from xlaserve.logger import configure_logging
+
+    try:
+        configure_logging(root=True, default=default)
+    except ValueError as e:
+        raise _StartupFailure(str(e), exit_code=2) from None
 
 
 # ------------------------------------------------------------------------------- generate / chat
@@ -353,8 +474,22 @@ def _sampling_options(fn: Callable) -> Callable:
     return fn
 
 
+def _make_params(max_tokens: int, temperature: float, top_p: float) -> Any:
+    """SamplingParams from the flags, checked before any model loads (bad value: usage error)."""
+    from xlaserve.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    except ValueError as e:
+        raise _StartupFailure(str(e), exit_code=2) from None
+
+
 def _make_engine(ctx: click.Context, model: str | None) -> Any:
     config = _engine_config(ctx, model)
+    _setup_logging(default="WARNING")
+    from xlaserve.entrypoints.checks import check_model
+
+    check_model(config)  # a missing directory, unknown architecture or no weights: one line
     from xlaserve.engine.llm_engine import LLMEngine
 
     try:
@@ -385,13 +520,8 @@ def generate(
     **_: Any,
 ) -> None:
     """Generate a continuation of PROMPT, streamed to the terminal."""
-    from xlaserve.sampling_params import SamplingParams
-
+    params = _make_params(max_tokens, temperature, top_p)
     engine = _make_engine(ctx, model)
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
     try:
         click.echo(prompt, nl=False)
         _stream_one(engine, prompt, params, lambda s: click.echo(s, nl=False))
@@ -421,14 +551,12 @@ def chat(
 
     Commands: /reset clears the history, /exit (or Ctrl-D) quits.
     """
-    from xlaserve.sampling_params import SamplingParams
-
+    params = _make_params(max_tokens, temperature, top_p)
     if sys.stdin.isatty():
         with_readline = importlib.util.find_spec("readline") is not None
         if with_readline:
             importlib.import_module("readline")  # line editing and history for input()
     engine = _make_engine(ctx, model)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     try:

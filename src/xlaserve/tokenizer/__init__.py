@@ -64,6 +64,21 @@ def _cut_after(rendered: str, content: str) -> str:
     return rendered[: i + len(content)]
 
 
+def load_chat_template(template: str) -> str:
+    """A chat template given as Jinja text or as the path of a file holding it (`--chat-template`,
+    vLLM's rule). ValueError for a path that does not exist or a file that cannot be read."""
+    path = os.path.expanduser(template)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"chat template {template!r}: cannot read it: {e}") from None
+    if "{" not in template and ("/" in template or template.endswith((".jinja", ".j2"))):
+        raise ValueError(f"chat template file {template!r} does not exist")
+    return template
+
+
 class Tokenizer:
     def __init__(self, tokenizer: Any, config: dict[str, Any]) -> None:
         self._tok = tokenizer
@@ -149,6 +164,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the model's chat template (`serve --chat-template`): `template` is a Jinja
+        template or the path of a file holding one."""
+        self._chat_template = _ChatTemplate(load_chat_template(template))
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -157,8 +177,9 @@ class Tokenizer:
         **kwargs: Any,
     ) -> str:
         """Render messages ({"role", "content"}, optionally "tool_calls" / "tool_call_id") with
-        the tokenizer's template, or `chat_template` (same sandbox) when given. `tools` (a list
-        of {"type": "function", "function": {...}}) and other kwargs go to the template."""
+        the tokenizer's template, or `chat_template` (Jinja text, never a path: a client may send
+        it; same sandbox) when given. `tools` (a list of {"type": "function", "function": {...}})
+        and other kwargs go to the template."""
         template = self._chat_template
         if chat_template is not None:
             template = _ChatTemplate(chat_template)
@@ -215,7 +236,8 @@ class Tokenizer:
         if continue_final_message:
             if add_generation_prompt:
                 raise ValueError(
-                    "continue_final_message and add_generation_prompt cannot both be true"
+                    "continue_final_message and add_generation_prompt cannot both be true "
+                    "(they exclude each other)"
                 )
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise ValueError("continue_final_message needs a last message with text content")

@@ -29,6 +29,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 import zlib
@@ -1320,6 +1321,21 @@ def build_app(
     return app
 
 
+async def _log_stats(app: web.Application) -> None:
+    """The periodic stats line (xlaserve/stats_logger.py) every `log_stats_interval` seconds."""
+    from xlaserve.stats_logger import StatsLogger
+
+    engine = app[ENGINE_KEY]
+    stats = StatsLogger(lambda: engine.stats)
+    stats.log(time.monotonic())  # the baseline reading
+    while True:
+        await asyncio.sleep(app[CONFIG_KEY].log_stats_interval)
+        try:
+            stats.log(time.monotonic())
+        except Exception as e:  # noqa: BLE001 - a stats reading never takes the server down
+            logger.debug("stats line skipped: %s", e)
+
+
 async def _watch_engine(app: web.Application) -> None:
     """Once the engine dies (the core process crashed): /health is 503 and requests fail with
     5xx at once (the engine fails them); after a short grace for those answers to go out, stop
@@ -1379,27 +1395,45 @@ def serve_engine(engine: Any, server_config: ServerConfig, reuse_port: bool = Fa
     async def _start_watch(app: web.Application) -> None:
         # A task that raises GracefulExit (SystemExit) stops the loop like a signal does.
         watch.append(asyncio.get_running_loop().create_task(_watch_engine(app)))
+        if not server_config.disable_log_stats:
+            watch.append(asyncio.get_running_loop().create_task(_log_stats(app)))
 
     async def _stop_watch(app: web.Application) -> None:
+        # Stopping: a repeated SIGTERM (a supervisor signalling the process and then its group)
+        # must not interrupt the engine's shutdown half-way (tensor-parallel workers would be
+        # left mid-collective and the stop would end in tracebacks).
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for t in watch:
             t.cancel()
 
     app.on_startup.append(_start_watch)
     app.on_shutdown.append(_stop_watch)
     host, port = server_config.host, server_config.port
-    logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
+    ssl_context = server_config.ssl_context()  # None: plain HTTP
+    scheme = "https" if ssl_context is not None else "http"
+
+    def _listening(msg: str) -> None:
+        # run_app prints once its sites are bound: only then is the server reachable.
+        if msg.startswith("======== Running on"):
+            logger.info("serving %s on %s://%s:%d", engine.model_name, scheme, host, port)
+        else:
+            logger.debug("%s", msg)
+
     try:
         web.run_app(
             app,
             host=host,
             port=port,
             reuse_port=reuse_port or None,
+            ssl_context=ssl_context,
             # handler_cancellation: a client that disconnects cancels its handler -> abort;
             # auto_decompress off: bodies are inflated on the CPU pool, bounded (see _inflate).
             **RUNNER_KWARGS,
             shutdown_timeout=5.0,
             access_log=logging.getLogger("aiohttp.access") if server_config.log_requests else None,
-            print=lambda msg: logger.info("%s", msg),
+            print=_listening,
         )
     finally:
         with contextlib.suppress(Exception):  # run_app's cleanup normally did it already

@@ -56,6 +56,8 @@ def _front_main(
         level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [front {index}]: %(message)s"
     )
     engine = MPAsyncLLM(engine_config, core=AttachedCore(ipc_dir, core_pid))
+    if index > 0:  # the engine's stats are the same on every front: one stats line is enough
+        server_config = dataclasses.replace(server_config, disable_log_stats=True)
     serve_engine(engine, server_config, reuse_port=True)
 
 
