@@ -53,7 +53,7 @@ class XlaHiddenStates:
         batch.cu_q_lens[1 : b + 1], batch.cu_q_lens[b + 1 :] = x.query_start_loc[1:], t
         batch.num_seqs[0] = b
         batch.logits_indices[:b] = x.query_start_loc[1:] - 1
-        _, hidden = r._forward(batch)
+        _, hidden, _ = r._forward(batch)
         h = np.asarray(jax.device_get(hidden), dtype=np.float32)[:t]
         q = x.query_start_loc
         return [h[q[i] : q[i + 1]] for i in range(b)]
