@@ -647,6 +647,29 @@ class ServerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (xlaserve/lora). Off by default; vLLM's names."""
+
+    enable_lora: bool = False
+    # Adapters resident on the device at once (slots); also the most distinct adapters per step.
+    max_loras: int = 1
+    # Largest adapter rank accepted; the slot tables are sized for it.
+    max_lora_rank: int = 16
+    # Adapters kept loaded in host memory (LRU); None = max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _check(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check(
+            self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+        )
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs; built by `LLM(...)` or the CLI."""
 
@@ -657,6 +680,7 @@ class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     speculative: SpeculativeConfig | None = None
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # Kernel / fusion / graph switches (defaults overridden by XLASERVE_<FIELD> variables).
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
     # "auto" picks current_platform's default backend.
@@ -691,6 +715,7 @@ class EngineConfig:
             "parallel": ParallelConfig,
             "load": LoadConfig,
             "structured": StructuredOutputConfig,
+            "lora": LoRAConfig,
             "kernels": KernelConfig,
         }
         parts: dict[str, dict[str, Any]] = {g: {} for g in groups}

@@ -48,6 +48,9 @@ class NewRequestData:
     # request (num_computed_tokens 0) starts from a zero state; the slot is the request's until
     # its id shows up in finished_req_ids.
     state_slot: int = -1
+    # LoRA slot (xlaserve/lora): index into the runner's adapter slot table; -1 = base model.
+    # Fixed until the request's id shows up in finished_req_ids.
+    lora_slot: int = -1
 
 
 @dataclass
@@ -94,6 +97,10 @@ class SchedulerOutput:
     kv_disk_out: list[tuple[int, int]] = field(default_factory=list)
     # (block_hash, host_slot): read the block's disk file into the host slot.
     kv_disk_in: list[tuple[int, int]] = field(default_factory=list)
+    # (slot, LoRAAdapter): write the adapter into the runner's LoRA slot table before this
+    # step's forward (replacing what the slot held). The engine never replaces a slot that a
+    # running request uses.
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def has_kv_copies(self) -> bool:
@@ -159,6 +166,8 @@ class RunnerCapabilities:
     checkpoint_formats: tuple[str, ...] = ("safetensors",)
     # launch / finish (async scheduling); whether it is on by default is `async_by_default`.
     async_scheduling: bool = False
+    # Multi-LoRA (config.lora.enable_lora; NewRequestData.lora_slot, SchedulerOutput.lora_loads).
+    lora: bool = False
 
 
 class ModelRunner(Protocol):
