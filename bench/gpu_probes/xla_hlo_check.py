@@ -14,15 +14,23 @@ import time
 
 
 def main() -> None:
+    from jax._src import xla_bridge
+
     from xlaserve import LLM
     from xlaserve.backends_xla.programs import FORWARD
 
     llm = LLM(os.path.join(os.path.dirname(__file__), "..", "..", "src", "xlaserve", "assets",
                            "demo-kjv"), backend="xla", max_num_seqs=4, max_num_batched_tokens=64,
               max_model_len=256)  # fmt: skip
+    print(
+        "XLA_FLAGS after start:", os.environ.get("XLA_FLAGS"), xla_bridge.backends_are_initialized()
+    )
     r = llm.llm_engine.runner
     prog = r.programs[(FORWARD, 16)]
     text = prog.as_text()
+    if os.environ.get("HLO_OUT"):  # keep the optimized HLO for reading
+        with open(os.environ["HLO_OUT"], "w") as f:
+            f.write(text)
     batch = r._dummy_batch(16)
     args = r._device_inputs(batch)
     out = prog(r.weights, r.kv_caches, *args)
