@@ -3,11 +3,14 @@ lowered for a bucket (`lower_program`) and how the start-up set is compiled (`co
 lowering one by one, compiling in threads, with a progress bar).
 
 Kinds: FORWARD (one per token bucket T), SAMPLE and VERIFY (one per request bucket B),
-PROMPT_LOGPROBS (one per token bucket, compiled the first time a step asks for it).
+PROMPT_LOGPROBS (one per token bucket, compiled the first time a step asks for it). SAMPLE is the
+general sampler (runtime conditionals); `sample_kind(mode)` names its specializations
+(sampler.SampleMode, no conditional: no host round trip on XLA:GPU).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -23,6 +26,8 @@ from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 from xlaserve.backends_xla.sampler import (
+    GREEDY,
+    SampleMode,
     host_tensors,
     pack_params,
     sample,
@@ -41,6 +46,16 @@ logger = logging.getLogger(__name__)
 FORWARD, SAMPLE, PROMPT_LOGPROBS, VERIFY = "forward", "sample", "prompt_logprobs", "verify"
 PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, V] logits materialized at once for prompt logprobs
 SMALLEST_PACKED_T = 1  # any T: lowering SAMPLE only needs a batch's sample_params region
+# Every sampler specialization (2^4 branch combinations).
+SAMPLE_MODES = tuple(SampleMode(*(bool(i >> k & 1) for k in range(4))) for i in range(16))
+
+
+def sample_kind(mode: SampleMode | None) -> str:
+    """Program kind of a sampler: SAMPLE (general) for None, else "sample.<tag>"."""
+    return SAMPLE if mode is None else f"{SAMPLE}.{mode.tag}"
+
+
+SAMPLE_GREEDY = sample_kind(GREEDY)
 
 
 @dataclass
@@ -155,10 +170,10 @@ def make_jitted(
         hidden = jax.lax.with_sharding_constraint(hidden, rep)
         return hidden[f["logits_indices"]], hidden, kv_caches, f["sample_params"]
 
-    def logits_and_sample(leaves, rows, params, dense):  # noqa: ANN001, ANN202
+    def logits_and_sample(leaves, rows, params, dense, mode=None):  # noqa: ANN001, ANN202
         b = dense["bias"].shape[0]  # the request bucket; rows is [R, H]
         st = unpack_params(params, r, b, dense)
-        res = sample(model_of(leaves).compute_logits(rows[:b]), st)
+        res = sample(model_of(leaves).compute_logits(rows[:b]), st, mode)
         # The tokens padded to R rows: the next forward's `prev` (one shape for every b).
         return res, jnp.pad(res.token_ids.astype(jnp.int32), (0, r - b))
 
@@ -186,6 +201,10 @@ def make_jitted(
     return {
         FORWARD: jax.jit(forward, donate_argnums=(1,)),
         SAMPLE: jax.jit(logits_and_sample),
+        **{
+            sample_kind(m): jax.jit(functools.partial(logits_and_sample, mode=m))
+            for m in SAMPLE_MODES
+        },
         PROMPT_LOGPROBS: jax.jit(prompt_logprobs),
         VERIFY: jax.jit(logits_and_verify),
     }
@@ -202,9 +221,9 @@ def lower_program(r: XlaModelRunner, kind: str, n: int) -> jax.stages.Lowered:
         r._hidden_dtype = lowered.out_info[1].dtype
         return lowered
     h = r.spec.hidden_size
-    if kind in (SAMPLE, VERIFY):
+    if kind == VERIFY or kind.startswith(SAMPLE):
         rows = jax.ShapeDtypeStruct((r.num_rows, h), r._hidden_dtype, sharding=r._replicated)
-        if kind == SAMPLE:
+        if kind != VERIFY:
             params = r._dummy_batch(SMALLEST_PACKED_T).sample_params
             return fn.lower(r.weights, rows, r._put(params), r._dense_extras({}, n))
         m = n * (1 + r.num_spec_tokens)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,6 +46,7 @@ from xlaserve.backends_xla.programs import (
     FORWARD,
     PROMPT_LOGPROBS,
     SAMPLE,
+    SAMPLE_GREEDY,
     VERIFY,
     StepBatch,
     compile_programs,
@@ -53,11 +55,13 @@ from xlaserve.backends_xla.programs import (
     lower_program,
     make_jitted,
     peak_activation_bytes,
+    sample_kind,
 )
 from xlaserve.backends_xla.sampler import (
     DENSE_FIELDS,
     SMALL_FIELDS,
     STEPS_ROW,
+    SampleMode,
     SamplerOutput,
     SamplingTensors,
     VerifyOutput,
@@ -65,6 +69,7 @@ from xlaserve.backends_xla.sampler import (
     neutral_extras,
     pack_params,
     param_words,
+    sample_mode,
     sampling_host,
     verify_rows,
 )
@@ -213,6 +218,11 @@ class XlaModelRunner(RunnerCore):
         # (kind, bucket) -> compiled executable; kinds FORWARD (T), SAMPLE (B), PROMPT_LOGPROBS (T).
         self.programs: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.lazy_compiles: list[tuple[str, int]] = []  # programs compiled after start-up
+        # Sampler specializations compiled in the background the first time a step needs one
+        # (`_sample_program`); the general SAMPLE program serves those steps meanwhile.
+        self.sample_variants: dict[tuple[str, int], jax.stages.Compiled] = {}
+        self._variant_jobs: dict[tuple[str, int], Future] = {}
+        self._variant_pool: ThreadPoolExecutor | None = None
         self._neutral: dict[int, dict[str, jax.Array]] = {}  # B -> device-resident neutral extras
         self._hidden_dtype: jnp.dtype = self.dtype
         # method "draft_model": the draft's weights, KV cache and programs (draft.py).
@@ -319,9 +329,11 @@ class XlaModelRunner(RunnerCore):
         return self._num_state_slots
 
     def startup_programs(self) -> list[tuple[str, int]]:
-        """Programs compiled at start-up: (token buckets) + (request buckets), no product; with
-        speculation also one verify program per request bucket."""
-        progs = [(FORWARD, t) for t in self.token_buckets] + [(SAMPLE, b) for b in self.seq_buckets]
+        """Programs compiled at start-up: (token buckets) + (request buckets), no product: the
+        general sampler and its all-greedy specialization per request bucket; with speculation
+        also one verify program per request bucket."""
+        progs = [(FORWARD, t) for t in self.token_buckets]
+        progs += [(kind, b) for kind in (SAMPLE, SAMPLE_GREEDY) for b in self.seq_buckets]
         if self.num_spec_tokens:
             progs += [(VERIFY, b) for b in self.seq_buckets]
         if self.draft is not None:  # + draft catch-up per token bucket, proposal per request bucket
@@ -341,13 +353,46 @@ class XlaModelRunner(RunnerCore):
             prog = self.programs[(kind, n)] = lower_program(self, kind, n).compile()
         return prog
 
+    def _sample_program(self, b: int, mode: SampleMode) -> jax.stages.Compiled:
+        """The sampler for bucket b: `mode`'s specialization once compiled (all-greedy at
+        start-up, the others in a background thread the first time a step needs them), else the
+        general SAMPLE program, which computes the same tokens (sampler.sample_mode). Multi-host
+        and enforce_eager runs use only start-up programs (every host must run the same one)."""
+        key = (sample_kind(mode), b)
+        prog = self.programs.get(key) or self.sample_variants.get(key)
+        if prog is not None:
+            return prog
+        if self.multihost is None and not self.config.enforce_eager:
+            self._compile_variant(key)
+        return self._program(SAMPLE, b)
+
+    def _compile_variant(self, key: tuple[str, int]) -> None:
+        if key in self._variant_jobs:
+            return
+        if self._variant_pool is None:
+            self._variant_pool = ThreadPoolExecutor(1, thread_name_prefix="xla-sampler")
+
+        def job() -> None:
+            self.sample_variants[key] = lower_program(self, *key).compile()
+
+        def done(fut: Future) -> None:
+            if fut.exception() is not None:  # the general program keeps serving
+                logger.warning("sampler variant %s failed to compile: %r", key, fut.exception())
+
+        self._variant_jobs[key] = self._variant_pool.submit(job)
+        self._variant_jobs[key].add_done_callback(done)
+
     def shutdown(self) -> None:
         if self.multihost is not None:
             self.multihost.stop()
         self.requests.clear()
         self.kv_caches = None
         self.state, self.weights = None, []
+        if self._variant_pool is not None:
+            self._variant_pool.shutdown(wait=True, cancel_futures=True)
+            self._variant_pool = None
         self.programs.clear()
+        self.sample_variants.clear()
         self._neutral.clear()
         if self.draft is not None:
             self.draft.shutdown()
@@ -425,15 +470,16 @@ class XlaModelRunner(RunnerCore):
         # The sampler's parameters travel in the forward's packed inputs (one copy per step);
         # with late grammar masks (engine/core.py) `use_extras` is set now, the masks come later.
         late = bool(so.late_bitmask_req_ids)
-        dense = self._sampling_params(rows, batch, b, so.grammar_bitmask, late)
+        dense, mode = self._sampling_params(rows, batch, b, so.grammar_bitmask, late)
         rows_h, hidden, params = self._forward(batch)
 
         def sample(late_masks: dict) -> None:
             d = dense
             if late_masks:  # host only: the dense fields again, now with this step's masks
                 so.grammar_bitmask.update(late_masks)
-                d = self._sampling_params(rows, batch, b, so.grammar_bitmask, True)
-            res, self._last_tokens = self._program(SAMPLE, b)(self.weights, rows_h, params, d)
+                d, _ = self._sampling_params(rows, batch, b, so.grammar_bitmask, True)
+            prog = self._sample_program(b, mode)
+            res, self._last_tokens = prog(self.weights, rows_h, params, d)
             if defer and self._deferrable(rows):
                 self._defer(batch, res, launched)
                 return
@@ -559,25 +605,27 @@ class XlaModelRunner(RunnerCore):
         b: int,
         bitmasks: dict,
         force_extras: bool = False,
-    ) -> dict[str, jax.Array]:
+    ) -> tuple[dict[str, jax.Array], SampleMode]:
         """Pack the SAMPLE program's per-row parameters into batch.sample_params; returns its
-        dense [B, V] inputs (device-resident neutral ones unless a row needs them).
-        force_extras: apply the dense fields even if no row needs them yet (late masks)."""
+        dense [B, V] inputs (device-resident neutral ones unless a row needs them) and the
+        sampler branches the rows need. force_extras: apply the dense fields even if no row
+        needs them yet (late masks)."""
         extras = force_extras or any(
             needs_extras(r, rid, bitmasks) for r, rid in zip(rows, batch.req_ids, strict=False)
         )
         with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
+        mode = sample_mode(rows, extras, with_lp, self.vocab)
         if extras or with_lp:
             h = sampling_host(rows, batch.req_ids, b, self.vocab, extras, with_lp, bitmasks)
             pack_params(h, batch.sample_params)
-            return self._dense_extras(h, b)
+            return self._dense_extras(h, b), mode
         # Fast path: each request's parameter words are packed once (`_new_state`).
         grid = batch.sample_params[:-2].reshape(len(SMALL_FIELDS), -1)
         live = [i for i, r in enumerate(rows) if r is not None]
         if live:
             grid[:, live] = np.stack([rows[i].param_words for i in live], axis=1)
             grid[STEPS_ROW, live] = [rows[i].num_output for i in live]
-        return self._dense_extras({}, b)
+        return self._dense_extras({}, b), mode
 
     def _dense_extras(self, host: dict[str, np.ndarray], b: int) -> dict[str, jax.Array]:
         """The dense sampler fields: those in `host` copied, the rest device-resident neutral."""

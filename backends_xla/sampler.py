@@ -7,13 +7,21 @@ needs none of them passes device-resident neutral arrays, so nothing is copied),
 `lax.cond`s skip the work nobody asked for: the dense extras (`use_extras`), the top-k/top-p/min-p
 filter and Gumbel noise (only when some row has temperature > 0) and the logprobs (`want_logprobs`).
 
+Those runtime conditionals cost a host round trip on XLA:GPU: the runtime copies each predicate
+to the host, so dispatching the program waits for the forward before it (4.5 ms of an 8 ms batch-1
+step on the H200, bench/RESULTS.md). The runner therefore also compiles `SampleMode`
+specializations, where the host (which knows every request's parameters) decides the branches
+and the program has no conditional: `sample(logits, t, mode)`. `mode=None` is the general program.
+
 Axis letters: B requests, V vocab, W = ceil(V / 32) bitmask words, K top logprobs.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +40,49 @@ _FIELDS = [
     "frequency_penalty", "presence_penalty", "bias", "bitmask", "output_counts", "prompt_mask",
     "use_extras", "want_logprobs",
 ]  # fmt: skip
+
+
+class SampleMode(NamedTuple):
+    """The branches of one sampler specialization, decided on the host (`sample_mode`): the
+    dense extras, the random path (some row has temperature > 0), the top-k/top-p/min-p filter
+    (some row filters) and the logprobs."""
+
+    extras: bool = False
+    random: bool = False
+    filter: bool = False
+    logprobs: bool = False
+
+    @property
+    def tag(self) -> str:
+        """e.g. "-rf-": one letter per branch taken (program names)."""
+        return "".join(c if on else "-" for c, on in zip("erfl", self, strict=True))
+
+
+GREEDY = SampleMode()
+
+
+def sample_mode(
+    rows: list[ReqState | None], extras: bool, logprobs: bool, vocab: int
+) -> SampleMode:
+    """The branches the general program would take for these rows (None rows are greedy padding
+    with neutral parameters): the same predicates as `sample` / `filter_logits` evaluate on the
+    device, so a specialization computes exactly what the general program does."""
+    rand = filt = False
+    for r in rows:
+        if r is None:
+            continue
+        p = r.params
+        rand |= p.temperature >= GREEDY_EPS
+        filt |= (0 < p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0
+    return SampleMode(extras, rand, rand and filt, logprobs)
+
+
+def _branch(pred: bool | jax.Array, on_true: Callable, on_false: Callable, *ops: object) -> object:
+    """`lax.cond` for a traced predicate; for a Python bool (a `SampleMode` field) the branch
+    is chosen while tracing and the program has no conditional."""
+    if isinstance(pred, bool):
+        return (on_true if pred else on_false)(*ops)
+    return jax.lax.cond(pred, on_true, on_false, *ops)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_FIELDS, meta_fields=[])
@@ -175,13 +226,19 @@ def _apply_extras(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 
 def filter_logits(
-    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+    logits: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    needed: bool | None = None,
 ) -> jax.Array:
     """top_k, then top_p over the top-k renormalized, then min_p; filtered entries -> -inf.
-    A batch where no row filters skips the [B, V] sort (a `lax.cond`: one program either way)."""
+    A batch where no row filters skips the [B, V] sort (a `lax.cond`, or `needed` decided on
+    the host)."""
     v = logits.shape[-1]
-    needed = jnp.any((top_k > 0) & (top_k < v)) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0.0)
-    return jax.lax.cond(needed, _filter_sorted, lambda x, *_: x, logits, top_k, top_p, min_p)
+    if needed is None:
+        needed = jnp.any((top_k > 0) & (top_k < v)) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0.0)
+    return _branch(needed, _filter_sorted, lambda x, *_: x, logits, top_k, top_p, min_p)
 
 
 def _filter_sorted(
@@ -217,24 +274,28 @@ def _logprobs(raw: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Arra
     return jnp.concatenate([tok_lp, top_lp], axis=-1), ids, ranks
 
 
-def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
-    """logits f32 [B, V] (raw model output) -> SamplerOutput. One program for every feature."""
+def sample(logits: jax.Array, t: SamplingTensors, mode: SampleMode | None = None) -> SamplerOutput:
+    """logits f32 [B, V] (raw model output) -> SamplerOutput. mode None: one program for every
+    feature (runtime conditionals); a SampleMode: its branches only (t's flags are ignored)."""
     raw = logits
     b, v = logits.shape
-    logits = jax.lax.cond(t.use_extras, _apply_extras, lambda x, _: x, logits, t)
+    use_extras = t.use_extras if mode is None else mode.extras
+    logits = _branch(use_extras, _apply_extras, lambda x, _: x, logits, t)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     greedy = t.temperature < GREEDY_EPS
 
     def random_ids(x: jax.Array) -> jax.Array:
         scaled = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
-        filtered = filter_logits(scaled, t.top_k, t.top_p, t.min_p)
+        needed = None if mode is None else mode.filter
+        filtered = filter_logits(scaled, t.top_k, t.top_p, t.min_p, needed)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(
             _row_keys(t.seeds, t.steps)
         )
         return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
 
     # All-greedy steps (the common serving case) skip the sort and the noise entirely.
-    sampled = jax.lax.cond(jnp.all(greedy), lambda x: greedy_ids, random_ids, logits)
+    all_greedy = jnp.all(greedy) if mode is None else not mode.random
+    sampled = _branch(all_greedy, lambda x: greedy_ids, random_ids, logits)
     token_ids = jnp.where(greedy, greedy_ids, sampled)
     has_nan = jnp.any(jnp.isnan(raw), axis=-1)
     k = 1 + min(MAX_LOGPROBS, v)
@@ -242,7 +303,8 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     def no_logprobs(_r: jax.Array, _ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros(b, jnp.int32)
 
-    lps, ids, ranks = jax.lax.cond(t.want_logprobs, _logprobs, no_logprobs, raw, token_ids)
+    want = t.want_logprobs if mode is None else mode.logprobs
+    lps, ids, ranks = _branch(want, _logprobs, no_logprobs, raw, token_ids)
     return SamplerOutput(token_ids, lps, ids, ranks, has_nan)
 
 

@@ -39,9 +39,10 @@ def _prompts(n: int, lens: list[int], seed: int = 0) -> list[list[int]]:
 def test_buckets_cover_every_step_shape(llama) -> None:  # noqa: ANN001
     _, runner, _ = llama
     assert runner.token_buckets == [16] and runner.seq_buckets == [1, 2, 4]
-    # Forward programs per token bucket + ONE sampler program per request bucket: a sum, not a
-    # product, and all of them compiled at start-up.
+    # Forward programs per token bucket + the general sampler and its all-greedy specialization
+    # per request bucket: a sum, not a product, and all of them compiled at start-up.
     want = [("forward", 16), ("sample", 1), ("sample", 2), ("sample", 4)]
+    want += [("sample.----", 1), ("sample.----", 2), ("sample.----", 4)]
     assert runner.startup_programs() == want
     assert set(runner.programs) >= set(want) and not {
         p for p in runner.lazy_compiles if p[0] != "prompt_logprobs"

@@ -11,9 +11,14 @@ from xlaserve.backends_xla.sampler import (
     SamplingTensors,
     apply_penalties,
     host_tensors,
+    needs_extras,
+    neutral_extras,
     sample,
+    sample_mode,
+    sampling_host,
     unpack_bitmask,
 )
+from xlaserve.sampling_params import SamplingParams
 
 V = 50
 
@@ -219,3 +224,58 @@ def test_one_program_serves_every_feature() -> None:
     assert not np.asarray(greedy.logprobs).any()  # logprobs not asked: zeros, not computed
     lp = np.asarray(jax.nn.log_softmax(logits, -1))
     np.testing.assert_allclose(mixed.logprobs[:, 0], lp[np.arange(6), mixed.token_ids], atol=1e-5)
+
+
+def _mode_case(params: list[SamplingParams | None], with_logprobs: bool, seed: int):  # noqa: ANN202
+    """Rows (None = padding) -> (host tensors as the runner builds them, the host-decided mode)."""
+    from xlaserve.backends_xla.runner import _ReqState  # the runner's per-request state
+
+    rows = [
+        None
+        if p is None
+        else _ReqState([1, 2, 3, 4], 2, p, [0], 4, seed=1000 + i)  # two output tokens so far
+        for i, p in enumerate(params)
+    ]
+    for r in rows:
+        if r is not None:
+            if r.params.needs_penalties:
+                r.output_counts = np.bincount([3, 4], minlength=V).astype(np.int32)
+                r.prompt_mask = np.isin(np.arange(V), [1, 2])
+    extras = any(needs_extras(r, f"r{i}", {}) for i, r in enumerate(rows))
+    ids = [f"r{i}" for i in range(len(rows))]
+    h = sampling_host(rows, ids, len(rows), V, True, with_logprobs, {})
+    h = {**neutral_extras(len(rows), V), **h}  # dense fields no row uses: neutral
+    h["use_extras"] = np.asarray(extras)
+    return h, sample_mode(rows, extras, with_logprobs, V)
+
+
+_CASES = {
+    "greedy": ([SamplingParams(temperature=0.0)] * 3 + [None], False),
+    "random": ([SamplingParams(temperature=0.8), SamplingParams(temperature=0.0), None], False),
+    "top_p": ([SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=0.5)], False),
+    "top_k_min_p": ([SamplingParams(temperature=1.0, top_k=5), SamplingParams(min_p=0.1)], False),
+    "greedy_row_filters": ([SamplingParams(temperature=0.0, top_p=0.5)] * 2, False),
+    "extras": ([SamplingParams(temperature=0.0, logit_bias={7: 50.0}), None], False),
+    "penalties_random": ([SamplingParams(temperature=1.0, repetition_penalty=1.3)] * 2, False),
+    "logprobs": ([SamplingParams(temperature=0.9, top_p=0.9, logprobs=3)] * 2, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_host_decided_specialization_equals_the_general_program(case: str) -> None:
+    """The runner serves a step with the SampleMode specialization (no runtime conditional) once
+    compiled, else with the general program: both must give the same tokens and logprobs."""
+    params, with_lp = _CASES[case]
+    h, mode = _mode_case(params, with_lp, 0)
+    t = SamplingTensors(**{k: jnp.asarray(v) for k, v in h.items()})
+    logits = _logits(len(params), seed=3)
+    logits[-1, 11] = np.nan if case == "greedy" else logits[-1, 11]  # has_nan travels too
+    general = jax.device_get(_jitted(logits, t))
+    special = jax.device_get(jax.jit(sample, static_argnums=2)(logits, t, mode))
+    for name in ("token_ids", "logprobs", "logprob_ids", "ranks", "has_nan"):
+        np.testing.assert_array_equal(getattr(special, name), getattr(general, name), name)
+    # The host decided what the device would have: e.g. no random path for all-greedy rows.
+    want_random = any(p is not None and p.temperature > 0 for p in params)
+    assert mode.random == want_random and mode.logprobs == with_lp
+    assert mode.extras == (case in ("extras", "penalties_random"))
+    assert mode.filter == (case in ("top_p", "top_k_min_p", "logprobs"))
