@@ -103,8 +103,6 @@ from xlaserve.runner_core import (
 
 logger = logging.getLogger(__name__)
 
-SMALLEST_TOKEN_BUCKET = 16
-
 
 @dataclass
 class _ReqState(ReqState):
@@ -183,7 +181,9 @@ class XlaModelRunner(RunnerCore):
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
-        self.token_buckets = make_buckets(SMALLEST_TOKEN_BUCKET, sched.max_num_batched_tokens)
+        self.token_buckets = make_buckets(
+            config.kernels.xla_min_token_bucket, sched.max_num_batched_tokens
+        )
         self.seq_buckets = make_buckets(1, sched.max_num_seqs)
         self.vocab = spec.vocab_size
         self.num_rows = self.max_num_seqs * (1 + self.num_spec_tokens)  # forward's gathered rows

@@ -412,6 +412,9 @@ class KernelConfig:
     # XLA on CUDA: Triton GEMM fusions ("off" = cuBLAS for every dot); "auto" = the measured
     # default of backends_xla.utils.XLA_GPU_TRITON_GEMM.
     xla_triton_gemm: str = "auto"
+    # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
+    # to it, so it sets the M of every projection's matmul at batch 1.
+    xla_min_token_bucket: int = 16
 
     def __post_init__(self) -> None:
         for name in TRISTATE_SWITCHES:
@@ -424,6 +427,11 @@ class KernelConfig:
         _check(
             isinstance(s, int) and s >= 1 and s & (s - 1) == 0,
             f"graph_max_kv_splits must be a power of 2 >= 1, got {s!r}",
+        )
+        b = self.xla_min_token_bucket
+        _check(
+            isinstance(b, int) and b >= 1 and b & (b - 1) == 0,
+            f"xla_min_token_bucket must be a power of 2 >= 1, got {b!r}",
         )
 
     @staticmethod
