@@ -434,6 +434,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "ngram_base": ({}, "repetitive"),
     "ngram": ({"speculative_config": NGRAM}, "repetitive"),
     "xla_batch": ({"backend": "xla"}, "batch1+offline"),
+    # The XLA backend as a user runs it: the xlaserve stage's arguments, compiled buckets, no
+    # bucket or eager override (issue 33's side-by-side figure; --stages xlaserve,xla_user).
+    "xla_user": ({"backend": "xla", "max_model_len": 2048}, "batch1+offline"),
     "sync": ({"async_scheduling": "off"}, "offline"),
     "async": ({"async_scheduling": "on"}, "offline"),
     "sync_b1": ({"async_scheduling": "off"}, "batch1"),
@@ -516,7 +519,7 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
 
     kw = _llm_kwargs(args)
     kw.update(extra)
-    if kw.get("backend") == "xla":  # batched XLA: a modest bucket set (compile time)
+    if kw.get("backend") == "xla" and args.variant != "xla_user":  # a modest bucket set
         kw.update(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
         kw.update(enforce_eager=True)
     t = time.perf_counter()
@@ -542,7 +545,8 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
     if what == "repetitive":
         res["repetitive"] = _repetitive(llm, args.repeats, vocab)
     if what.endswith("offline"):
-        n = args.num_prompts if kw.get("backend") != "xla" else min(args.num_prompts, 256)
+        small = kw.get("backend") == "xla" and args.variant != "xla_user"
+        n = min(args.num_prompts, 256) if small else args.num_prompts
         res["offline_256_256"] = _offline(llm, n, 256, 256, 1, vocab)
     return res
 
