@@ -1,0 +1,126 @@
+"""Small-M dense matmul for decode steps on GPUs: a Pallas kernel lowered through Triton.
+
+y [M, N] = x [M, K] @ w [N, K]^T for the projections of a decode step (M = the token bucket,
+16 at batch 1, so the weight is read once for at most 16 rows and the step is bound by HBM
+bandwidth). XLA's own Triton GEMM fusions reach ~61-79% of the bandwidth on these shapes on an
+H200 (bench/RESULTS.md, issue 33); this kernel is tuned for the one thing that matters here:
+keeping enough weight loads in flight.
+
+Grid (N / BN, SPLIT_K): program (i, s) owns output columns [i BN, (i + 1) BN) and the s-th of
+SPLIT_K equal slices of K; it walks its slice in BK steps (a loop Triton software-pipelines over
+`num_stages` stages), each step one [M, BK] x [BK, BN] tensor-core dot accumulated in float32.
+SPLIT_K > 1 writes float32 partials [SPLIT_K, M, N] that the wrapper sums (deterministic, no
+atomics); SPLIT_K = 1 writes y in x's dtype directly.
+
+Triton rules: BN, BK powers of two >= 16; M is padded to a multiple of 16 (tensor-core dots need
+M >= 16). Shapes the tiles do not divide are refused by `gemv_supported` (the caller then uses
+XLA's dot). On CPU the kernel runs under Pallas' interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from xlaserve.kernels_pallas import compat
+
+MAX_M = 16  # decode buckets only: larger M is a GEMM and XLA's own is right there
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Tile shape and Triton launch parameters (all data, re-tuned from GPU measurements)."""
+
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# (N, K) -> config, from `python -m xlaserve.bench.gpu_probes.pallas_gemv` on the H200; shapes
+# not listed use `default_config`.
+TUNED: dict[tuple[int, int], GemvConfig] = {}
+
+
+def default_config(n: int, k: int) -> GemvConfig:
+    """Enough programs to cover ~4 waves of 132 SMs: split K when N alone gives too few."""
+    if (n, k) in TUNED:
+        return TUNED[(n, k)]
+    bn = 64 if n % 64 == 0 else 32
+    split = 1
+    while n // bn * split < 512 and k // (256 * split * 2) >= 2:
+        split *= 2
+    return GemvConfig(block_n=bn, block_k=256, split_k=split)
+
+
+def gemv_supported(m: int, n: int, k: int, cfg: GemvConfig) -> bool:
+    """The tiles divide the shape (no masks in the kernel) and M is a decode bucket."""
+    per_split = k // cfg.split_k
+    return (
+        m <= MAX_M
+        and n % cfg.block_n == 0
+        and k % cfg.split_k == 0
+        and per_split % cfg.block_k == 0
+        and all(v >= 16 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k))
+    )
+
+
+def _gemv_kernel(x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps: int, m: int):  # noqa: ANN001, ANN202
+    i, s = pl.program_id(0), pl.program_id(1)
+    n0 = i * block_n
+    k0 = s * steps * block_k
+
+    def body(j, acc):  # noqa: ANN001, ANN202
+        kk = pl.multiple_of(k0 + j * block_k, block_k)
+        xk = x_ref[:, pl.ds(kk, block_k)]  # [M, BK]
+        wk = w_ref[pl.ds(n0, block_n), pl.ds(kk, block_k)]  # [BN, BK]
+        return acc + pl.dot(xk, wk, trans_b=True)
+
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((m, block_n), jnp.float32))
+    o_ref[s, :, pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+
+
+def gemv(
+    x: jax.Array, w: jax.Array, cfg: GemvConfig | None = None, interpret: bool | None = None
+) -> jax.Array:
+    """x [M, K] (M <= MAX_M), w [N, K] -> x @ w^T [M, N] in x's dtype, float32 accumulation.
+    cfg None: `default_config`. Raises ValueError where `gemv_supported` is False."""
+    m, k = x.shape
+    n, k2 = w.shape
+    if k != k2:
+        raise ValueError(f"gemv: x [{m}, {k}] and w [{n}, {k2}] disagree on K")
+    cfg = cfg or default_config(n, k)
+    if not gemv_supported(m, n, k, cfg):
+        raise ValueError(f"gemv: M={m}, N={n}, K={k} not covered by {cfg}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    mp = max(16, -(-m // 16) * 16)
+    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
+    split = cfg.split_k
+    steps = k // split // cfg.block_k
+    out_dtype = x.dtype if split == 1 else jnp.float32
+    kernel = functools.partial(
+        _gemv_kernel, block_n=cfg.block_n, block_k=cfg.block_k, steps=steps, m=mp
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(n // cfg.block_n, split),
+        out_shape=jax.ShapeDtypeStruct((split, mp, n), out_dtype),
+        compiler_params=compat.gpu_compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name=f"xlaserve_gemv_n{cfg.block_n}_k{cfg.block_k}_s{split}",
+    )(xp, w)  # fmt: skip
+    y = out[0] if split == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+    return y[:m]
+
+
+def gemv_ref(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The plain reference: float32 accumulation, x's dtype out."""
+    y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
