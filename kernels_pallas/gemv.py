@@ -80,7 +80,8 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps: int,
         kk = pl.multiple_of(k0 + j * block_k, block_k)
         xk = x_ref[:, pl.ds(kk, block_k)]  # [M, BK]
         wk = w_ref[pl.ds(n0, block_n), pl.ds(kk, block_k)]  # [BN, BK]
-        return acc + pl.dot(xk, wk, trans_b=True)
+        dims = (((1,), (1,)), ((), ()))  # x @ w^T: contract both minor dims
+        return acc + lax.dot_general(xk, wk, dims, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros((m, block_n), jnp.float32))
     o_ref[s, :, pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
