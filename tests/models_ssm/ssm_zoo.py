@@ -16,6 +16,7 @@ SSM_ARCHS = {
     "jamba": "JambaForCausalLM",
     # issue 25 part B
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "falcon_h1_norm": "FalconH1ForCausalLM",
@@ -77,6 +78,15 @@ def _config_b(name: str):  # noqa: ANN202 - issue 25 part B: LFM2, Nemotron-H, F
             layer_types=["conv", "full_attention", "conv", "full_attention"],
             tie_word_embeddings=False, **TOKENS,
         )  # fmt: skip
+    if name == "lfm2_moe":  # dense SwiGLU at layer 0, sigmoid-routed MoE (expert bias) after
+        return tf.Lfm2MoeConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_experts=4, num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=1.5,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, conv_L_cache=3,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
     if name == "nemotron_h":  # pattern M*-M-: Mamba2, attention (no rope), relu^2 MLP
         return tf.NemotronHConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -115,6 +125,9 @@ def make_ssm_model(name: str, path: str, seed: int = 0, std: float = 0.15) -> st
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, std if p.dim() > 1 else 0.05)
+        for bname, b in model.named_buffers():
+            if bname.endswith("expert_bias"):  # LFM2-MoE: a selection-only router bias
+                b.normal_(0.0, 0.1)
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.save_pretrained(path)

@@ -30,7 +30,12 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from xlaserve.model_loader.registry import ArchAdapter, base_spec_kwargs, register_architecture
+from xlaserve.model_loader.registry import (
+    ArchAdapter,
+    _moe_names,
+    base_spec_kwargs,
+    register_architecture,
+)
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.model_loader.ssm import _dt_limit, _float, hybrid_convert
 
@@ -95,6 +100,23 @@ def lfm2_spec(cfg: dict, model_dir: str) -> ModelSpec:
     return ModelSpec(**kw)
 
 
+def lfm2_moe_spec(cfg: dict, model_dir: str) -> ModelSpec:
+    """LFM2-MoE: LFM2 layers whose feed-forward is, after the first num_dense_layers (a SwiGLU
+    of intermediate_size, not adjusted), a sigmoid-routed MoE: top-k on sigmoid(logits) +
+    expert_bias (selection only), weights the unbiased scores, renormalised, * routed_scaling."""
+    spec = lfm2_spec({**cfg, "block_auto_adjust_ff_dim": False}, model_dir)
+    experts = int(cfg.get("num_experts", 32))
+    spec.num_experts = experts
+    spec.num_experts_per_tok = int(cfg.get("num_experts_per_tok", 4))
+    spec.moe_intermediate_size = int(cfg["moe_intermediate_size"])
+    spec.moe_scoring = "sigmoid"
+    spec.moe_router_bias = bool(cfg.get("use_expert_bias", True))
+    spec.moe_routed_scaling = float(cfg.get("routed_scaling_factor", 1.0))
+    spec.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+    spec.dense_mlp_layers = list(range(int(cfg.get("num_dense_layers", 2))))
+    return spec
+
+
 _LFM2_NAMES = [
     (".conv.conv.", ".mixer.conv1d."),
     (".conv.in_proj.", ".mixer.in_proj."),
@@ -107,6 +129,10 @@ _LFM2_NAMES = [
     (".feed_forward.w2.", ".mlp.down_proj."),
     (".operator_norm.", ".input_layernorm."),
     (".ffn_norm.", ".post_attention_layernorm."),
+    # LFM2-MoE: router gate / expert_bias -> router weight / bias; experts by _moe_names
+    (".feed_forward.gate.", ".mlp.router."),
+    (".feed_forward.expert_bias", ".mlp.router.bias"),
+    (".feed_forward.", ".mlp."),
 ]
 
 
@@ -122,7 +148,8 @@ def lfm2_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[st
         name = "norm." + name.removeprefix("embedding_norm.")
     for old, new in _LFM2_NAMES:
         name = name.replace(old, new)
-    return [(name, _squeeze_conv(name, w))]
+    moe = _moe_names(name, w) if ".mlp.experts." in name else None
+    return moe if moe is not None else [(name, _squeeze_conv(name, w))]
 
 
 # ---- Nemotron-H -------------------------------------------------------------------------------
@@ -317,6 +344,10 @@ def falcon_h1_convert(
 
 register_architecture(
     ["Lfm2ForCausalLM"], ArchAdapter(family="hybrid", build_spec=lfm2_spec, convert=lfm2_convert)
+)
+register_architecture(
+    ["Lfm2MoeForCausalLM"],
+    ArchAdapter(family="hybrid", build_spec=lfm2_moe_spec, convert=lfm2_convert),
 )
 register_architecture(
     ["NemotronHForCausalLM"],
