@@ -89,3 +89,33 @@ def test_falcon_h1_multipliers_folded(tmp_path) -> None:  # noqa: ANN001
     assert conv("model.layers.1.feed_forward.gate_proj.weight", one)[0, 0] == 4.0
     assert conv("model.layers.1.feed_forward.down_proj.weight", one)[0, 0] == 8.0
     assert conv("model.layers.1.feed_forward.up_proj.weight", one)[0, 0] == 1.0
+
+
+def test_prefix_caching_off_shared_prefix(ssm_model_dir, caplog) -> None:  # noqa: ANN001
+    """Prefix caching on a recurrent-state model: asked for, it is disabled with a log line
+    (kv_cache_manager.py; no state snapshots at block boundaries), so a second request sharing
+    a 3-block prefix recomputes it: no prefix-cache hits, tokens still equal transformers'."""
+    import logging
+
+    from tiny_models import hf_greedy
+
+    from xlaserve import LLM, SamplingParams
+
+    path = ssm_model_dir("lfm2")
+    prefix = list(range(60, 72))
+    prompts = [prefix + [7, 8], prefix + [9]]
+    want = hf_greedy(path, prompts, 4)
+    with caplog.at_level(logging.INFO, logger="xlaserve.core.kv_cache_manager"):
+        llm = LLM(
+            path, backend="torch", dtype="float32", block_size=4, max_model_len=64,
+            enable_prefix_caching=True,
+        )  # fmt: skip
+    assert "prefix caching is disabled: the model has recurrent-state layers" in caplog.text
+    assert not llm.llm_engine.core.kv_manager.enable_prefix_caching
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = []
+    for p in prompts:  # one after the other: the first one's blocks are free when the second comes
+        out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        got.append(out[0].outputs[0].token_ids)
+    assert got == want
+    assert llm.llm_engine.get_stats().prefix_cache_hits == 0
