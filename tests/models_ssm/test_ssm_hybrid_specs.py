@@ -89,6 +89,8 @@ def test_falcon_h1_multipliers_folded(tmp_path) -> None:  # noqa: ANN001
     assert conv("model.layers.1.feed_forward.gate_proj.weight", one)[0, 0] == 4.0
     assert conv("model.layers.1.feed_forward.down_proj.weight", one)[0, 0] == 8.0
     assert conv("model.layers.1.feed_forward.up_proj.weight", one)[0, 0] == 1.0
+    with pytest.raises(ValueError, match="quantized tensor"):
+        conv("model.layers.1.self_attn.q_proj.qweight", one.astype(np.int32))
 
 
 def test_prefix_caching_off_shared_prefix(ssm_model_dir, caplog) -> None:  # noqa: ANN001

@@ -321,22 +321,35 @@ def falcon_h1_convert(
     m = spec.extra["mup"]
     leaf = name.rsplit(".", 2)
     mod, kind = (leaf[-2], leaf[-1]) if len(leaf) == 3 else ("", "")
-    scale: float | np.ndarray = 1.0
+    one = 1.0
+    # (weight scale, bias scale) of the linear maps the multipliers touch.
+    scales: tuple[float | np.ndarray, float | np.ndarray] = (one, one)
     if ".mixer." in name and mod == "in_proj":
         rows = _mup_rows(spec)
-        scale = rows * m["ssm_in"] if kind == "weight" else rows
+        scales = (rows * m["ssm_in"], rows)
     elif ".mixer." in name and mod == "out_proj":
-        scale = m["ssm_out"]
+        scales = (m["ssm_out"], m["ssm_out"])
     elif ".self_attn." in name and mod in ("q_proj", "v_proj"):
-        scale = m["attention_in"] if kind == "weight" else 1.0
+        scales = (m["attention_in"], one)
     elif ".self_attn." in name and mod == "k_proj":
-        scale = m["key"] * (m["attention_in"] if kind == "weight" else 1.0)
+        scales = (m["key"] * m["attention_in"], m["key"])
     elif ".self_attn." in name and mod == "o_proj":
-        scale = m["attention_out"]
+        scales = (m["attention_out"], m["attention_out"])
     elif ".mlp." in name and mod == "gate_proj":
-        scale = m["mlp"][0]
+        scales = (m["mlp"][0], m["mlp"][0])
     elif ".mlp." in name and mod == "down_proj":
-        scale = m["mlp"][1]
+        scales = (m["mlp"][1], m["mlp"][1])
+    if kind == "bias":
+        scale = scales[1]
+    elif kind == "weight" and w.dtype.kind not in "iub":
+        scale = scales[0]
+    elif np.any(np.asarray(scales[0]) != 1.0):  # packed / integer codes (GPTQ, AWQ, ...)
+        raise ValueError(
+            f"FalconH1: cannot fold its muP multipliers into the quantized tensor {name!r}"
+            " (only float checkpoints are supported)"
+        )
+    else:
+        scale = one
     if isinstance(scale, np.ndarray) or scale != 1.0:
         w = _scaled(w, scale)
     return [(name, w)]
