@@ -4,6 +4,8 @@ backends_torch/models/mamba.py; weight names are model_loader/ssm.py's canonical
 Call contract (the runner's): model(input_ids [T], positions [T], caches, md) -> (final hidden
 [T, H], updated caches), where each layer's cache is (conv state [S, C, K-1], ssm state
 [S, Hs, P, N]) float32 and `md.state_slots` [R] gives each request row's slot (S = padding).
+Hybrids (HybridForCausalLM: Bamba, Jamba, Granite 4, LFM2, Nemotron-H, Falcon-H1) hold per layer
+the cache of its kind (alloc_state_caches; model_loader/ssm.py lists the kinds).
 """
 
 from __future__ import annotations

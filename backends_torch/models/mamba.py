@@ -1,4 +1,6 @@
-"""Mamba (`MambaForCausalLM`) and Mamba2 (`Mamba2ForCausalLM`) on the torch backend.
+"""Mamba (`MambaForCausalLM`) and Mamba2 (`Mamba2ForCausalLM`) on the torch backend, and the
+hybrids (HybridForCausalLM: Bamba, Jamba, Granite 4, LFM2's short convolutions, Nemotron-H,
+Falcon-H1's parallel layers; per layer the cache of its kind, backends_torch/state.py).
 
 forward(input_ids [T], positions [T], caches, md) -> hidden [T, H]: caches holds, per layer, the
 (conv state [S, C, K-1], ssm state [S, Hs, P, N]) float32 tensors of S state slots
