@@ -52,18 +52,31 @@ def alloc_caches(
     device: torch.device,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Per layer: attention (K, V) [N, S, Hkv, D]; state (conv [slots, C, K-1], ssm
-    [slots, Hs, P, N]) float32, zeroed."""
+    [slots, Hs, P, N]) float32, zeroed; Falcon-H1's "parallel" layers ((K, V), (conv, ssm));
+    Nemotron-H's "mlp" layers two empty tensors."""
     kinds = spec.extra.get("layer_kinds") or ["attention"] * spec.num_layers
     (c, k1), (hs, p, n) = state_shapes(spec)
-    out: list[tuple[torch.Tensor, ...]] = []
+    kv_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+
+    def zeros(shape: tuple[int, ...], dt: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dt, device=device)
+
+    def kv() -> tuple[torch.Tensor, torch.Tensor]:
+        return zeros(kv_shape, dtype), zeros(kv_shape, dtype)
+
+    def state() -> tuple[torch.Tensor, torch.Tensor]:
+        return zeros((num_slots, c, k1)), zeros((num_slots, hs, p, n))
+
+    out: list[tuple] = []
     for kind in kinds:
         if kind == "attention":
-            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-            out.append((torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device)))  # fmt: skip
+            out.append(kv())
+        elif kind == "parallel":
+            out.append((kv(), state()))
+        elif kind == "mlp":
+            out.append((zeros((0,)), zeros((0,))))
         else:
-            out.append((torch.zeros((num_slots, c, k1), dtype=torch.float32, device=device),
-                        torch.zeros((num_slots, hs, p, n), dtype=torch.float32, device=device)))  # fmt: skip
+            out.append(state())
     return out
 
 

@@ -90,6 +90,50 @@ TINY = {
 }  # fmt: skip
 SHAPES = {"mamba2": MAMBA2_2_7B, "bamba": BAMBA_9B}
 
+# Issue 25 part B (not in the default --shapes): LFM2-1.2B-, Nemotron-H-8B- and
+# Falcon-H1-1.5B-shaped dummies (`--shapes lfm2,nemotron_h,falcon_h1`).
+_NEMOTRON_PATTERN = ("M-M-M-M*-" + "M-M-M-M-M*-" * 3 + "M-M-M-M-M-M-")[:52]
+SHAPES.update(
+    lfm2={
+        "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "hidden_size": 2048,
+        "intermediate_size": 12288, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": True, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3,
+        "vocab_size": 65536, "max_position_embeddings": 128000, "norm_eps": 1e-5,
+        "rope_theta": 1e6, "tie_word_embeddings": True, "torch_dtype": "bfloat16", **TOKENS,
+    },
+    nemotron_h={
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4096,
+        "hybrid_override_pattern": _NEMOTRON_PATTERN, "num_hidden_layers": 52,
+        "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128,
+        "n_groups": 8, "conv_kernel": 4, "chunk_size": 128, "vocab_size": 131072,
+        "max_position_embeddings": 8192, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", **TOKENS,
+    },
+    falcon_h1={
+        "architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "mamba_d_ssm": 3072, "mamba_n_heads": 24,
+        "mamba_d_head": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4,
+        "mamba_chunk_size": 256, "vocab_size": 65536, "max_position_embeddings": 16384,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **TOKENS,
+    },
+)  # fmt: skip
+TINY.update(
+    lfm2={"hidden_size": 64, "intermediate_size": 192, "block_multiple_of": 32,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "full_attn_idxs": [1, 3], "vocab_size": 512},
+    nemotron_h={"hidden_size": 64, "hybrid_override_pattern": "M*-M-", "num_hidden_layers": 5,
+                "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16,
+                "ssm_state_size": 16, "n_groups": 2, "chunk_size": 8, "vocab_size": 512},
+    falcon_h1={"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+               "mamba_d_state": 16, "mamba_chunk_size": 8, "vocab_size": 512},
+)  # fmt: skip
+
 
 def write_model(name: str, root: str, tiny: bool) -> str:
     """A config.json (+ the tiny BPE tokenizer of the demo's corpus) under root/name."""

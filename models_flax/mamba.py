@@ -4,6 +4,8 @@ backends_torch/models/mamba.py; weight names are model_loader/ssm.py's canonical
 Call contract (the runner's): model(input_ids [T], positions [T], caches, md) -> (final hidden
 [T, H], updated caches), where each layer's cache is (conv state [S, C, K-1], ssm state
 [S, Hs, P, N]) float32 and `md.state_slots` [R] gives each request row's slot (S = padding).
+Hybrids (HybridForCausalLM: Bamba, Jamba, Granite 4, LFM2, Nemotron-H, Falcon-H1) hold per layer
+the cache of its kind (alloc_state_caches; model_loader/ssm.py lists the kinds).
 """
 
 from __future__ import annotations
@@ -44,12 +46,16 @@ class SSMMixer(nnx.Module):
         self.dt_limit = tuple(float(v) for v in s["dt_limit"])
         self.eps = spec.norm_eps
         bias = s["proj_bias"]
+        # Output gate of Mamba2: "gated" norm(y * silu(z)); Falcon-H1 also "norm_gate"
+        # (norm(y) * silu(z)) and "none" (y * silu(z), no norm weight).
+        self.gate_norm = s.get("gate_norm", "gated")
         if self.kind == "mamba2":
             self.conv_dim = i + 2 * g * n
             self.in_proj = Linear(h, i + self.conv_dim + self.hs, dtype, bias)
             self.dt_bias = _param((self.hs,), dtype)
             self.A_log = _param((self.hs,), dtype)
-            self.norm = RMSNorm(i, self.eps, dtype)  # weight only (gated norm below)
+            # weight only (gated norm below); none for Falcon-H1 without mamba_rms_norm
+            self.norm = RMSNorm(i, self.eps, dtype) if self.gate_norm != "none" else None
         else:
             self.conv_dim = i
             self.rank = s["dt_rank"]
@@ -64,7 +70,7 @@ class SSMMixer(nnx.Module):
         self.bc_norms = bool(s.get("bc_norms"))
         self.conv1d = Conv1d(self.conv_dim, s["conv_kernel"], s["conv_bias"], dtype)
         self.D = _param((self.hs,), dtype)
-        self.out_proj = Linear(i, h, dtype, bias)
+        self.out_proj = Linear(i, h, dtype, s.get("out_bias", bias))
 
     def __call__(
         self, x: jax.Array, cache: StateCache, md: AttentionMetadata
@@ -108,12 +114,17 @@ class SSMMixer(nnx.Module):
             xs, B, C = xc[:, :, None], B[:, None, :], C[:, None, :]
         y, h1 = ragged_selective_scan(xs, dt, A, B, C, self.D[...], h0, lay, md.cu_q_lens)
         y = y.reshape(t, i)
-        if self.kind == "mamba2":  # gated RMS norm over each group
+        if self.kind == "mamba2" and self.gate_norm == "gated":  # RMS norm over each group
             yz = y * jax.nn.silu(z.astype(jnp.float32))
             yg = yz.reshape(t, self.groups, i // self.groups)
             yg = yg * jax.lax.rsqrt(jnp.mean(yg * yg, axis=-1, keepdims=True) + self.eps)
             w = self.norm.weight[...]
             y = w * yg.reshape(t, i).astype(w.dtype)
+        elif self.gate_norm == "norm_gate":  # Falcon-H1 mamba_norm_before_gate
+            yg = y.reshape(t, self.groups, i // self.groups)
+            yg = yg * jax.lax.rsqrt(jnp.mean(yg * yg, axis=-1, keepdims=True) + self.eps)
+            w = self.norm.weight[...].astype(jnp.float32)
+            y = w * yg.reshape(t, i) * jax.nn.silu(z.astype(jnp.float32))
         else:
             y = y * jax.nn.silu(z.astype(jnp.float32))
         out = self.out_proj(y.astype(x.dtype))
@@ -169,62 +180,121 @@ def alloc_state_caches(
     runner: object, num_blocks: int, num_slots: int
 ) -> list[tuple[jax.Array, ...]]:
     """Per layer: attention (K, V) [N, S, Hkv, D] in the KV dtype; state layers (conv
-    [slots, C, K-1], ssm [slots, Hs, P, N]) float32; zeros, replicated."""
+    [slots, C, K-1], ssm [slots, Hs, P, N]) float32; Falcon-H1's "parallel" layers
+    ((K, V), (conv, ssm)); Nemotron-H's "mlp" layers two empty arrays; zeros, replicated."""
     from xlaserve.model_loader.ssm import state_shapes
 
     spec = runner.spec
     kinds = spec.extra.get("layer_kinds") or ["attention"] * spec.num_layers
     (c, k1), (hs, p, n) = state_shapes(spec)
     kv_shape = (num_blocks, runner.block_size, spec.num_kv_heads, spec.head_dim)
-    out = []
+
+    def kv() -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros(kv_shape, runner.kv_dtype), jnp.zeros(kv_shape, runner.kv_dtype)
+
+    def state() -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((num_slots, c, k1), jnp.float32), jnp.zeros(
+            (num_slots, hs, p, n), jnp.float32
+        )
+
+    out: list[tuple] = []
     for kind in kinds:
         if kind == "attention":
-            out.append((jnp.zeros(kv_shape, runner.kv_dtype), jnp.zeros(kv_shape, runner.kv_dtype)))
+            out.append(kv())
+        elif kind == "parallel":
+            out.append((kv(), state()))
+        elif kind == "mlp":
+            out.append((jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)))
         else:
-            out.append((jnp.zeros((num_slots, c, k1), jnp.float32),
-                        jnp.zeros((num_slots, hs, p, n), jnp.float32)))  # fmt: skip
+            out.append(state())
     return jax.device_put(out, runner._replicated)
 
 
+class ShortConvMixer(nnx.Module):
+    """LFM2's gated short convolution (the twin of backends_torch/models/mamba.py's):
+    x [T, H] -> [T, H], y = C * conv(B * x) with the conv window in the rows' slots."""
+
+    def __init__(self, spec: ModelSpec, dtype: jnp.dtype) -> None:
+        s, h = spec.extra["ssm"], spec.hidden_size
+        self.in_proj = Linear(h, 3 * h, dtype, s["proj_bias"])
+        self.conv1d = Conv1d(h, s["conv_kernel"], s["conv_bias"], dtype)
+        self.out_proj = Linear(h, h, dtype, s["proj_bias"])
+
+    def __call__(
+        self, x: jax.Array, cache: StateCache, md: AttentionMetadata
+    ) -> tuple[jax.Array, StateCache]:
+        conv_c, ssm_c = cache
+        lay = row_layout(md.cu_q_lens, md.kv_lens, x.shape[0])
+        conv0, h0 = gather_states(conv_c, ssm_c, md.state_slots, lay.fresh)
+        b_gate, c_gate, xs = jnp.split(self.in_proj(x), 3, axis=-1)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
+        y, conv1 = ragged_causal_conv1d(
+            b_gate * xs, self.conv1d.weight[...], bias, conv0, lay, md.cu_q_lens
+        )
+        out = self.out_proj(c_gate * y.astype(x.dtype))
+        return out, scatter_states(conv_c, ssm_c, md.state_slots, conv1, h0)
+
+
 class HybridLayer(nnx.Module):
-    """Bamba-style block: x + mixer(norm(x)), then + mlp(norm(x)); the mixer is paged
-    attention or a Mamba2 SSM mixer, per spec.extra["layer_kinds"]."""
+    """One hybrid block by spec.extra["layer_kinds"] (the twin of backends_torch's HybridLayer):
+    x + mixer(norm(x)), then + mlp(norm(x)), the mixer paged attention, an SSM mixer or LFM2's
+    short convolution; "parallel" (Falcon-H1): x + ssm(n) + attention(n); spec.extra
+    ["single_mixer"] (Nemotron-H): x + mixer(norm(x)) only, the mixer possibly the MLP."""
 
     def __init__(self, spec: ModelSpec, layer: int, dtype: jnp.dtype) -> None:
         from xlaserve.models_flax.attention import Attention
         from xlaserve.models_flax.decoder import spec_norm
-        from xlaserve.models_flax.layers import GatedMLP
+        from xlaserve.models_flax.layers import MLP, GatedMLP
 
         h = spec.hidden_size
-        self.attention = spec.extra["layer_kinds"][layer] == "attention"
+        self.kind = kind = spec.extra["layer_kinds"][layer]
+        self.single = bool(spec.extra.get("single_mixer"))
+        self.attention = kind in ("attention", "parallel")
         self.input_layernorm = spec_norm(spec, h, dtype)
-        self.post_attention_layernorm = spec_norm(spec, h, dtype)
+        self.post_attention_layernorm = None if self.single else spec_norm(spec, h, dtype)
         self.self_attn = Attention(spec, layer, dtype) if self.attention else None
-        self.mixer = None if self.attention else SSMMixer(spec, dtype)
-        if spec.is_moe_layer(layer):  # GraniteMoeHybrid: MoE + the shared MLP as shared expert
+        if kind in ("mamba", "mamba2", "parallel"):
+            self.mixer = SSMMixer(spec, dtype)
+        else:
+            self.mixer = ShortConvMixer(spec, dtype) if kind == "shortconv" else None
+        if self.single and kind != "mlp":  # Nemotron-H: the layer's one mixer is not an MLP
+            self.mlp = None
+        elif spec.is_moe_layer(layer):  # GraniteMoeHybrid: MoE + the shared MLP as shared expert
             from xlaserve.models_flax.moe import FusedMoE
 
             self.mlp = FusedMoE(spec, dtype)
-        else:
+        elif spec.gated_mlp:
             self.mlp = GatedMLP(h, spec.intermediate_size, spec.activation, dtype, spec.mlp_bias)
+        else:
+            self.mlp = MLP(h, spec.intermediate_size, spec.activation, dtype, spec.mlp_bias)
         self.rm = spec.residual_multiplier
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: tuple, md: AttentionMetadata
     ) -> tuple[jax.Array, tuple]:
         h = self.input_layernorm(x)
-        if self.attention:
+        if self.kind == "mlp":
+            h = self.mlp(h)
+        elif self.kind == "parallel":  # Falcon-H1 (multipliers folded into the weights)
+            kv, state = cache
+            m, state = self.mixer(h, state, md)
+            a, kv = self.self_attn(h, cos, sin, kv, md)
+            h, cache = m + a, (kv, state)
+        elif self.attention:
             h, cache = self.self_attn(h, cos, sin, cache, md)
         else:
             h, cache = self.mixer(h, cache, md)
         rm = jnp.asarray(self.rm, x.dtype)
         x = x + (h * rm if self.rm != 1.0 else h)
+        if self.single:
+            return x, cache
         h = self.mlp(self.post_attention_layernorm(x))
         return x + (h * rm if self.rm != 1.0 else h), cache
 
 
 class HybridForCausalLM(nnx.Module):
-    """Attention + Mamba2 hybrids (Bamba): per layer (K, V) or (conv, ssm) caches."""
+    """Attention + state-space hybrids (Bamba, Jamba, Granite 4, LFM2, Nemotron-H, Falcon-H1):
+    per layer the cache of its kind (alloc_state_caches)."""
 
     def __init__(self, spec: ModelSpec, dtype: jnp.dtype) -> None:
         from xlaserve.model_loader.rope import rope_inv_freq

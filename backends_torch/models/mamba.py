@@ -1,4 +1,6 @@
-"""Mamba (`MambaForCausalLM`) and Mamba2 (`Mamba2ForCausalLM`) on the torch backend.
+"""Mamba (`MambaForCausalLM`) and Mamba2 (`Mamba2ForCausalLM`) on the torch backend, and the
+hybrids (HybridForCausalLM: Bamba, Jamba, Granite 4, LFM2's short convolutions, Nemotron-H,
+Falcon-H1's parallel layers; per layer the cache of its kind, backends_torch/state.py).
 
 forward(input_ids [T], positions [T], caches, md) -> hidden [T, H]: caches holds, per layer, the
 (conv state [S, C, K-1], ssm state [S, Hs, P, N]) float32 tensors of S state slots
@@ -92,12 +94,16 @@ class SSMMixer(nn.Module):
         self.dt_limit = tuple(s["dt_limit"])
         self.chunk = s.get("chunk_size", 256)
         self.eps = spec.norm_eps
+        # Output gate of Mamba2: "gated" norm(y * silu(z)); Falcon-H1 also "norm_gate"
+        # (norm(y) * silu(z)) and "none" (y * silu(z), no norm weight).
+        self.gate_norm = s.get("gate_norm", "gated")
         if self.kind == "mamba2":
             self.conv_dim = i + 2 * g * n
             self.in_proj = Linear(h, i + self.conv_dim + self.hs, s["proj_bias"], dtype, device)
             self.dt_bias = _param((self.hs,), dtype, device)
             self.A_log = _param((self.hs,), dtype, device)
-            self.norm = SimpleRMSNorm(i, self.eps, dtype, device)
+            if self.gate_norm != "none":
+                self.norm = SimpleRMSNorm(i, self.eps, dtype, device)
         else:
             self.conv_dim = i
             self.rank = s["dt_rank"]
@@ -114,7 +120,7 @@ class SSMMixer(nn.Module):
         self.conv1d.weight = _param((self.conv_dim, self.k), dtype, device)
         self.conv1d.bias = _param((self.conv_dim,), dtype, device) if s["conv_bias"] else None
         self.D = _param((self.hs,), dtype, device)
-        self.out_proj = Linear(i, h, s["proj_bias"], dtype, device)
+        self.out_proj = Linear(i, h, s.get("out_bias", s["proj_bias"]), dtype, device)
 
     def _A(self) -> torch.Tensor:
         """[Hs, 1, 1] (Mamba2) or [Hs, 1, N] (Mamba), float32."""
@@ -150,8 +156,12 @@ class SSMMixer(nn.Module):
     def _finish(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Scan output y [R, Hs, P] float32 + gate [R, I] -> [R, H]."""
         y = y.reshape(y.shape[0], self.d_inner)
-        if self.kind == "mamba2":
+        if self.kind == "mamba2" and self.gate_norm == "gated":
             y = gated_rms_norm(y, gate, self.norm.weight, self.groups, self.eps)
+        elif self.gate_norm == "norm_gate":  # Falcon-H1 mamba_norm_before_gate
+            yg = y.float().reshape(y.shape[0], self.groups, -1)
+            yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + self.eps)
+            y = self.norm.weight.float() * yg.reshape(y.shape) * F.silu(gate.float())
         else:
             y = y * F.silu(gate.float())
         return self.out_proj(y.to(dtype))
@@ -291,9 +301,65 @@ class MambaForCausalLM(CausalLMBase):
                 m.D.fill_(1.0)
 
 
+class ShortConvMixer(nn.Module):
+    """LFM2's gated short convolution: x [T, H] -> [T, H]. B, C, x = in_proj(x) (thirds);
+    y = C * conv(B * x) (causal depthwise conv of K taps, no activation; the conv window of the
+    request's slot carries the last K - 1 inputs B * x); out_proj(y). cache = (conv [S, H, K-1],
+    an empty SSM state)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        kernels: KernelConfig | None = None,
+    ) -> None:
+        super().__init__()
+        s, h = spec.extra["ssm"], spec.hidden_size
+        self.triton = use_ssm_kernels(device, kernels)
+        self.in_proj = Linear(h, 3 * h, s["proj_bias"], dtype, device)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _param((h, s["conv_kernel"]), dtype, device)
+        self.conv1d.bias = _param((h,), dtype, device) if s["conv_bias"] else None
+        self.out_proj = Linear(h, h, s["proj_bias"], dtype, device)
+
+    def forward(self, x: torch.Tensor, cache: StateCache, md: AttentionMetadata) -> torch.Tensor:
+        conv_s = cache[0]
+        slots: list[int] = md.derived["state_slots"]
+        fresh: list[bool] = md.derived["state_fresh"]
+        b_gate, c_gate, xs = self.in_proj(x).chunk(3, dim=-1)
+        bx = b_gate * xs
+        w, b = self.conv1d.weight, self.conv1d.bias
+        if x.shape[0] == len(slots):  # decode: one token per request
+            idx, keep = _step_state(md, x.device)
+            if self.triton:
+                from xlaserve.kernels_cuda.ssm import conv_state_update
+
+                y = conv_state_update(bx, w, b, conv_s, idx, keep)
+            else:
+                y, cs = causal_conv1d_update(bx, w, b, conv_s[idx] * keep[:, None, None])
+                conv_s[idx] = cs
+        else:
+            ys, qsl = [], md.query_start_loc_host
+            for r, slot in enumerate(slots):
+                cs = torch.zeros_like(conv_s[slot]) if fresh[r] else conv_s[slot]
+                yr, cs = causal_conv1d(bx[qsl[r] : qsl[r + 1]], w, b, cs)
+                conv_s[slot] = cs
+                ys.append(yr)
+            y = torch.cat(ys)
+        return self.out_proj(c_gate * y.to(x.dtype))
+
+
 class HybridLayer(nn.Module):
-    """Bamba-style block: x + mixer(norm(x)), then + mlp(norm(x)); the mixer is paged
-    attention (DecoderAttention) or a Mamba2 SSM mixer, per spec.extra["layer_kinds"]."""
+    """One hybrid block, by spec.extra["layer_kinds"][layer]:
+    - "attention" / "mamba" / "mamba2" / "shortconv": x + mixer(norm(x)), then + mlp(norm(x))
+      (Bamba, Jamba, Granite 4, LFM2); the mixer is paged attention (DecoderAttention), an SSM
+      mixer or LFM2's short convolution;
+    - "parallel" (Falcon-H1): x + ssm(n) + attention(n) with n = norm(x), then + mlp(norm(x));
+    - spec.extra["single_mixer"] (Nemotron-H): x + mixer(norm(x)) only, the mixer attention,
+      Mamba2 or (kind "mlp") the MLP.
+    cache: (K, V) for attention, (conv, ssm) for state layers, ((K, V), (conv, ssm)) for
+    parallel ones, two empty tensors for "mlp" layers (backends_torch/state.py)."""
 
     def __init__(
         self,
@@ -309,14 +375,21 @@ class HybridLayer(nn.Module):
         from xlaserve.backends_torch.models.decoder import DecoderAttention
 
         h = spec.hidden_size
-        self.attention = spec.extra["layer_kinds"][layer] == "attention"
+        self.kind = kind = spec.extra["layer_kinds"][layer]
+        self.single = bool(spec.extra.get("single_mixer"))
+        self.attention = kind in ("attention", "parallel")
         self.input_layernorm = spec_norm(spec, h, dtype, device)
-        self.post_attention_layernorm = spec_norm(spec, h, dtype, device)
+        if not self.single:
+            self.post_attention_layernorm = spec_norm(spec, h, dtype, device)
         if self.attention:
             self.self_attn = DecoderAttention(spec, layer, backend, dtype, device, kernels)
-        else:
+        if kind in ("mamba", "mamba2", "parallel"):
             self.mixer = SSMMixer(spec, dtype, device, kernels)
-        if spec.is_moe_layer(layer):  # GraniteMoeHybrid: MoE + the shared MLP as shared expert
+        elif kind == "shortconv":
+            self.mixer = ShortConvMixer(spec, dtype, device, kernels)
+        if self.single and kind != "mlp":  # Nemotron-H: the layer's one mixer is not an MLP
+            self.mlp = None
+        elif spec.is_moe_layer(layer):  # GraniteMoeHybrid: MoE + the shared MLP as shared expert
             from xlaserve.backends_torch.layers.moe import FusedMoE
 
             self.mlp = FusedMoE(spec, dtype, device, kernels=kernels)
@@ -328,19 +401,29 @@ class HybridLayer(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        cache: tuple[torch.Tensor, ...],
+        cache: tuple,
         md: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        h = self.self_attn(positions, h, cache, md) if self.attention else self.mixer(h, cache, md)
+        if self.kind == "mlp":
+            h = self.mlp(h)
+        elif self.kind == "parallel":  # Falcon-H1 (multipliers folded into the weights)
+            kv, state = cache
+            h = self.mixer(h, state, md) + self.self_attn(positions, h, kv, md)
+        elif self.attention:
+            h = self.self_attn(positions, h, cache, md)
+        else:
+            h = self.mixer(h, cache, md)
         x = x + (h * self.rm if self.rm != 1.0 else h)
+        if self.single:
+            return x
         h = self.mlp(self.post_attention_layernorm(x))
         return x + (h * self.rm if self.rm != 1.0 else h)
 
 
 class HybridForCausalLM(MambaForCausalLM):
-    """Attention + Mamba2 hybrids (Bamba): caches hold (K, V) for attention layers and (conv,
-    ssm) states for the others (backends_torch/state.py allocates both)."""
+    """Attention + state-space hybrids (Bamba, Jamba, Granite 4, LFM2, Nemotron-H, Falcon-H1):
+    per layer the cache of its kind (HybridLayer; backends_torch/state.py allocates them)."""
 
     def __init__(
         self,
@@ -393,7 +476,7 @@ class HybridForCausalLM(MambaForCausalLM):
         CausalLMBase.init_dummy_weights(self, seed, std)
         with torch.no_grad():
             for layer in self.layers:
-                if not layer.attention:
-                    m = layer.mixer
+                m = getattr(layer, "mixer", None)
+                if isinstance(m, SSMMixer):
                     m.A_log.copy_(torch.arange(1, m.A_log.shape[0] + 1, dtype=torch.float32).log())
                     m.D.fill_(1.0)

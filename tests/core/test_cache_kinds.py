@@ -173,4 +173,9 @@ def test_layout_split_one_budget() -> None:
     pure = CacheLayout((RecurrentStateSpec((0, 1), 500),))
     assert pure.split(10_000, BS, max_num_seqs=4, max_model_len=64) == (64, 4)
     with pytest.raises(ValueError, match="two cache groups"):
-        CacheLayout((PagedAttentionSpec((0,), 1), RecurrentStateSpec((0,), 1)))
+        CacheLayout((PagedAttentionSpec((0,), 1), PagedAttentionSpec((0, 1), 1)))
+    with pytest.raises(ValueError, match="two cache groups"):
+        CacheLayout((RecurrentStateSpec((1,), 1), RecurrentStateSpec((1,), 1)))
+    # Falcon-H1: a parallel attention + Mamba2 layer holds K/V blocks and a state slot.
+    both = CacheLayout((PagedAttentionSpec((0, 1), 10), RecurrentStateSpec((0, 1), 7)))
+    assert (both.bytes_per_block, both.bytes_per_slot) == (10, 7)

@@ -14,6 +14,12 @@ SSM_ARCHS = {
     "bamba": "BambaForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "jamba": "JambaForCausalLM",
+    # issue 25 part B
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
+    "falcon_h1_norm": "FalconH1ForCausalLM",
 }
 
 
@@ -58,6 +64,50 @@ def _config(name: str):  # noqa: ANN202 - a transformers config
             attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2, tie_word_embeddings=False, **TOKENS,
         )  # fmt: skip
+    return _config_b(name)
+
+
+def _config_b(name: str):  # noqa: ANN202 - issue 25 part B: LFM2, Nemotron-H, Falcon-H1
+    import transformers as tf
+
+    if name == "lfm2":  # short convolutions at 0 and 2, attention (qk-norm) at 1 and 3
+        return tf.Lfm2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=192, block_multiple_of=32,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, conv_L_cache=3,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "lfm2_moe":  # dense SwiGLU at layer 0, sigmoid-routed MoE (expert bias) after
+        return tf.Lfm2MoeConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_experts=4, num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=1.5,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, conv_L_cache=3,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "nemotron_h":  # pattern M*-M-: Mamba2, attention (no rope), relu^2 MLP
+        return tf.NemotronHConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention",
+                               "mlp"],
+            mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+            chunk_size=8, tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name in ("falcon_h1", "falcon_h1_norm"):  # parallel attention + Mamba2, muP multipliers
+        norm = name == "falcon_h1_norm"  # the gated RMS norm (norm before gate)
+        return tf.FalconH1Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+            mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=norm, mamba_norm_before_gate=norm,
+            embedding_multiplier=2.0, lm_head_multiplier=0.5, key_multiplier=0.5,
+            attention_in_multiplier=1.5, attention_out_multiplier=0.75, ssm_in_multiplier=1.25,
+            ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], ssm_out_multiplier=0.8,
+            mlp_multipliers=[0.75, 1.5], tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
     raise ValueError(name)
 
 
@@ -75,6 +125,9 @@ def make_ssm_model(name: str, path: str, seed: int = 0, std: float = 0.15) -> st
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, std if p.dim() > 1 else 0.05)
+        for bname, b in model.named_buffers():
+            if bname.endswith("expert_bias"):  # LFM2-MoE: a selection-only router bias
+                b.normal_(0.0, 0.1)
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.save_pretrained(path)

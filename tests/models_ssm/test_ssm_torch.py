@@ -156,7 +156,7 @@ def test_structured_output_choice(ssm_model_dir) -> None:  # noqa: ANN001
     assert out[0].outputs[0].text in ("light", "darkness")
 
 
-@pytest.mark.parametrize("name", ["mamba", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["mamba", "granitemoehybrid", "lfm2", "falcon_h1"])
 def test_triton_decode_kernels_in_engine(name: str, ssm_model_dir) -> None:  # noqa: ANN001
     """triton_ops="on": decode steps run kernels_cuda/ssm.py (the Triton interpreter on the
     CPU, in place in the slot caches); tokens still equal transformers'."""

@@ -60,17 +60,19 @@ CacheGroupSpec = PagedAttentionSpec | RecurrentStateSpec
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """All cache groups of one model (a layer is in exactly one group)."""
+    """All cache groups of one model (a layer is in at most one group of each kind: paged K/V,
+    recurrent state; Falcon-H1's parallel attention + Mamba2 layers are in one of each)."""
 
     groups: tuple[CacheGroupSpec, ...]
 
     def __post_init__(self) -> None:
-        seen: set[int] = set()
+        seen: dict[type, set[int]] = {}
         for g in self.groups:
-            dup = seen & set(g.layers)
+            got = seen.setdefault(type(g), set())
+            dup = got & set(g.layers)
             if dup:
-                raise ValueError(f"layers {sorted(dup)} are in two cache groups")
-            seen |= set(g.layers)
+                raise ValueError(f"layers {sorted(dup)} are in two cache groups of one kind")
+            got |= set(g.layers)
 
     @property
     def bytes_per_block(self) -> int:

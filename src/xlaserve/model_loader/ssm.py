@@ -1,7 +1,8 @@
 """State-space architectures (Mamba, Mamba2): HF config -> ModelSpec, weight names, cache layout.
 
 Spec fields (ModelSpec.extra):
-    layer_kinds: list[str]      per layer "mamba" | "mamba2" | "attention"
+    layer_kinds: list[str]      per layer "mamba" | "mamba2" | "attention" | "shortconv" (LFM2)
+                                | "parallel" (Falcon-H1: attention + Mamba2) | "mlp" (Nemotron-H)
     ssm: dict                   kind ("mamba"|"mamba2"), d_inner (I), n_heads (Hs; Mamba: I),
                                 head_dim (P; Mamba: 1), state_size (N), n_groups (G; Mamba: 1),
                                 conv_kernel (K), conv_bias, proj_bias, dt_rank (Mamba),
@@ -47,6 +48,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATE_KINDS = ("mamba", "mamba2")
+# Issue 25 part B (model_loader/ssm_hybrids.py): "shortconv" (LFM2: conv state only, an empty SSM
+# state), "parallel" (Falcon-H1: attention + Mamba2 in one layer: K/V and a state), "mlp"
+# (Nemotron-H: no cache).
+STATE_KINDS += ("shortconv", "parallel")
+KV_KINDS = ("attention", "parallel")
 
 
 def is_state_model(spec: ModelSpec) -> bool:
@@ -88,7 +94,7 @@ def state_shapes(spec: ModelSpec) -> tuple[tuple[int, int], tuple[int, int, int]
 def cache_layout(spec: ModelSpec, dtype_bytes: int, block_size: int) -> CacheLayout:
     """The model's cache groups: paged K/V of its attention layers, state of its SSM layers."""
     kinds = spec.extra.get("layer_kinds") or ["attention"] * spec.num_layers
-    attn = tuple(i for i, k in enumerate(kinds) if k == "attention")
+    attn = tuple(i for i, k in enumerate(kinds) if k in KV_KINDS)
     state = tuple(i for i, k in enumerate(kinds) if k in STATE_KINDS)
     groups: list = []
     if attn:
@@ -433,3 +439,7 @@ register_architecture(
 register_architecture(
     ["JambaForCausalLM"], ArchAdapter(family="hybrid", build_spec=jamba_spec, convert=jamba_convert)
 )
+
+
+# LFM2, Nemotron-H, Falcon-H1 (issue 25 part B) register themselves there.
+from xlaserve.model_loader import ssm_hybrids as _ssm_hybrids  # noqa: E402, F401

@@ -91,6 +91,21 @@ NOTES: dict[str, str] = {
     "norms); MoE every other layer (softmax top-k, not renormalised); no positions",
 }
 
+# Issue 25 part B (model_loader/ssm_hybrids.py).
+NOTES.update(
+    {
+        "Lfm2ForCausalLM": "cache: paged attention + recurrent state (short-conv layers: conv "
+        "window [H, L_cache-1] only); qk-norm, SwiGLU",
+        "Lfm2MoeForCausalLM": "LFM2 + sigmoid-routed MoE (selection-only expert bias) after the "
+        "first dense layers",
+        "NemotronHForCausalLM": "cache: paged attention + recurrent state (Mamba2 layers); one "
+        "mixer per layer (Mamba2 / attention without positions / relu^2 MLP: no cache); MoE "
+        "layers refused",
+        "FalconH1ForCausalLM": "cache: paged attention AND recurrent state in every layer "
+        "(parallel attention + Mamba2); muP multipliers folded into the weights",
+    }
+)
+
 
 def backend_families(package: str) -> set[str]:
     """Family names a backend registers: keys of its `_FAMILIES` dict literal plus names passed to
