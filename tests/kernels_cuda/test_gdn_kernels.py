@@ -15,13 +15,22 @@ from xlaserve.kernels_cuda import gdn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _inputs(t: int, h: int, dk: int, dv: int, seed: int) -> tuple[torch.Tensor, ...]:
+def _inputs(
+    t: int, h: int, dk: int, dv: int, seed: int, hard: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """hard: slow decay, strong writes, correlated keys (every term of the in-chunk inverse
+    matters)."""
     g = torch.Generator().manual_seed(seed)
     q = gdn_ops.l2norm(torch.randn(t, h, dk, generator=g)) * dk**-0.5
-    k = gdn_ops.l2norm(torch.randn(t, h, dk, generator=g))
+    kr = torch.randn(t, h, dk, generator=g)
+    if hard:
+        kr = kr + 3.0 * torch.randn(1, h, dk, generator=g)
+    k = gdn_ops.l2norm(kr)
     v = torch.randn(t, h, dv, generator=g)
     gate = -torch.nn.functional.softplus(torch.randn(t, h, generator=g))
     beta = torch.sigmoid(torch.randn(t, h, generator=g))
+    if hard:
+        gate, beta = 0.02 * gate, 0.5 + 0.5 * beta
     h0 = torch.randn(h, dk, dv, generator=g)
     return q, k, v, gate, beta, h0
 
@@ -52,9 +61,12 @@ def test_decode_update_matches_recurrence(h: int, dk: int, dv: int) -> None:
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("t", "h", "dk", "dv"), [(37, 2, 16, 8), (16, 1, 12, 20), (5, 2, 8, 8)])
-def test_chunked_prefill_matches_recurrence(t: int, h: int, dk: int, dv: int) -> None:
-    q, k, v, gate, beta, h0 = _inputs(t, h, dk, dv, seed=t)
+@pytest.mark.parametrize(
+    ("t", "h", "dk", "dv", "hard"),
+    [(37, 2, 16, 8, False), (16, 1, 12, 20, False), (5, 2, 8, 8, False), (35, 2, 8, 8, True)],
+)
+def test_chunked_prefill_matches_recurrence(t: int, h: int, dk: int, dv: int, hard: bool) -> None:
+    q, k, v, gate, beta, h0 = _inputs(t, h, dk, dv, seed=t, hard=hard)
     want_y, want_h = gdn_ops.gated_delta_rule(q, k, v, gate, beta, h0)
     y, hT = gdn.gdn_chunked_prefill(*_dev(q, k, v, gate, beta, h0), chunk=16)
     torch.testing.assert_close(y.cpu(), want_y, rtol=1e-4, atol=1e-4)
