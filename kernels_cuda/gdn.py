@@ -30,7 +30,7 @@ def _gdn_decode_kernel(
     b = tl.program_id(0)
     hd = tl.program_id(1)
     kk = tl.arange(0, BLOCK_K)
-    vv = tl.arange(0, BLOCK_V)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's dv columns
     km, vm = kk < DK, vv < DV
     m2 = km[:, None] & vm[None, :]
     slot = tl.load(slot_ptr + b)
@@ -59,9 +59,11 @@ def gdn_decode_update(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    block_v: int = 64,
 ) -> torch.Tensor:
     """cache [S, H, dk, dv] float32 (updated in place), slots [B] int, keep [B] float32,
-    q / k [B, H, dk], v [B, H, dv], g / beta [B, H] -> y [B, H, dv] float32."""
+    q / k [B, H, dk], v [B, H, dv], g / beta [B, H] -> y [B, H, dv] float32. Each program owns
+    `block_v` of the dv columns (the columns of h update independently)."""
     check_device("gdn_decode_update", cache, slots, keep, q, k, v, g, beta)
     bsz, h, dk = q.shape
     dv = v.shape[-1]
@@ -70,11 +72,12 @@ def gdn_decode_update(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
     y = torch.empty((bsz, h, dv), dtype=torch.float32, device=q.device)
-    _gdn_decode_kernel[(bsz, h)](
+    bv = min(next_pow2(dv), block_v)
+    _gdn_decode_kernel[(bsz, h, triton.cdiv(dv, bv))](
         cache, slots, keep, q, k, v, g, beta, y,
         h, dk, dv, cache.stride(0), cache.stride(1), cache.stride(2),
         q.stride(0), q.stride(1), v.stride(0), v.stride(1),
-        BLOCK_K=next_pow2(dk), BLOCK_V=next_pow2(dv),
+        BLOCK_K=next_pow2(dk), BLOCK_V=bv,
     )  # fmt: skip
     return y
 
@@ -107,7 +110,7 @@ def _gdn_chunk_kernel(
     hd = tl.program_id(0)
     rows = tl.arange(0, BT)
     kk = tl.arange(0, BLOCK_K)
-    vv = tl.arange(0, BLOCK_V)
+    vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's dv columns
     km, vm = kk < DK, vv < DV
     hoff = hd * DK * DV + kk[:, None] * DV + vv[None, :]
     st = tl.load(h0_ptr + hoff, mask=km[:, None] & vm[None, :], other=0.0)
@@ -160,9 +163,11 @@ def gdn_chunked_prefill(
     beta: torch.Tensor,
     h0: torch.Tensor,
     chunk: int = 16,
+    block_v: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q / k [T, H, dk], v [T, H, dv], g / beta [T, H], h0 [H, dk, dv] -> (y [T, H, dv],
-    h_T [H, dk, dv]) float32; `chunk` (BT) a power of two >= 16."""
+    h_T [H, dk, dv]) float32; `chunk` (BT) a power of two >= 16. One program per (head, `block_v`
+    dv columns): the in-chunk inverse depends on k / beta / g only, so each recomputes it."""
     check_device("gdn_chunked_prefill", q, k, v, g, beta, h0)
     t, h, dk = q.shape
     dv = v.shape[-1]
@@ -176,9 +181,10 @@ def gdn_chunked_prefill(
     if t == 0:
         ht.copy_(h0)
         return y, ht
-    _gdn_chunk_kernel[(h,)](
+    bv = max(16, min(next_pow2(dv), block_v))
+    _gdn_chunk_kernel[(h, triton.cdiv(dv, bv))](
         q, k, v, g, beta, h0, y, ht,
         t, h, dk, dv, q.stride(0), q.stride(1), v.stride(0), v.stride(1),
-        BT=chunk, BLOCK_K=max(16, next_pow2(dk)), BLOCK_V=max(16, next_pow2(dv)),
+        BT=chunk, BLOCK_K=max(16, next_pow2(dk)), BLOCK_V=bv,
     )  # fmt: skip
     return y, ht

@@ -39,15 +39,16 @@ def _dev(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(DEV) for t in ts]
 
 
-@pytest.mark.parametrize(("h", "dk", "dv"), [(2, 16, 8), (3, 12, 20)])
-def test_decode_update_matches_recurrence(h: int, dk: int, dv: int) -> None:
+@pytest.mark.parametrize(("h", "dk", "dv", "block_v"), [(2, 16, 8, 64), (3, 12, 20, 8)])
+def test_decode_update_matches_recurrence(h: int, dk: int, dv: int, block_v: int) -> None:
+    """block_v 8 with dv 20: three programs per head share one state (a partial last block)."""
     S, B = 5, 3
     q, k, v, gate, beta, _ = _inputs(B, h, dk, dv, seed=dk)
     cache = torch.randn(S, h, dk, dv, generator=torch.Generator().manual_seed(1))
     slots = torch.tensor([4, 0, 2])
     keep = torch.tensor([1.0, 0.0, 1.0])
     got_cache = cache.clone().to(DEV)
-    got = gdn.gdn_decode_update(got_cache, *_dev(slots, keep, q, k, v, gate, beta))
+    got = gdn.gdn_decode_update(got_cache, *_dev(slots, keep, q, k, v, gate, beta), block_v=block_v)
     for b in range(B):  # the definition, one request at a time
         h0 = cache[slots[b]] * keep[b]
         y, hT = gdn_ops.gated_delta_rule(q[b : b + 1], k[b : b + 1], v[b : b + 1],
@@ -63,12 +64,13 @@ def test_decode_update_matches_recurrence(h: int, dk: int, dv: int) -> None:
 
 @pytest.mark.parametrize(
     ("t", "h", "dk", "dv", "hard"),
-    [(37, 2, 16, 8, False), (16, 1, 12, 20, False), (5, 2, 8, 8, False), (35, 2, 8, 8, True)],
+    [(37, 2, 16, 8, False), (16, 1, 12, 40, False), (5, 2, 8, 8, False), (35, 2, 8, 8, True)],
 )
 def test_chunked_prefill_matches_recurrence(t: int, h: int, dk: int, dv: int, hard: bool) -> None:
+    """dv 40 runs in three 16-column programs per head."""
     q, k, v, gate, beta, h0 = _inputs(t, h, dk, dv, seed=t, hard=hard)
     want_y, want_h = gdn_ops.gated_delta_rule(q, k, v, gate, beta, h0)
-    y, hT = gdn.gdn_chunked_prefill(*_dev(q, k, v, gate, beta, h0), chunk=16)
+    y, hT = gdn.gdn_chunked_prefill(*_dev(q, k, v, gate, beta, h0), chunk=16, block_v=16)
     torch.testing.assert_close(y.cpu(), want_y, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(hT.cpu(), want_h, rtol=1e-4, atol=1e-4)
 
