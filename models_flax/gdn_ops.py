@@ -6,6 +6,8 @@ backends_torch/layers/gdn_ops.py, same rules, see there).
 - `ragged_gated_delta_rule`: a ragged, padded step (models_flax/ssm_ops.py's RowLayout): all rows
   advance together, one token each per iteration, for max(q_len) iterations (a decode step is ONE
   batched update); padding rows and tokens change no state.
+- `ragged_gated_delta_rule_chunked`: the same step, every row advancing one chunk of tokens per
+  iteration in the WY form (what the Flax model runs: the state moves once per chunk).
 - `gdn_qkv`, `gdn_gates`, `gdn_gated_norm`: the layer's input / output maths.
 """
 
@@ -114,6 +116,68 @@ def ragged_gated_delta_rule(
 
     y0 = jnp.zeros(v.shape, jnp.float32)
     h, y = jax.lax.fori_loop(0, jnp.max(lay.q_len), body, (h0.astype(jnp.float32), y0))
+    return y, h
+
+
+def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
+    """float32 matmul at full precision (no TF32 on GPUs: the state is carried for long)."""
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def ragged_gated_delta_rule_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    h0: jax.Array,
+    lay: RowLayout,
+    cu: jax.Array,
+    chunk: int = 64,
+) -> tuple[jax.Array, jax.Array]:
+    """`ragged_gated_delta_rule` in the chunked (WY) form: every row takes its next L =
+    min(chunk, T) tokens per iteration (gathered to [R, H, L, ...]; past a row's q_len the tokens
+    are masked: q = k = g = beta = 0, which change neither outputs nor state), so the state is read
+    and written once per L tokens, for ceil(max(q_len) / L) iterations (a decode step: one)."""
+    t_n = q.shape[0]
+    n_l = max(1, min(chunk, t_n))
+    f32 = jnp.float32
+    qf, kf, vf, gf, bf = (a.astype(f32) for a in (q, k, v, g, beta))
+    start = cu[:-1]
+    ar = jnp.arange(n_l)
+    lower = jnp.tril(jnp.ones((n_l, n_l), bool))
+    eye = jnp.eye(n_l, dtype=f32)
+    solve = jax.scipy.linalg.solve_triangular
+
+    def body(c, carry):  # noqa: ANN001, ANN202
+        h, y = carry
+        pos = c * n_l + ar  # [L]
+        valid = pos[None, :] < lay.q_len[:, None]  # [R, L]
+        t = jnp.where(valid, start[:, None] + pos[None, :], t_n)  # out of range: dropped
+        tc = jnp.minimum(t, t_n - 1)
+        m = valid.astype(f32)
+        # [R, L, H, ...] -> head-major [R, H, L, ...]
+        qc, kc = (jnp.swapaxes(a[tc] * m[..., None, None], 1, 2) for a in (qf, kf))
+        vc = jnp.swapaxes(vf[tc], 1, 2)
+        gc, bc = (jnp.swapaxes(a[tc] * m[..., None], 1, 2) for a in (gf, bf))  # [R, H, L]
+        gcum = jnp.cumsum(gc, axis=-1)
+        decay = jnp.where(
+            lower, jnp.exp(jnp.minimum(gcum[..., :, None] - gcum[..., None, :], 0.0)), 0.0
+        )
+        kb = kc * bc[..., None]
+        kt = jnp.swapaxes(kc, -1, -2)
+        mat = jnp.tril(_mm(kb, kt) * decay, -1) + eye
+        u = solve(mat, vc * bc[..., None], lower=True, unit_diagonal=True)
+        w = solve(mat, kb * jnp.exp(gcum)[..., None], lower=True, unit_diagonal=True)
+        vn = u - _mm(w, h)
+        yc = _mm(qc * jnp.exp(gcum)[..., None], h) + _mm(_mm(qc, kt) * decay, vn)
+        kd = kc * jnp.exp(gcum[..., -1:] - gcum)[..., None]
+        h = jnp.exp(gcum[..., -1])[..., None, None] * h + _mm(jnp.swapaxes(kd, -1, -2), vn)
+        return h, y.at[t].set(jnp.swapaxes(yc, 1, 2), mode="drop")
+
+    y0 = jnp.zeros(v.shape, f32)
+    n_it = (jnp.max(lay.q_len) + n_l - 1) // n_l
+    h, y = jax.lax.fori_loop(0, n_it, body, (h0.astype(f32), y0))
     return y, h
 
 

@@ -5,8 +5,9 @@ Call contract (the runner's, models_flax/mamba.py): model(input_ids [T], positio
 md) -> (final hidden [T, H], updated caches); per layer (K, V) paged blocks for attention layers,
 (conv state [S, C, K-1], recurrent state [S, Hv, dk, dv]) float32 for gdn layers;
 `md.state_slots` [R] gives each request row's slot (S = padding: its writes are dropped).
-GDN layers run the ragged jnp gated delta rule (models_flax/gdn_ops.py: all rows advance together
-for max(q_len) tokens; a decode step is one batched update).
+GDN layers run the ragged chunked jnp gated delta rule (models_flax/gdn_ops.py: every row advances
+one chunk of up to 64 tokens per iteration, the state moving once per chunk; a decode step is
+one batched update).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from xlaserve.models_flax.gdn_ops import (
     gdn_gated_norm,
     gdn_gates,
     gdn_qkv,
-    ragged_gated_delta_rule,
+    ragged_gated_delta_rule_chunked,
 )
 from xlaserve.models_flax.layers import Embed, Linear, RMSNorm, _param, apply_rotary
 from xlaserve.models_flax.mamba import Conv1d
@@ -73,7 +74,7 @@ class GatedDeltaNet(nnx.Module):
         )
         q, k, v = gdn_qkv(jax.nn.silu(xc), self.hk, self.hv, self.dk, self.dv)
         g, beta = gdn_gates(ba[:, : self.hv], ba[:, self.hv :], self.A_log[...], self.dt_bias[...])
-        y, h1 = ragged_gated_delta_rule(q, k, v, g, beta, h0, lay, md.cu_q_lens)
+        y, h1 = ragged_gated_delta_rule_chunked(q, k, v, g, beta, h0, lay, md.cu_q_lens)
         out = gdn_gated_norm(
             y, z.reshape(t, self.hv, self.dv), self.norm.weight[...], self.eps, x.dtype
         )
