@@ -138,7 +138,8 @@ def ragged_gated_delta_rule_chunked(
     """`ragged_gated_delta_rule` in the chunked (WY) form: every row takes its next L =
     min(chunk, T) tokens per iteration (gathered to [R, H, L, ...]; past a row's q_len the tokens
     are masked: q = k = g = beta = 0, which change neither outputs nor state), so the state is read
-    and written once per L tokens, for ceil(max(q_len) / L) iterations (a decode step: one)."""
+    and written once per L tokens, for ceil(max(q_len) / L) iterations; a decode step (q_len <= 1)
+    takes `ragged_gated_delta_rule`'s single update instead."""
     t_n = q.shape[0]
     n_l = max(1, min(chunk, t_n))
     f32 = jnp.float32
@@ -175,10 +176,20 @@ def ragged_gated_delta_rule_chunked(
         h = jnp.exp(gcum[..., -1])[..., None, None] * h + _mm(jnp.swapaxes(kd, -1, -2), vn)
         return h, y.at[t].set(jnp.swapaxes(yc, 1, 2), mode="drop")
 
-    y0 = jnp.zeros(v.shape, f32)
-    n_it = (jnp.max(lay.q_len) + n_l - 1) // n_l
-    h, y = jax.lax.fori_loop(0, n_it, body, (h0.astype(f32), y0))
-    return y, h
+    def chunked(h0: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y0 = jnp.zeros(v.shape, f32)
+        n_it = (jnp.max(lay.q_len) + n_l - 1) // n_l
+        h, y = jax.lax.fori_loop(0, n_it, body, (h0.astype(f32), y0))
+        return y, h
+
+    # A decode step (at most one token per row) takes the one-token update: no [R, H, L, L]
+    # chunk matrices for a single token.
+    return jax.lax.cond(
+        jnp.max(lay.q_len) <= 1,
+        lambda h0: ragged_gated_delta_rule(q, k, v, g, beta, h0, lay, cu),
+        chunked,
+        h0.astype(f32),
+    )
 
 
 def gdn_qkv(

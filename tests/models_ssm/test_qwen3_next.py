@@ -219,6 +219,15 @@ def test_jnp_references_match_torch() -> None:
                                        err_msg=form)  # fmt: skip
         # the padding row's state is untouched
         np.testing.assert_allclose(np.asarray(hs[3]), hs0[3].numpy(), rtol=1e-6, atol=1e-6)
+    # A decode step (one token per row, a padding row): the chunked form's one-token branch.
+    cu1 = np.array([0, 1, 2, 3, 3], np.int32)
+    lay1 = ssm_ops.row_layout(jnp.asarray(cu1), jnp.asarray([6, 2, 9, 0], np.int32), T)
+    y, hs = jops.ragged_gated_delta_rule_chunked(*jargs, lay1, jnp.asarray(cu1))
+    for r in range(3):
+        yr, hr = gdn_ops.gated_delta_rule(q[r : r + 1], k[r : r + 1], v[r : r + 1],
+                                          g[r : r + 1], beta[r : r + 1], hs0[r])  # fmt: skip
+        np.testing.assert_allclose(np.asarray(y[r]), yr[0].numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(hs[r]), hr.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_matches_transformers_xla(ssm_model_dir) -> None:  # noqa: ANN001
