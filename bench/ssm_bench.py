@@ -134,6 +134,49 @@ TINY.update(
                "mamba_d_state": 16, "mamba_chunk_size": 8, "vocab_size": 512},
 )  # fmt: skip
 
+# Qwen3-Next (issue 25 part A; opt-in: --shapes qwen3_next): the layer shape of
+# Qwen3-Next-80B-A3B, 12 of its 48 layers (3 gated attention + 9 Gated DeltaNet; ~20B parameters,
+# so xlaserve or transformers fits one H200 in bf16). Its roofline counts every expert's weights
+# (an upper bound on the bytes a batch-1 token reads: only 10 of 512 experts are active).
+QWEN3_NEXT_80B_12L: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+    "rope_theta": 10000000.0,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    **TOKENS,
+}
+SHAPES["qwen3_next"] = QWEN3_NEXT_80B_12L
+TINY["qwen3_next"] = {
+    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "full_attention_interval": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "vocab_size": 512,
+}  # fmt: skip
+
 
 def write_model(name: str, root: str, tiny: bool) -> str:
     """A config.json (+ the tiny BPE tokenizer of the demo's corpus) under root/name."""

@@ -20,6 +20,8 @@ _FAMILIES: dict[str, str] = {
     "mamba": "mamba:MambaForCausalLM",
     "mamba2": "mamba:MambaForCausalLM",
     "hybrid": "mamba:HybridForCausalLM",
+    # Qwen3-Next: gated delta-net linear attention + gated attention + MoE (issue 25 part A).
+    "qwen3_next": "qwen3_next:Qwen3NextForCausalLM",
 }
 
 

@@ -22,6 +22,8 @@ _FAMILIES: dict[str, str] = {
     "mamba": "xlaserve.backends_torch.models.mamba:MambaForCausalLM",
     "mamba2": "xlaserve.backends_torch.models.mamba:MambaForCausalLM",
     "hybrid": "xlaserve.backends_torch.models.mamba:HybridForCausalLM",
+    # Qwen3-Next: gated delta-net linear attention + gated attention + MoE (issue 25 part A).
+    "qwen3_next": "xlaserve.backends_torch.models.qwen3_next:Qwen3NextForCausalLM",
 }
 
 

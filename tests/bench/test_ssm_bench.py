@@ -28,3 +28,18 @@ def test_ssm_bench_tiny_rows(tmp_path: Path) -> None:
             assert row["offline_output_tokens_per_s"] > 0
             assert row["batch1_ratio_to_roofline"] > 0
         assert "error" in entry["nope"]  # an unknown backend: recorded, the run goes on
+
+
+def test_ssm_bench_tiny_qwen3_next(tmp_path: Path) -> None:
+    """The opt-in Qwen3-Next shape (--shapes qwen3_next): xlaserve (torch) beside transformers
+    (the XLA row runs the same code path as the other shapes' XLA rows, with the model that
+    tests/models_ssm/test_qwen3_next.py checks; left out here to keep the test short)."""
+    out = tmp_path / "ssm.json"
+    ssm_bench.main([*TINY, "--shapes", "qwen3_next", "--systems", "xlaserve-torch,transformers",
+                    "--output-json", str(out)])  # fmt: skip
+    entry = json.loads(out.read_text())["qwen3_next"]
+    assert entry["roofline"]["state_bytes_per_seq"] > 0
+    for system in ("xlaserve-torch", "transformers"):
+        row = entry[system]
+        assert "error" not in row, row
+        assert row["batch1_decode_tokens_per_s"] > 0 and row["offline_output_tokens_per_s"] > 0

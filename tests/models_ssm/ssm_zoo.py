@@ -21,6 +21,8 @@ SSM_ARCHS = {
     "falcon_h1": "FalconH1ForCausalLM",
     "falcon_h1_norm": "FalconH1ForCausalLM",
 }
+# Built by make_ssm_model too, tested in their own files (test_qwen3_next.py).
+EXTRA_ARCHS = {"qwen3_next": "Qwen3NextForCausalLM"}
 
 
 def _config(name: str):  # noqa: ANN202 - a transformers config
@@ -63,6 +65,16 @@ def _config(name: str):  # noqa: ANN202 - a transformers config
             num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
             attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2, tie_word_embeddings=False, **TOKENS,
+        )  # fmt: skip
+    if name == "qwen3_next":  # gdn layers 0, 2 (Hv = 2 Hk), gated attention 1, 3; MoE at 1, 3
+        return tf.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=256, full_attention_interval=2, linear_conv_kernel_dim=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2,
+            tie_word_embeddings=False, **TOKENS,
         )  # fmt: skip
     return _config_b(name)
 

@@ -757,5 +757,8 @@ def iter_canonical_weights(
 # Families declared as data (LlamaLike adapters: no backend code); registers on import.
 from xlaserve.model_loader import families as _families  # noqa: E402, F401
 
+# Qwen3-Next (gated delta-net linear attention + gated attention + MoE; issue 25 part A).
+from xlaserve.model_loader import qwen3_next as _qwen3_next  # noqa: E402,F401
+
 # State-space architectures (Mamba, Mamba2) register themselves in their own module.
 from xlaserve.model_loader import ssm as _ssm  # noqa: E402,F401

@@ -53,6 +53,7 @@ STATE_KINDS = ("mamba", "mamba2")
 # (Nemotron-H: no cache).
 STATE_KINDS += ("shortconv", "parallel")
 KV_KINDS = ("attention", "parallel")
+STATE_KINDS += ("gdn",)  # Qwen3-Next gated delta-net layers (model_loader/qwen3_next.py)
 
 
 def is_state_model(spec: ModelSpec) -> bool:
@@ -80,6 +81,8 @@ def check_state_model_config(config: EngineConfig, spec: ModelSpec) -> None:
 
 
 def conv_channels(ssm: dict) -> int:
+    if "conv_dim" in ssm:  # given by the spec (Qwen3-Next: q | k | v channels)
+        return ssm["conv_dim"]
     if ssm["kind"] == "mamba2":
         return ssm["d_inner"] + 2 * ssm["n_groups"] * ssm["state_size"]
     return ssm["d_inner"]

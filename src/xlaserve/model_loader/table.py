@@ -89,6 +89,11 @@ NOTES: dict[str, str] = {
     "layers); MoE + shared MLP, Granite multipliers, rope or no positions",
     "JambaForCausalLM": "cache: paged attention + recurrent state (Mamba layers, dt / B / C "
     "norms); MoE every other layer (softmax top-k, not renormalised); no positions",
+    # Qwen3-Next (issue 25 part A).
+    "Qwen3NextForCausalLM": "cache: paged attention (gated attention layers) + recurrent state "
+    "(Gated DeltaNet layers: conv window + delta-rule state [Hv, dk, dv]); qk-norm, partial "
+    "rotary, (1 + w) norms; MoE + sigmoid-gated shared expert; no prefix caching, no "
+    "speculative decoding",
 }
 
 # Issue 25 part B (model_loader/ssm_hybrids.py).
