@@ -1,0 +1,106 @@
+"""Multi-LoRA parity: greedy tokens of a MIXED batch (two adapters + the base, one generate
+call, mixed prompt lengths) equal transformers running the base with each adapter merged
+(W + scaling * B @ A). Adapters: rank 4 (alpha 8) on every projection, rank 8 rsLoRA on
+attention only; tiny Llama and Qwen3 (qk-norm, head_dim != hidden / heads)."""
+
+from __future__ import annotations
+
+import pytest
+from lora_utils import ALL, ATTN, merge_into, write_peft
+from tiny_models import hf_greedy
+
+from xlaserve import LLM, SamplingParams
+from xlaserve.lora import LoRARequest
+from xlaserve.runner import get_capabilities
+
+PROMPTS = [
+    [5, 17, 33, 2, 90],
+    [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40],
+    [100, 3],
+    [64, 65, 66, 67],
+]
+NEW = 8
+
+
+def _backend_param(name: str):  # noqa: ANN202
+    """xla is part B of issue 27: expected to fail until its runner declares LoRA."""
+    if name == "xla":
+        try:
+            ready = get_capabilities("xla").lora
+        except Exception:  # noqa: BLE001 - jax missing: the xfail says why
+            ready = False
+        if not ready:
+            return pytest.param(name, marks=pytest.mark.xfail(strict=False, reason="part B"))
+    return name
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
+    """kind -> (base dir, [(adapter dir, merged dir)] for the two adapters)."""
+    cache = {}
+
+    def get(kind: str):  # noqa: ANN202
+        if kind not in cache:
+            base = tiny_model_dir(kind)
+            root = tmp_path_factory.mktemp(f"lora-{kind}")
+            a1 = write_peft(str(root / "a1"), base, rank=4, alpha=8.0, targets=ALL, seed=1)
+            a2 = write_peft(str(root / "a2"), base, rank=8, alpha=4.0, targets=ATTN,
+                            rslora=True, seed=2, std=0.5)  # fmt: skip
+            cache[kind] = (base, [(a, merge_into(base, a, str(root / f"m{i}")))
+                                  for i, a in enumerate((a1, a2))])  # fmt: skip
+        return cache[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", [_backend_param("torch"), _backend_param("xla")])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_mixed_batch_matches_merged_transformers(adapters, kind: str, backend: str) -> None:  # noqa: ANN001
+    base, ads = adapters(kind)
+    reqs = [LoRARequest("a1", 1, ads[0][0]), LoRARequest("a2", 2, ads[1][0])]
+    # Per prompt: adapter 1, base, adapter 2, adapter 1 (then each prompt once more, rotated).
+    plan = [reqs[0], None, reqs[1], reqs[0], None, reqs[1], reqs[0], None]
+    prompts = PROMPTS + PROMPTS[1:] + PROMPTS[:1]
+    want_by_model = {
+        None: hf_greedy(base, PROMPTS, NEW),
+        1: hf_greedy(ads[0][1], PROMPTS, NEW),
+        2: hf_greedy(ads[1][1], PROMPTS, NEW),
+    }
+    llm = LLM(model=base, backend=backend, enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_num_seqs=8, max_model_len=64, enforce_eager=True)  # fmt: skip
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0,
+                            ignore_eos=True), use_tqdm=False, lora_request=plan)  # fmt: skip
+    finally:
+        llm.llm_engine.shutdown()
+    for i, (out, lr) in enumerate(zip(outs, plan, strict=True)):
+        key = lr.lora_int_id if lr is not None else None
+        want = want_by_model[key][PROMPTS.index(prompts[i])]
+        assert out.outputs[0].token_ids == want, f"prompt {i} adapter {key}"
+    # The adapters really change the output (else the test could not fail).
+    assert want_by_model[None] != want_by_model[1] and want_by_model[None] != want_by_model[2]
+
+
+def test_bad_adapter_is_a_clear_error_and_engine_keeps_going(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    base = tiny_model_dir("llama")
+    bad = write_peft(str(tmp_path / "big"), base, rank=32)
+    llm = LLM(model=base, backend="torch", enable_lora=True, max_loras=1, max_lora_rank=8,
+              max_model_len=64)  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match="rank 32 exceeds max_lora_rank 8"):
+            llm.generate([[1, 2, 3]], lora_request=LoRARequest("big", 1, bad), use_tqdm=False)
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_lora_request_without_enable_lora(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    base = tiny_model_dir("llama")
+    ad = write_peft(str(tmp_path / "a"), base)
+    llm = LLM(model=base, backend="torch", max_model_len=64)
+    try:
+        with pytest.raises(ValueError, match="LoRA is not enabled"):
+            llm.generate([[1, 2]], lora_request=LoRARequest("a", 1, ad), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
