@@ -11,7 +11,8 @@ hook on the layer adds the step's deltas to its output in place:
   The token groups live in static device buffers (one pinned upload per step), so the decode
   CUDA graphs capture the LoRA path once and every replay reads the step's slots: no graph per
   adapter. Graph replays run the kernels even for base-only batches (they exit at once).
-- CPU: the plain torch reference, per slot present in the step.
+- CPU: the plain torch reference, per slot present in the step (XLASERVE_LORA_TRITON=1 runs the
+  Triton kernels instead, under TRITON_INTERPRET=1: tests).
 
 Refused with a clear error at load: MoE expert weights (attention LoRA on MoE models works),
 MLA and recurrent-state models, tensor parallelism.
@@ -20,6 +21,7 @@ MLA and recurrent-state models, tensor parallelism.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,7 +70,9 @@ class TorchLoRA:
         lc = config.lora
         self.num_slots, self.rank = lc.max_loras, lc.max_lora_rank
         self.device, self.dtype = device, dtype
-        self.use_triton = device.type == "cuda" if use_triton is None else use_triton
+        if use_triton is None:
+            use_triton = device.type == "cuda" or os.environ.get("XLASERVE_LORA_TRITON") == "1"
+        self.use_triton = use_triton
         self.layers: list[_LoRALayer] = []
         self._hooks = []
         # Step state: whether any token has a slot (eager forwards skip the hooks otherwise).

@@ -81,6 +81,31 @@ def test_mixed_batch_matches_merged_transformers(adapters, kind: str, backend: s
     assert want_by_model[None] != want_by_model[1] and want_by_model[None] != want_by_model[2]
 
 
+def test_triton_kernel_path_in_the_runner(adapters, monkeypatch) -> None:  # noqa: ANN001
+    """The runner's Triton path (CUDA's; here under the interpreter): same tokens as the merged
+    models for a mixed batch, base tokens between adapter tokens."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("covered on the GPU by the CUDA path itself")
+    monkeypatch.setenv("XLASERVE_LORA_TRITON", "1")
+    base, ads = adapters("llama")
+    plan = [LoRARequest("a1", 1, ads[0][0]), None, LoRARequest("a2", 2, ads[1][0])]
+    prompts = PROMPTS[:3]
+    want = [
+        hf_greedy(d, [p], 4)[0] for d, p in zip([ads[0][1], base, ads[1][1]], prompts, strict=True)
+    ]
+    llm = LLM(model=base, backend="torch", enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_model_len=64)  # fmt: skip
+    try:
+        assert llm.llm_engine.core.runner.lora.use_triton
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0,
+                            ignore_eos=True), use_tqdm=False, lora_request=plan)  # fmt: skip
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_bad_adapter_is_a_clear_error_and_engine_keeps_going(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
     base = tiny_model_dir("llama")
     bad = write_peft(str(tmp_path / "big"), base, rank=32)
