@@ -129,3 +129,30 @@ def test_lora_request_without_enable_lora(tiny_model_dir, tmp_path) -> None:  # 
             llm.generate([[1, 2]], lora_request=LoRARequest("a", 1, ad), use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_mixed_batch(adapters) -> None:  # noqa: ANN001
+    """On CUDA with decode CUDA graphs (the LoRA kernels captured once, slots read from static
+    buffers): a mixed batch of two adapters and the base still equals the merged models, and
+    decode steps were graph replays."""
+    base, ads = adapters("llama")
+    reqs = [LoRARequest("a1", 1, ads[0][0]), LoRARequest("a2", 2, ads[1][0])]
+    plan = [reqs[0], None, reqs[1], reqs[0]]
+    want_by_model = {
+        None: hf_greedy(base, PROMPTS, NEW),
+        1: hf_greedy(ads[0][1], PROMPTS, NEW),
+        2: hf_greedy(ads[1][1], PROMPTS, NEW),
+    }
+    llm = LLM(model=base, backend="torch", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_num_seqs=8, max_model_len=64, async_scheduling="off")  # fmt: skip
+    try:
+        runner = llm.llm_engine.core.runner
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0,
+                            ignore_eos=True), use_tqdm=False, lora_request=plan)  # fmt: skip
+        assert runner.cuda_step is not None and runner.cuda_step.num_replays > 0
+    finally:
+        llm.llm_engine.shutdown()
+    for i, (out, lr) in enumerate(zip(outs, plan, strict=True)):
+        key = lr.lora_int_id if lr is not None else None
+        assert out.outputs[0].token_ids == want_by_model[key][i], f"prompt {i} adapter {key}"
