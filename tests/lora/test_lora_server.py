@@ -77,7 +77,7 @@ def test_models_and_adapter_completions(server, setup) -> None:  # noqa: ANN001
 
 
 def test_runtime_load_unload_and_bad_adapter(server, setup) -> None:  # noqa: ANN001
-    *_, a3, bad, want = setup
+    _, a1, _, a3, bad, want = setup
     url = server.base_url + "/v1/load_lora_adapter"
     status, _, body = http("POST", url, {"lora_name": "bad", "lora_path": bad})
     assert (
@@ -96,3 +96,26 @@ def test_runtime_load_unload_and_bad_adapter(server, setup) -> None:  # noqa: AN
     assert http("POST", unload, {"lora_name": "a3"})[0] == 404
     with pytest.raises(openai.NotFoundError):
         _complete(server, "a3")
+    # The name comes back with another adapter: a fresh id, so no prefix-cache block or host
+    # cache entry of the old one is used.
+    assert http("POST", url, {"lora_name": "a3", "lora_path": a1})[0] == 200
+    assert _complete(server, "a3") == want["a1"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--lora-modules", "a=/x"], ["--lora-modules needs --enable-lora"]),
+        (["--enable-lora", "--lora-modules", "just-a-name"], ["expected name=path"]),
+    ],
+)
+def test_serve_lora_flag_errors(args: list[str], words: list[str]) -> None:
+    """Bad LoRA flags stop `xlaserve serve` with one error line before anything loads."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "xlaserve.entrypoints.cli", "serve", *args],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and all(w in errors[0] for w in words), res.stderr

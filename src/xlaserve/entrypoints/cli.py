@@ -451,6 +451,14 @@ def serve(ctx: click.Context, model: str | None, **_: Any) -> None:
     try:
         server_config = cfg.ServerConfig(**_sections_kwargs(ctx).get("server", {}))
         server_config.api_keys()  # an unreadable or empty --api-key-file stops here
+        if server_config.lora_modules:  # syntax and --enable-lora, before any loading
+            from xlaserve.entrypoints.openai.serving_lora import parse_lora_module
+
+            mods = server_config.lora_modules
+            for m in [mods] if isinstance(mods, str) else mods:
+                parse_lora_module(m)
+            if not engine_config.lora.enable_lora:
+                raise ValueError("--lora-modules needs --enable-lora")
     except ValueError as e:
         raise _StartupFailure(str(e), exit_code=2) from None
     _setup_logging()

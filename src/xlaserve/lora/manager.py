@@ -54,7 +54,8 @@ class LoRAManager:
 
     def load(self, req: LoRARequest) -> LoRAAdapter:
         """The adapter of `req`, from the host cache or loaded now (ValueError on a bad one, or
-        when `req.lora_int_id` is already taken by another name / path)."""
+        when `req.lora_int_id` is already taken by another name / path). The id is the
+        adapter's identity (prefix-cache key): a name may come back with a new id and path."""
         hit = self._host.get(req.lora_int_id)
         if hit is not None:
             known, adapter = hit
@@ -65,11 +66,6 @@ class LoRAManager:
                 )
             self._host.move_to_end(req.lora_int_id)
             return adapter
-        for known, _ in self._host.values():
-            if known.lora_name == req.lora_name and known.lora_path != req.lora_path:
-                raise ValueError(
-                    f"lora_name {req.lora_name!r} is already loaded from {known.lora_path}"
-                )
         adapter = self._loader(req, self.spec, self.config.max_lora_rank)
         self._host[req.lora_int_id] = (req, adapter)
         while len(self._host) > self.max_cpu_loras:
