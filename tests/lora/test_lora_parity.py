@@ -156,3 +156,27 @@ def test_cuda_graphs_mixed_batch(adapters) -> None:  # noqa: ANN001
     for i, (out, lr) in enumerate(zip(outs, plan, strict=True)):
         key = lr.lora_int_id if lr is not None else None
         assert out.outputs[0].token_ids == want_by_model[key][i], f"prompt {i} adapter {key}"
+
+
+def test_moe_attention_lora_and_expert_lora_refused(tmp_path) -> None:  # noqa: ANN001
+    """Mixtral (MoE): an attention-only adapter serves (mixed with the base, equal to the merged
+    model); an adapter on the MLP projections is refused with a clear error."""
+    from arch_zoo import make_arch_model
+
+    base = make_arch_model("mixtral", str(tmp_path / "mixtral"))
+    att = write_peft(str(tmp_path / "att"), base, rank=4, alpha=8.0, targets=ATTN, seed=5, std=0.5)
+    mlp = write_peft(str(tmp_path / "mlp"), base, rank=4, targets=("q_proj", "down_proj"))
+    merged = merge_into(base, att, str(tmp_path / "merged"))
+    want = [hf_greedy(merged, PROMPTS[:1], NEW)[0], hf_greedy(base, PROMPTS[1:2], NEW)[0]]
+    assert want[0] != hf_greedy(base, PROMPTS[:1], NEW)[0]  # the adapter changes the output
+    llm = LLM(model=base, backend="torch", enable_lora=True, max_loras=1, max_lora_rank=8,
+              max_model_len=64)  # fmt: skip
+    try:
+        sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(PROMPTS[:2], sp, use_tqdm=False,
+                            lora_request=[LoRARequest("att", 1, att), None])  # fmt: skip
+        assert [o.outputs[0].token_ids for o in outs] == want
+        with pytest.raises(ValueError, match="no down_proj in layer 0"):
+            llm.generate(PROMPTS[:1], sp, use_tqdm=False, lora_request=LoRARequest("m", 2, mlp))
+    finally:
+        llm.llm_engine.shutdown()
