@@ -53,7 +53,7 @@ def _complete(server, model: str) -> list[int]:  # noqa: ANN001
     c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
     r = c.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, temperature=0, logprobs=0,
                              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
-    assert r.usage.completion_tokens == NEW
+    assert r.usage.completion_tokens == NEW and r.model == model  # vLLM: the adapter's name
     return [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
 
 
@@ -71,7 +71,7 @@ def test_models_and_adapter_completions(server, setup) -> None:  # noqa: ANN001
     assert a1_toks == want["a1"] and a1_toks != base_toks
     chat = c.chat.completions.create(model="a2", max_tokens=4,
                                      messages=[{"role": "user", "content": "light"}])  # fmt: skip
-    assert chat.choices[0].message.content is not None
+    assert chat.choices[0].message.content is not None and chat.model == "a2"
     with pytest.raises(openai.NotFoundError):
         _complete(server, "nope")
 

@@ -808,6 +808,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(CompletionRequest, await _json_body(request))
     lora = _check_model(engine, req.model)
+    served = lora.lora_name if lora is not None else engine.model_name  # the response's model
     apply_generation_defaults(req, request.app[GEN_DEFAULTS_KEY])
     params = req.to_sampling_params()
     texts = req.prompts()
@@ -880,7 +881,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
-                "model": engine.model_name,
+                "model": served,
                 "choices": choices,
                 "usage": _usage(finals, details),
             }
@@ -899,7 +900,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": engine.model_name,
+            "model": served,
             "choices": choices,
         }
 
@@ -1028,6 +1029,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(ChatCompletionRequest, await _json_body(request))
     lora = _check_model(engine, req.model)
+    served = lora.lora_name if lora is not None else engine.model_name  # the response's model
     cfg = request.app[CONFIG_KEY]
     apply_generation_defaults(req, request.app[GEN_DEFAULTS_KEY])
     params = req.to_sampling_params()
@@ -1091,7 +1093,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             "id": rid,
             "object": "chat.completion",
             "created": created,
-            "model": engine.model_name,
+            "model": served,
             "choices": choices,
             "usage": _usage(finals, details),
         }
@@ -1104,7 +1106,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": engine.model_name,
+            "model": served,
             "choices": choices,
         }
 
