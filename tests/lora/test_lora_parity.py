@@ -180,3 +180,22 @@ def test_moe_attention_lora_and_expert_lora_refused(tmp_path) -> None:  # noqa: 
             llm.generate(PROMPTS[:1], sp, use_tqdm=False, lora_request=LoRARequest("m", 2, mlp))
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_engine_process_offline(adapters, tmp_path) -> None:  # noqa: ANN001
+    """The engine core in its own process: the LoRARequest crosses the process boundary, a bad
+    adapter is a ValueError here (the core's answer), and the engine goes on."""
+    base, ads = adapters("llama")
+    bad = write_peft(str(tmp_path / "big"), base, rank=32)
+    want = hf_greedy(ads[0][1], PROMPTS[:1], NEW)[0]
+    llm = LLM(model=base, backend="torch", engine_process=True, enable_lora=True, max_loras=1,
+              max_lora_rank=8, max_model_len=64)  # fmt: skip
+    try:
+        sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        with pytest.raises(ValueError, match="rank 32 exceeds max_lora_rank 8"):
+            llm.generate(PROMPTS[:1], sp, use_tqdm=False, lora_request=LoRARequest("b", 9, bad))
+        out = llm.generate(PROMPTS[:1], sp, use_tqdm=False,
+                           lora_request=LoRARequest("a1", 1, ads[0][0]))  # fmt: skip
+        assert out[0].outputs[0].token_ids == want
+    finally:
+        llm.llm_engine.shutdown()

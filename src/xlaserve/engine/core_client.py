@@ -545,7 +545,8 @@ class MPLLMEngine:
             request_id, prompt, params, priority, arrival_time, cache_salt, lora_request
         )
         self._send(b"A", pickle.dumps((request_id, reqs), protocol=pickle.HIGHEST_PROTOCOL))
-        if reqs[0].params.structured_outputs is not None:  # the core validates the spec
+        # The core validates a structured-output spec and loads a LoRA adapter: wait for it.
+        if reqs[0].params.structured_outputs is not None or lora_request is not None:
             self._wait(lambda: request_id in self._acks, 600)
             kind, msg = self._acks.pop(request_id)
             if kind is not None:
