@@ -85,6 +85,7 @@ class _ReqState(ReqState):
     extra: dict = field(default_factory=dict)
     # Per-request constants of the sampling fast path (set from params at creation).
     plain_greedy: bool = False  # sampler.is_plain_greedy(params)
+    lora_slot: int = -1  # NewRequestData.lora_slot (-1: the base model)
 
 
 ENV_FUSED_GREEDY = KernelConfig.env_name("fused_greedy")
@@ -110,7 +111,7 @@ class TorchModelRunner(RunnerCore):
     capabilities: ClassVar[RunnerCapabilities] = RunnerCapabilities(
         tensor_parallel=True, speculative_methods=("ngram", "draft_model", "eagle"),
         kv_offload=True, quantization=QUANT_METHODS, kv_cache_dtypes=KV_CACHE_DTYPES,
-        async_scheduling=True,
+        async_scheduling=True, lora=True,
     )  # fmt: skip
 
     @classmethod
@@ -193,6 +194,12 @@ class TorchModelRunner(RunnerCore):
         check_state_model_config(config, spec)
         self.state_model = is_state_model(spec)
         self._num_state_slots = 0
+        # Multi-LoRA (backends_torch/lora.py): slot tables + hooks, made by load_model.
+        self.lora = None
+        if config.lora.enable_lora:
+            from xlaserve.backends_torch.lora import check_lora_support
+
+            check_lora_support(config, spec)
 
     # ---- setup ----------------------------------------------------------------------------
 
@@ -226,6 +233,10 @@ class TorchModelRunner(RunnerCore):
             model.load_weights(weights)
         model.use_kernels(self.kernels)  # again: quantization swapped layers in
         self.model = model.eval()
+        if self.config.lora.enable_lora:
+            from xlaserve.backends_torch.lora import TorchLoRA
+
+            self.lora = TorchLoRA(model, self.spec, self.config, self.device, self.dtype)
         if self.draft_spec is not None:
             from xlaserve.backends_torch.draft import load_draft_model
 
@@ -355,6 +366,7 @@ class TorchModelRunner(RunnerCore):
             emit_prompt_logprobs=p.prompt_logprobs is not None
             and len(nr.token_ids) == nr.num_prompt_tokens,
             plain_greedy=is_plain_greedy(p),
+            lora_slot=nr.lora_slot,
         )
 
     def _build_inputs(
@@ -423,6 +435,11 @@ class TorchModelRunner(RunnerCore):
             self.kv_offload.apply(so.kv_disk_out, so.kv_copy_out, so.kv_disk_in, so.kv_copy_in)
         self._check_drafts(so)
         self._update_states(so)
+        if so.lora_loads:  # after finished requests are gone, before the forward
+            if self.lora is None:
+                raise RuntimeError("LoRA adapters scheduled but enable_lora is off")
+            for slot, adapter in so.lora_loads:
+                self.lora.load(slot, adapter)
         out = RunnerOutput()
         launched = _Launched(out)
         if not so.num_scheduled_tokens:
@@ -434,6 +451,10 @@ class TorchModelRunner(RunnerCore):
         states, drafts, starts, chunks = plan.states, plan.drafts, plan.starts, plan.chunks()
         feed_dst, feed_src = plan.feed_dst, plan.feed_src
         feed = (feed_dst, feed_src, self._last_argmax) if feed_dst else None
+        if self.lora is not None:  # each token's adapter slot (-1: base)
+            self.lora.prepare(
+                np.repeat([st.lora_slot for st in states], plan.counts).astype(np.int32)
+            )
         if self.cuda_step is not None:  # one H2D upload; decode steps replay a CUDA graph
             hidden, qsl, seq_lens = self.cuda_step.forward(chunks, feed)
         else:

@@ -112,8 +112,9 @@ def test_llm_methods() -> None:
 
 def _routes() -> set[str]:
     src = ""
-    for name in ("api_server.py", "serving_responses.py", "serving_pooling.py"):
-        with open(os.path.join(ROOT, "src", "xlaserve", "entrypoints", "openai", name)) as f:
+    d = os.path.join(ROOT, "src", "xlaserve", "entrypoints", "openai")
+    for name in ["api_server.py", *sorted(n for n in os.listdir(d) if n.startswith("serving_"))]:
+        with open(os.path.join(d, name)) as f:
             src += f.read()
     routes = {
         f"{m.upper()} {path}"

@@ -82,6 +82,8 @@ class MLP(nn.Module):
         layer whose shape the dense GEMV serves, an activation the kernels know."""
         if not (self.use_triton_ops and x.numel() == x.shape[-1]):
             return False
+        if getattr(self, "lora_attached", False):  # the LoRA hook needs gate_up's own output
+            return False
         from xlaserve.kernels_cuda.activation import ACT_CODES
         from xlaserve.kernels_cuda.dense_gemv import gate_act_gemv_enabled, use_dense_gemv
 

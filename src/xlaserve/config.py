@@ -570,6 +570,9 @@ class ServerConfig:
     # "CLS" (first token); the pooled vector is L2-normalised unless --no-pooling-normalize.
     pooling_type: str = "LAST"
     pooling_normalize: bool = True
+    # LoRA adapters served by name (needs --enable-lora): name=path, or vLLM's JSON
+    # '{"name": ..., "path": ..., "base_model_name": ...}'; several after one flag, or repeated.
+    lora_modules: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:

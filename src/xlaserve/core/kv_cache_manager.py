@@ -4,7 +4,8 @@ A request's KV lives in fixed-size blocks of `block_size` (S) token slots; block
 holds token positions [j * S, (j + 1) * S). The pool has N blocks with ids 0..N-1.
 
 Prefix caching: every *full* block of a request's tokens gets a chained hash
-(parent block's hash, the block's S token ids, extra keys such as the cache salt). A block whose
+(parent block's hash, the block's S token ids, extra keys such as the cache salt and the LoRA
+adapter id). A block whose
 hash is registered can be shared by any later request with the same prefix. Blocks nobody
 references sit in an LRU free queue; a free block still carrying a hash keeps its KV until it is
 handed out again (then its hash is evicted), so a later request can revive it.
@@ -214,8 +215,15 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
-            # The salt enters the first block only; chaining carries it into every later hash.
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
+            # The salt (and the LoRA adapter id) enter the first block only; chaining carries
+            # them into every later hash, so an adapter's blocks never serve the base or
+            # another adapter.
+            extra: tuple = ()
+            if i == 0:
+                if request.cache_salt is not None:
+                    extra = (request.cache_salt,)
+                if request.lora_int_id:
+                    extra = (*extra, ("lora", request.lora_int_id))
             hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from xlaserve.sampling_params import SamplingParams
 
@@ -66,6 +67,16 @@ class Request:
     num_cached_tokens: int = -1
     stop_reason: int | str | None = None
     error: str | None = None
+    # Multi-LoRA (xlaserve/lora): the LoRARequest (None = base model) and its loaded
+    # LoRAAdapter; lora_slot is the device slot while the request runs (-1 otherwise).
+    lora_request: Any = None
+    lora_adapter: Any = None
+    lora_slot: int = -1
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0 = base model): part of the prefix-cache key."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def all_token_ids(self) -> list[int]:

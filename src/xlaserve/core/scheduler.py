@@ -10,6 +10,13 @@ Async scheduling (`schedule(lookahead=True)`): the engine schedules step N+1 bef
 tokens are back. Each request that samples in a lookahead step gets one pending token
 (`num_pending_tokens`), scheduled like a known one; `update_from_output` resolves it. A request
 that turns out to have finished at step N was computed once more at N+1; that token is dropped.
+
+Multi-LoRA (`lora_manager`): a request with an adapter pins one of `max_loras` device slots
+while it runs, so the running requests never use more than `max_loras` distinct adapters. A
+waiting request whose adapter has no slot to take (every slot held by a running request's
+adapter) is skipped this step and keeps its place at the head of the queue; the requests
+behind it still go if they fit (base requests, resident adapters). Preemption releases the
+slot; a resumed request takes one again (maybe another: it comes back in new_requests).
 """
 
 from __future__ import annotations
@@ -17,11 +24,15 @@ from __future__ import annotations
 import bisect
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from xlaserve.config import CacheConfig, SchedulerConfig
 from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.runner import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from xlaserve.lora.manager import LoRAManager
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
@@ -48,8 +59,11 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
+        lora_manager: LoRAManager | None = None,
     ) -> None:
         self.config = scheduler_config
+        # Multi-LoRA slot bookkeeping (None: LoRA off; a request with an adapter is refused).
+        self.lora_manager = lora_manager
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -90,6 +104,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        if request.lora_request is not None and (
+            self.lora_manager is None or request.lora_adapter is None
+        ):
+            raise ValueError("a LoRA request needs enable_lora and its loaded adapter")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self._enqueue_waiting(request, front=False)
@@ -105,6 +123,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV; it resumes from token 0 (prefix hits help)."""
         self.running.remove(request)
+        self._release_lora(request)
         # "swap": its full blocks are copied out to the host tier, so resuming reloads them.
         self.kv_cache_manager.free(request, swap=self.config.preemption_mode == "swap")
         request.status = RequestStatus.PREEMPTED
@@ -115,6 +134,12 @@ class Scheduler:
         self.num_preemptions_total += 1
         self._finished_req_ids.add(request.request_id)
         self._enqueue_waiting(request, front=True)
+
+    def _release_lora(self, request: Request) -> None:
+        """A running request stops running (finished or preempted): unpin its adapter's slot."""
+        if request.lora_slot >= 0:
+            self.lora_manager.release(request.lora_int_id)
+            request.lora_slot = -1
 
     # ----- fairness ---------------------------------------------------------------------------
 
@@ -232,6 +257,12 @@ class Scheduler:
                     not_ready.append(self.waiting.popleft())
                     _drop(waiting_by_group, g)
                     continue
+            lora = self.lora_manager if req.lora_adapter is not None else None
+            if lora is not None and not lora.can_acquire(req.lora_int_id):
+                # Every slot is pinned by other adapters' running requests: it waits, those
+                # behind it may still go.
+                not_ready.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if num_new > budget:
@@ -246,6 +277,8 @@ class Scheduler:
             else:
                 self.running.append(req)
             req.status = RequestStatus.RUNNING
+            if lora is not None:
+                req.lora_slot = lora.acquire(req.lora_adapter)
             if fair:
                 g = _group(req)
                 running_by_group[g] += 1
@@ -269,6 +302,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
                     state_slot=kv.get_state_slot(r.request_id),
+                    lora_slot=r.lora_slot,
                 )
                 for r in new_reqs
             ],
@@ -282,6 +316,8 @@ class Scheduler:
         ops = kv.take_offload_ops()
         output.kv_disk_out, output.kv_copy_out = ops.disk_out, ops.copy_out
         output.kv_disk_in, output.kv_copy_in = ops.disk_in, ops.copy_in
+        if self.lora_manager is not None:
+            output.lora_loads = self.lora_manager.take_loads()
         self._finished_req_ids = set()
         # Advance optimistically; update_from_output takes back rejected draft positions.
         for req_id, n in num_scheduled.items():
@@ -372,6 +408,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+            self._release_lora(req)
             # Only requests the runner holds state for (it saw them scheduled) are reported.
             self._finished_req_ids.add(req.request_id)
         else:

@@ -79,6 +79,7 @@ class _Add:
     cache_salt: str | None
     stream: _Stream
     done: asyncio.Future  # resolved with None or an exception
+    lora_request: Any = None  # xlaserve.lora.LoRARequest (None: the base model)
 
 
 @dataclass
@@ -168,6 +169,7 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> _Stream:
         """Queue a request and wait until the engine accepted it (raises ValueError etc.)."""
         loop = asyncio.get_running_loop()
@@ -176,7 +178,9 @@ class AsyncLLM:
         with self._cmd_lock:
             if self._dead is not None:
                 raise self._dead
-            self._commands.put(_Add(request_id, prompt, params, priority, cache_salt, stream, done))
+            self._commands.put(
+                _Add(request_id, prompt, params, priority, cache_salt, stream, done, lora_request)
+            )
         try:
             await done
         except asyncio.CancelledError:
@@ -191,6 +195,7 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until one has `finished=True`.
 
@@ -200,7 +205,9 @@ class AsyncLLM:
         than when the generator is garbage-collected. Raises ValueError (rejected request),
         EngineQueueFullError, EngineDeadError.
         """
-        stream = await self.add_request(request_id, prompt, params, priority, cache_salt)
+        stream = await self.add_request(
+            request_id, prompt, params, priority, cache_salt, lora_request=lora_request
+        )
         async with contextlib.aclosing(self.iterate(stream)) as outputs:
             async for out in outputs:
                 yield out
@@ -317,6 +324,7 @@ class AsyncLLM:
                     cmd.params,
                     priority=cmd.priority,
                     cache_salt=cmd.cache_salt,
+                    lora_request=cmd.lora_request,
                 )
                 self._streams[cmd.request_id] = cmd.stream
             except ValueError as e:

@@ -165,6 +165,7 @@ class CoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     group_id: str | None = None  # fairness group (scheduler.max_running_share); None: own id
+    lora_request: Any = None  # xlaserve.lora.LoRARequest (None: the base model)
 
 
 @dataclass
@@ -296,6 +297,7 @@ class EngineCore:
                 f"backend {self.backend!r} use tensor_parallel_size (distributed_executor_backend="
                 "'ray' across hosts where the backend supports it)"
             )
+        self.lora_manager = self._make_lora_manager(caps)  # before loading anything
         # The backend's runner, or its executor over tensor-parallel ranks (runner registry).
         self.runner: ModelRunner = create_runner(config, self.spec, self.backend)
         self.runner.load_model()
@@ -311,7 +313,9 @@ class EngineCore:
             offload=build_offload_manager(config, self.runner),
             num_state_slots=self._num_state_slots(),
         )
-        self.scheduler = Scheduler(config.scheduler, cc, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, cc, self.kv_manager, self.max_model_len, self.lora_manager
+        )
         self._live: set[str] = set()  # request ids added and not finished
         self._first_sched: dict[str, float] = {}  # first scheduled, not reported yet
         self._pending_finished: set[str] = set()
@@ -366,6 +370,35 @@ class EngineCore:
             return why is None and bool(getattr(self.runner, "async_by_default", False))
         return mode == "on"
 
+    def _make_lora_manager(self, caps: Any) -> Any:  # noqa: ANN401
+        """The LoRAManager with enable_lora (the runner must declare `capabilities.lora`)."""
+        lc = self.config.lora
+        if not lc.enable_lora:
+            return None
+        if not caps.lora:
+            able = backends_with(lambda c: c.lora)
+            raise ValueError(
+                f"enable_lora is not supported by backend {self.backend!r}; use backend "
+                f"{backend_names(able)}"
+            )
+        from xlaserve.lora.manager import LoRAManager
+
+        return LoRAManager(lc, self.spec)
+
+    def load_lora(self, lora_request: Any) -> Any:  # noqa: ANN401
+        """Load (or find in the host cache) an adapter: ValueError when LoRA is off or the
+        adapter is bad (the engine keeps serving)."""
+        if self.lora_manager is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is not enabled "
+                "(enable_lora=True / --enable-lora)"
+            )
+        return self.lora_manager.load(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the host cache (running requests keep theirs)."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_int_id)
+
     @property
     def capacity_tokens(self) -> int:
         return self.kv_manager.num_blocks * self.kv_manager.block_size
@@ -382,7 +415,9 @@ class EngineCore:
         so = reqs[0].params.structured_outputs
         # Structured output: validate the spec now (ValueError -> HTTP 400); compile async.
         grammar = self._structured_manager().prepare(so) if so is not None else None
-        for r in reqs:
+        # LoRA: load each adapter now (ValueError -> HTTP 400 before anything is queued).
+        adapters = [self.load_lora(r.lora_request) if r.lora_request else None for r in reqs]
+        for r, adapter in zip(reqs, adapters, strict=True):
             req = Request(
                 request_id=r.request_id,
                 prompt_token_ids=r.prompt_token_ids,
@@ -392,6 +427,8 @@ class EngineCore:
                 priority=r.priority,
                 cache_salt=r.cache_salt,
                 group_id=r.group_id,
+                lora_request=r.lora_request,
+                lora_adapter=adapter,
             )
             if grammar is not None:
                 self._structured.add_request(r.request_id, grammar)

@@ -287,6 +287,7 @@ class MPAsyncLLM:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> _Stream:
         """Validate here, queue in the core, wait for its ack (raises ValueError etc.)."""
         loop = asyncio.get_running_loop()
@@ -308,6 +309,7 @@ class MPAsyncLLM:
                 priority,
                 stream.arrival_time,
                 cache_salt,
+                lora_request,
             )
             self._pending[request_id] = (stream, done)
             self._send(b"A", pickle.dumps((request_id, reqs), protocol=pickle.HIGHEST_PROTOCOL))
@@ -537,12 +539,14 @@ class MPLLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         reqs = self.processor.add_request(
-            request_id, prompt, params, priority, arrival_time, cache_salt
+            request_id, prompt, params, priority, arrival_time, cache_salt, lora_request
         )
         self._send(b"A", pickle.dumps((request_id, reqs), protocol=pickle.HIGHEST_PROTOCOL))
-        if reqs[0].params.structured_outputs is not None:  # the core validates the spec
+        # The core validates a structured-output spec and loads a LoRA adapter: wait for it.
+        if reqs[0].params.structured_outputs is not None or lora_request is not None:
             self._wait(lambda: request_id in self._acks, 600)
             kind, msg = self._acks.pop(request_id)
             if kind is not None:

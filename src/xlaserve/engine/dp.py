@@ -213,6 +213,7 @@ class DataParallelAsyncLLM:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> Any:  # noqa: ANN401 - the owning replica's stream
         """Place the request on the best replica that accepts it (see the module docstring)."""
         if request_id in self._owner:
@@ -231,7 +232,7 @@ class DataParallelAsyncLLM:
             b.in_flight[i] += 1
             try:
                 stream = await self.replicas[i].add_request(
-                    request_id, prompt, params, priority, cache_salt
+                    request_id, prompt, params, priority, cache_salt, lora_request=lora_request
                 )
             except EngineQueueFullError as e:  # raced with the snapshot: try the next one
                 self.rejected[i] += 1

@@ -58,6 +58,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         priority: Sequence[int] | None,
+        lora_request: Any = None,
     ) -> list[str]:
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -72,12 +73,20 @@ class LLM:
             params = [sampling_params or SamplingParams()] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("need one priority per prompt")
+        if isinstance(lora_request, Sequence):
+            if len(lora_request) != len(prompts):
+                raise ValueError("need one lora_request per prompt, or a single one for all")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         engine = self.llm_engine
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = engine.new_request_id()
-                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                engine.add_request(
+                    rid, p, sp, priority=priority[i] if priority else 0, lora_request=loras[i]
+                )
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)
@@ -90,9 +99,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: Any = None,
     ) -> Iterator[RequestOutput]:
-        """Yield each request's final output as soon as it finishes (not in input order)."""
-        ids = self._add(prompts, sampling_params, priority)
+        """Yield each request's final output as soon as it finishes (not in input order).
+        `lora_request`: a LoRARequest for every prompt, or a list (one per prompt, None = base)."""
+        ids = self._add(prompts, sampling_params, priority, lora_request)
         pending = set(ids)
         bar = None
         if use_tqdm:
@@ -128,10 +139,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order given."""
+        """Run every prompt to completion; outputs in the order given. `lora_request`: a
+        LoRARequest for every prompt, or a list of them (one per prompt, None = the base)."""
         results: dict[str, RequestOutput] = {}
-        for out in self.generate_iter(prompts, sampling_params, use_tqdm, priority):
+        for out in self.generate_iter(prompts, sampling_params, use_tqdm, priority, lora_request):
             results[out.request_id] = out
         # Request ids are "req-<counter>", so their number gives the input order.
         return [results[r] for r in sorted(results, key=lambda r: int(r.rsplit("-", 1)[1]))]
@@ -147,6 +160,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to each conversation, then generate (vLLM's signature).
 
@@ -173,7 +187,7 @@ class LLM:
                 c, add_generation_prompt, special_tokens_in_content=True, **kwargs
             )
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the defaults of the model's generation_config.json

@@ -59,10 +59,12 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> None:
-        """Validate and queue one request (n > 1 becomes n sequences). Raises ValueError."""
+        """Validate and queue one request (n > 1 becomes n sequences). Raises ValueError.
+        `lora_request`: an xlaserve.lora.LoRARequest (None: the base model)."""
         reqs = self.processor.add_request(
-            request_id, prompt, params, priority, arrival_time, cache_salt
+            request_id, prompt, params, priority, arrival_time, cache_salt, lora_request
         )
         try:
             self.core.add_requests(reqs)

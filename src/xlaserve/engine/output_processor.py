@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from xlaserve.engine.core import CoreOutput, CoreRequest, ModelInfo, WireLogprobs
 from xlaserve.outputs import (
@@ -108,6 +109,7 @@ class OutputProcessor:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> list[CoreRequest]:
         """Validate and register one request; its core requests (n of them). Raises ValueError.
         If the core then refuses them, call `drop(request_id)`."""
@@ -155,7 +157,17 @@ class OutputProcessor:
                     child_params.seed = params.seed + i
             cid = child_id(request_id, i)
             core_reqs.append(
-                CoreRequest(cid, ids, child_params, max_tokens, now, priority, cache_salt, group_id)
+                CoreRequest(
+                    cid,
+                    ids,
+                    child_params,
+                    max_tokens,
+                    now,
+                    priority,
+                    cache_salt,
+                    group_id,
+                    lora_request=lora_request,
+                )  # fmt: skip
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,

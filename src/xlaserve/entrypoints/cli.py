@@ -43,13 +43,14 @@ _SECTIONS: list[tuple[str, type, str]] = [
     ("load", cfg.LoadConfig, "Weight loading"),
     ("structured", cfg.StructuredOutputConfig, "Structured output"),
     ("kernels", cfg.KernelConfig, "Kernels"),
+    ("lora", cfg.LoRAConfig, "LoRA"),
     ("engine", cfg.EngineConfig, "Engine"),
     ("server", cfg.ServerConfig, "Server"),
 ]
 # Fields that are not flags (the positional MODEL, nested sections).
 _SKIP = {("model", "model"), ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"),
          ("engine", "parallel"), ("engine", "load"), ("engine", "structured"),
-         ("engine", "kernels")}  # fmt: skip
+         ("engine", "kernels"), ("engine", "lora")}  # fmt: skip
 # Flag names that would collide or read ambiguously without their section.
 _RENAME = {
     ("structured", "backend"): "structured_output_backend",
@@ -170,6 +171,35 @@ def _is_repeatable(tp: Any) -> bool:
     return any(typing.get_origin(a) is list for a in typing.get_args(tp))
 
 
+# Repeatable flags that also take several values after one flag, as vLLM's nargs="+"
+# (`--lora-modules a=/p b=/q`): following tokens that look like values (name=path or JSON).
+_GREEDY = {("server", "lora_modules")}
+
+
+class _GreedyOption(_ConfigOption):
+    """A multiple=True flag that also consumes the values right after it (see _GREEDY); a
+    token without '=' (e.g. the MODEL argument) or starting with '-' ends the list."""
+
+    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:  # noqa: ANN401
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            opt = parser._long_opt.get(name)
+            if opt is None:
+                continue
+            orig = opt.process
+
+            def process(value: Any, state: Any, orig: Any = orig) -> None:  # noqa: ANN401
+                orig(value, state)
+                while (
+                    state.rargs
+                    and not state.rargs[0].startswith("-")
+                    and ("=" in state.rargs[0] or state.rargs[0].lstrip().startswith("{"))
+                ):
+                    orig(state.rargs.pop(0), state)
+
+            opt.process = process
+
+
 def _config_options(sections: set[str]) -> Callable[[Callable], Callable]:
     """Decorator adding one flag per field of the named config sections."""
     decorators = []
@@ -209,6 +239,9 @@ def _config_options(sections: set[str]) -> Callable[[Callable], Callable]:
             elif _is_repeatable(hints[f.name]):
                 decl = [flag, dest]
                 kw.update(type=ctype, multiple=True, default=None)
+                if (section, f.name) in _GREEDY:
+                    decorators.append(_GreedyOption(decl, **kw))
+                    continue
             else:
                 decl = [flag, dest]
                 kw["type"] = ctype
@@ -245,6 +278,7 @@ def build_engine_config(model: str | None, parts: dict[str, dict[str, Any]]) -> 
         parallel=cfg.ParallelConfig(**parts.get("parallel", {})),
         load=cfg.LoadConfig(**parts.get("load", {})),
         structured=cfg.StructuredOutputConfig(**parts.get("structured", {})),
+        lora=cfg.LoRAConfig(**parts.get("lora", {})),
         kernels=cfg.KernelConfig.from_env(
             **{k: v for k, v in parts.get("kernels", {}).items() if v is not None}
         ),
@@ -260,7 +294,7 @@ def _engine_config(ctx: click.Context, model: str | None) -> cfg.EngineConfig:
 
 
 _ENGINE_SECTIONS = {
-    "model", "cache", "scheduler", "parallel", "load", "structured", "kernels", "engine"
+    "model", "cache", "scheduler", "parallel", "load", "structured", "kernels", "lora", "engine"
 }  # fmt: skip
 
 
@@ -417,6 +451,14 @@ def serve(ctx: click.Context, model: str | None, **_: Any) -> None:
     try:
         server_config = cfg.ServerConfig(**_sections_kwargs(ctx).get("server", {}))
         server_config.api_keys()  # an unreadable or empty --api-key-file stops here
+        if server_config.lora_modules:  # syntax and --enable-lora, before any loading
+            from xlaserve.entrypoints.openai.serving_lora import parse_lora_module
+
+            mods = server_config.lora_modules
+            for m in [mods] if isinstance(mods, str) else mods:
+                parse_lora_module(m)
+            if not engine_config.lora.enable_lora:
+                raise ValueError("--lora-modules needs --enable-lora")
     except ValueError as e:
         raise _StartupFailure(str(e), exit_code=2) from None
     _setup_logging()

@@ -381,11 +381,18 @@ def _render_chat(
         raise
 
 
-def _check_model(engine: AsyncLLM, model: str | None) -> None:
-    if model is not None and model != engine.model_name:
+def _check_model(engine: AsyncLLM, model: str | None) -> Any:  # noqa: ANN401
+    """None for the base model; the LoRARequest of a served adapter name (serving_lora.py);
+    404 for any other name."""
+    if model is None or model == engine.model_name:
+        return None
+    reg = getattr(engine, "lora_registry", None)
+    lora = reg.get(model) if reg is not None else None
+    if lora is None:
         raise APIError(
             404, f"the model '{model}' does not exist", param="model", code="model_not_found"
         )
+    return lora
 
 
 def _engine(request: web.Request) -> AsyncLLM:
@@ -686,14 +693,16 @@ async def _add_all(
     params: SamplingParams,
     priority: int,
     salt: str | None,
+    lora: Any = None,  # noqa: ANN401 - a LoRARequest (None: the base model)
 ) -> list[Any]:
     """Add every prompt as its own request; on any failure abort the ones already added."""
     streams = []
+    kw = {"lora_request": lora} if lora is not None else {}
     try:
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(
-                await engine.add_request(rid, p, params, priority=priority, cache_salt=salt)
+                await engine.add_request(rid, p, params, priority=priority, cache_salt=salt, **kw)
             )
     except BaseException:
         for s in streams:
@@ -798,7 +807,8 @@ def _completion_prompts(engine: AsyncLLM, texts: list[str | list[int]], group: s
 async def create_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(CompletionRequest, await _json_body(request))
-    _check_model(engine, req.model)
+    lora = _check_model(engine, req.model)
+    served = lora.lora_name if lora is not None else engine.model_name  # the response's model
     apply_generation_defaults(req, request.app[GEN_DEFAULTS_KEY])
     params = req.to_sampling_params()
     texts = req.prompts()
@@ -811,7 +821,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     deadline = _deadline(request)
     details = request.app[CONFIG_KEY].enable_prompt_tokens_details
     salt = _cache_salt(request, req.cache_salt)
-    streams = await _add_all(engine, rid, prompts, params, req.priority, salt)
+    streams = await _add_all(engine, rid, prompts, params, req.priority, salt, lora)
     n = params.n
 
     def echo_text(out: RequestOutput) -> str:
@@ -871,7 +881,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
-                "model": engine.model_name,
+                "model": served,
                 "choices": choices,
                 "usage": _usage(finals, details),
             }
@@ -890,7 +900,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": engine.model_name,
+            "model": served,
             "choices": choices,
         }
 
@@ -1018,7 +1028,8 @@ def chat_tool_plan(
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     req = parse_body(ChatCompletionRequest, await _json_body(request))
-    _check_model(engine, req.model)
+    lora = _check_model(engine, req.model)
+    served = lora.lora_name if lora is not None else engine.model_name  # the response's model
     cfg = request.app[CONFIG_KEY]
     apply_generation_defaults(req, request.app[GEN_DEFAULTS_KEY])
     params = req.to_sampling_params()
@@ -1033,7 +1044,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     details = cfg.enable_prompt_tokens_details
     k = req.top_logprobs or 0
     salt = _cache_salt(request, req.cache_salt)
-    streams = await _add_all(engine, rid, [prompt], params, req.priority, salt)
+    streams = await _add_all(engine, rid, [prompt], params, req.priority, salt, lora)
     echo = ""
     if req.echo and req.messages[-1].role == "assistant":
         echo = req.messages[-1].text()
@@ -1082,7 +1093,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             "id": rid,
             "object": "chat.completion",
             "created": created,
-            "model": engine.model_name,
+            "model": served,
             "choices": choices,
             "usage": _usage(finals, details),
         }
@@ -1095,7 +1106,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": engine.model_name,
+            "model": served,
             "choices": choices,
         }
 
@@ -1171,12 +1182,18 @@ def _model_card(request: web.Request) -> dict[str, Any]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request)]})
+    engine = request.app[ENGINE_KEY]
+    reg = getattr(engine, "lora_registry", None)
+    adapters = reg.cards(engine.max_model_len) if reg is not None else []
+    return web.json_response({"object": "list", "data": [_model_card(request), *adapters]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    """GET /v1/models/{id}: the served model's card, 404 for any other id."""
-    _check_model(request.app[ENGINE_KEY], request.match_info["model"])
+    """GET /v1/models/{id}: the served model's (or a LoRA adapter's) card, 404 for any other."""
+    engine = request.app[ENGINE_KEY]
+    lora = _check_model(engine, request.match_info["model"])
+    if lora is not None:
+        return web.json_response(engine.lora_registry.card(lora.lora_name, engine.max_model_len))
     return web.json_response(_model_card(request))
 
 
@@ -1307,6 +1324,12 @@ def build_app(
     from xlaserve.entrypoints.openai import serving_responses  # imports this module
 
     serving_responses.add_routes(app)
+    from xlaserve.entrypoints.openai import serving_lora
+
+    # LoRA adapters (--enable-lora, --lora-modules; runtime loading behind an env var).
+    engine.lora_registry = serving_lora.build_registry(engine, config.lora_modules)
+    if engine.lora_registry is not None:
+        serving_lora.add_routes(app, engine.lora_registry)
     if config.runner == "pooling":
         from xlaserve.entrypoints.openai import serving_pooling
 

@@ -231,7 +231,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = await srv._json_body(request)
     chat_body = to_chat_body(body)
     req = parse_body(ChatCompletionRequest, chat_body)
-    srv._check_model(engine, req.model)
+    lora = srv._check_model(engine, req.model)
     cfg = request.app[srv.CONFIG_KEY]
     srv.apply_generation_defaults(req, request.app[srv.GEN_DEFAULTS_KEY])
     params = req.to_sampling_params()
@@ -247,7 +247,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     srv._log(request, rid, [prompt], params)
     salt = srv._cache_salt(request, req.cache_salt)
     deadline = srv._deadline(request)
-    streams = await srv._add_all(engine, rid, [prompt], params, req.priority, salt)
+    streams = await srv._add_all(engine, rid, [prompt], params, req.priority, salt, lora)
 
     if not body.get("stream"):
         (out,) = await srv._collect(engine, streams, deadline)
