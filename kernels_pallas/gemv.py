@@ -43,20 +43,19 @@ class GemvConfig:
     num_stages: int = 4
 
 
-# (N, K) -> config, from `python -m xlaserve.bench.gpu_probes.pallas_gemv` on the H200; shapes
-# not listed use `default_config`.
-TUNED: dict[tuple[int, int], GemvConfig] = {}
+# (N, K) -> config, from `python -m xlaserve.bench.gpu_probes.pallas_gemv` on the H200 (M = 16,
+# bf16; bench/RESULTS.md): the 8B qkv and o projections. Split-K did not win there.
+TUNED: dict[tuple[int, int], GemvConfig] = {
+    (6144, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    (4096, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=5),
+}
 
 
 def default_config(n: int, k: int) -> GemvConfig:
-    """Enough programs to cover ~4 waves of 132 SMs: split K when N alone gives too few."""
+    """The tuned config of (n, k), else narrow column tiles (many programs) without split-K."""
     if (n, k) in TUNED:
         return TUNED[(n, k)]
-    bn = 64 if n % 64 == 0 else 32
-    split = 1
-    while n // bn * split < 512 and k // (256 * split * 2) >= 2:
-        split *= 2
-    return GemvConfig(block_n=bn, block_k=256, split_k=split)
+    return GemvConfig(block_n=32 if n % 64 else 64, block_k=256, split_k=1)
 
 
 def gemv_supported(m: int, n: int, k: int, cfg: GemvConfig) -> bool:
