@@ -178,13 +178,21 @@ def lora_delta_ref(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -
 @dataclass(frozen=True)
 class SegmentBlockSizes:
     """Rows per tile (bt), output columns per program (bn), contraction step (bk); powers of
-    two >= 16 (Triton dots); clamped down to the problem where it is smaller."""
+    two >= 16 (Triton dots); clamped down to the problem where it is smaller. k_splits: the
+    contraction cut into that many chunks on a third grid axis (float32 partials summed by the
+    wrapper); None = enough to give the grid ~FEW_PROGRAMS programs (the shrink: N = rank is one
+    column tile, K = hidden is long)."""
 
     bt: int = 32
     bn: int = 64
     bk: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    k_splits: int | None = None
+
+
+# Below this many programs the grid cannot fill an H200 (132 SMs, ~2 programs each).
+FEW_PROGRAMS = 264
 
 
 def _pow2_at_least(x: int, lo: int = 16) -> int:
@@ -223,8 +231,11 @@ def _segment_kernel(
     m: int,
     n: int,
     k: int,
+    steps: int,
+    splits: int,
 ) -> None:
     tile, j = pl.program_id(0), pl.program_id(1)
+    split = pl.program_id(2) if splits > 1 else 0
     g = tile_group_ref[tile]
 
     @pl.when(g >= 0)
@@ -249,14 +260,18 @@ def _segment_kernel(
                 xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
 
-        acc = lax.fori_loop(0, -(-k // bk), body, jnp.zeros((bt, bn), jnp.float32))
-        # A slice store into the padded output ([M + BT, N padded to BN]): never out of bounds,
-        # so the interpreter's clamped dynamic slices never shift it.
-        compat.gpu_store(
-            o_ref.at[pl.ds(row0, bt), pl.ds(j * bn, bn)],
-            acc.astype(o_ref.dtype),
-            mask=row_ok & col_ok,
+        acc = lax.fori_loop(
+            split * steps, split * steps + steps, body, jnp.zeros((bt, bn), jnp.float32)
         )
+        # A slice store into the padded output ([splits, M + BT, N padded to BN]): never out of
+        # bounds, so the interpreter's clamped dynamic slices never shift it.
+        mask = row_ok & col_ok
+        if splits == 1:
+            compat.gpu_store(o_ref.at[pl.ds(row0, bt), pl.ds(j * bn, bn)],
+                             acc.astype(o_ref.dtype), mask=mask)  # fmt: skip
+        else:  # all-slice indexing (the interpreter does not mix scalars and slices)
+            compat.gpu_store(o_ref.at[pl.ds(split, 1), pl.ds(row0, bt), pl.ds(j * bn, bn)],
+                             acc[None], mask=mask[None])  # fmt: skip
 
 
 def segment_matmul_gpu(
@@ -278,17 +293,26 @@ def segment_matmul_gpu(
     bn = min(bs.bn, _pow2_at_least(n))
     bk = min(bs.bk, _pow2_at_least(k))
     num_tiles = -(-m // bt) + g  # each group adds at most one partial tile
+    n_tiles, k_steps = -(-n // bn), -(-k // bk)
+    splits = bs.k_splits or max(1, -(-FEW_PROGRAMS // (num_tiles * n_tiles)))
+    splits = max(1, min(splits, k_steps))
+    steps = -(-k_steps // splits)
+    splits = -(-k_steps // steps)  # no empty split
     tile_group, tile_row = _tile_map(group_sizes, bt, num_tiles)
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    kernel = functools.partial(_segment_kernel, bt=bt, bn=bn, bk=bk, m=m, n=n, k=k)
+    kernel = functools.partial(_segment_kernel, bt=bt, bn=bn, bk=bk, m=m, n=n, k=k,
+                               steps=steps, splits=splits)  # fmt: skip
+    out_dtype = x.dtype if splits == 1 else jnp.float32
     out = pl.pallas_call(
         kernel,
-        grid=(num_tiles, -(-n // bn)),
-        out_shape=jax.ShapeDtypeStruct((m + bt, -(-n // bn) * bn), x.dtype),
+        grid=(num_tiles, n_tiles) + ((splits,) if splits > 1 else ()),
+        out_shape=jax.ShapeDtypeStruct(
+            ((splits,) if splits > 1 else ()) + (m + bt, n_tiles * bn), out_dtype
+        ),  # fmt: skip
         compiler_params=compat.gpu_compiler_params(bs.num_warps, bs.num_stages),
         interpret=interpret,
-        name=f"xlaserve_lora_segment_t{bt}_n{bn}_k{bk}",
+        name=f"xlaserve_lora_segment_t{bt}_n{bn}_k{bk}_s{splits}",
     )(tile_group, tile_row, ends, x, w.astype(x.dtype).reshape(g * n, k))
     # Rows no tile owns (base tokens) were never written.
-    out = out[:m, :n]
+    out = out[:m, :n] if splits == 1 else out[:, :m, :n].sum(axis=0).astype(x.dtype)
     return jnp.where(jnp.arange(m)[:, None] < ends[-1], out, jnp.zeros((), out.dtype))

@@ -94,9 +94,11 @@ def test_delta_ref_is_the_definition() -> None:
     assert np.abs(want).max() > 1.0
 
 
-def test_segments_and_gpu_segment_matmul_tiles() -> None:
+@pytest.mark.parametrize("k_splits", [1, 3, None])
+def test_segments_and_gpu_segment_matmul_tiles(k_splits: int | None) -> None:
     """Segments: slot order, base tokens last; the Triton kernel with tiles smaller than the
-    segments (several tiles per segment, several N and K steps, an empty group)."""
+    segments (several tiles per segment, several N and K steps, an empty group), with the
+    contraction in one piece, in 3 split-K chunks (4 K steps: uneven) and split automatically."""
     sl = jnp.asarray([2, -1, 0, 2, 5, 0], jnp.int32)  # 5 is out of range for S=3: base
     seg = make_segments(sl, 3)
     assert np.asarray(seg.perm).tolist() == [2, 5, 0, 3, 1, 4]
@@ -107,7 +109,7 @@ def test_segments_and_gpu_segment_matmul_tiles() -> None:
     m, k, n = 80, 100, 70  # rows past sum(sizes)=72 must come back zero
     x = rng.normal(size=(m, k)).astype(np.float32)
     w = rng.normal(size=(4, n, k)).astype(np.float32)
-    bs = SegmentBlockSizes(bt=16, bn=32, bk=32)
+    bs = SegmentBlockSizes(bt=16, bn=32, bk=32, k_splits=k_splits)
     got = np.asarray(segment_matmul_gpu(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), bs))
     want = np.zeros((m, n), np.float32)
     off = 0
