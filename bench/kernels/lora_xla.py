@@ -13,8 +13,10 @@ Two parts, one JSON:
 - "runner": the XlaModelRunner on the 8B shape (dummy weights, 32 layers) driven with hand-built
   SchedulerOutputs: decode steps at batch 1 and at batch `--batch` (each request 256 prompt
   tokens, prefilled first), the requests spread round-robin over 8 rank-16 adapters (random
-  weights in every module) vs the same runner shape without LoRA; rows: median step ms and
-  output tok/s per batch, and lora / none ratios (goal: >= 0.85 at the big batch).
+  weights in every module) vs the same runner shape without LoRA, one runner per LoRA
+  implementation (--impls, default "xla" + the platform's Pallas kernel); rows: start-up
+  seconds, median step ms and output tok/s per batch, and lora / none ratios per
+  implementation (goal: >= 0.85 at the big batch).
 
 --tiny runs the same code on tiny shapes (the CPU smoke test; Pallas kernels under the
 interpreter). Output: JSON to --out and stdout.
@@ -159,7 +161,11 @@ def _run_decode(runner, batch: int, prompt_len: int, steps: int, lora: bool) -> 
     return {"step_ms": ms, "tok_s": batch / ms * 1e3}
 
 
-def bench_runner(tiny: bool, batch: int, steps: int) -> dict[str, Any]:
+def bench_runner(tiny: bool, batch: int, steps: int, impls: list[str]) -> dict[str, Any]:
+    """Decode rows of the runner without LoRA and with LoRA per implementation in `impls`
+    (XLASERVE_LORA_IMPL); a variant that fails is recorded with its error."""
+    import os
+
     from xlaserve.backends_xla.runner import XlaModelRunner
     from xlaserve.bench.gpu_bench import write_model_dir
     from xlaserve.config import EngineConfig
@@ -168,30 +174,45 @@ def bench_runner(tiny: bool, batch: int, steps: int) -> dict[str, Any]:
     path = write_model_dir(tempfile.mkdtemp(), num_layers=2 if tiny else 32, tiny=tiny)
     prompt_len = 16 if tiny else 256
     res: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "slots": SLOTS, "rank": RANK}
-    for lora in (False, True):
+    batches = sorted({1, batch})
+    for impl in [None, *impls]:
+        key = "none" if impl is None else f"lora_{impl}"
         kw: dict[str, Any] = dict(
             model=path, load_format="dummy", max_num_seqs=batch, max_model_len=prompt_len + 64,
-            max_num_batched_tokens=max(batch, 64 if tiny else 2048), block_size=16,
+            max_num_batched_tokens=max(batch, 64 if tiny else 256), block_size=16,
             num_kv_blocks=batch * (-(-(prompt_len + steps + 2) // 16)) + 8,
         )  # fmt: skip
         if tiny:
             kw["compilation_cache_dir"] = tempfile.mkdtemp()
-        if lora:
+        if impl is not None:
             kw.update(enable_lora=True, max_loras=SLOTS, max_lora_rank=RANK)
-        config = EngineConfig.from_kwargs(**kw)
-        runner = XlaModelRunner(config, build_spec(path))
-        runner.load_model()
-        runner.init_kv_cache(runner.determine_num_kv_blocks())
-        if lora:
-            rng = np.random.default_rng(0)
-            runner.lora_tables.write([(s, _adapter(runner.spec, s + 1, rng)) for s in range(SLOTS)])
-        key = "lora" if lora else "none"
-        for b in sorted({1, batch}):
-            res[f"{key}_b{b}"] = _run_decode(runner, b, prompt_len, steps, lora)
-            print(json.dumps({key: b, **res[f"{key}_b{b}"]}), file=sys.stderr)
-        runner.shutdown()
-    for b in sorted({1, batch}):
-        res[f"ratio_tok_s_b{b}"] = res[f"lora_b{b}"]["tok_s"] / res[f"none_b{b}"]["tok_s"]
+            os.environ["XLASERVE_LORA_IMPL"] = impl
+        runner = None
+        try:
+            t0 = time.perf_counter()
+            runner = XlaModelRunner(EngineConfig.from_kwargs(**kw), build_spec(path))
+            runner.load_model()
+            runner.init_kv_cache(runner.determine_num_kv_blocks())
+            res[f"{key}_startup_s"] = time.perf_counter() - t0
+            if impl is not None:
+                rng = np.random.default_rng(0)
+                loads = [(s, _adapter(runner.spec, s + 1, rng)) for s in range(SLOTS)]
+                runner.lora_tables.write(loads)
+            for b in batches:
+                res[f"{key}_b{b}"] = _run_decode(runner, b, prompt_len, steps, impl is not None)
+                print(json.dumps({key: b, **res[f"{key}_b{b}"]}), file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - one failing variant must not stop the run
+            res[f"{key}_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(res[f"{key}_error"], file=sys.stderr)
+        finally:
+            os.environ.pop("XLASERVE_LORA_IMPL", None)
+            if runner is not None:
+                runner.shutdown()
+    for impl in impls:
+        for b in batches:
+            if f"lora_{impl}_b{b}" in res and f"none_b{b}" in res:
+                ratio = res[f"lora_{impl}_b{b}"]["tok_s"] / res[f"none_b{b}"]["tok_s"]
+                res[f"ratio_{impl}_b{b}"] = ratio
     return res
 
 
@@ -203,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per kernel row")
     ap.add_argument("--skip-runner", action="store_true")
+    ap.add_argument(
+        "--impls", default=None,
+        help="LoRA implementations of the runner rows, comma-separated (default: xla + this "
+        "platform's Pallas kernel)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     import jax
 
@@ -212,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out["kernels"] = bench_kernels(args.tiny, args.reps)
     if not args.skip_runner:
-        out["runner"] = bench_runner(args.tiny, args.batch, args.steps)
+        pallas = {"gpu": ["pallas_gpu"], "tpu": ["pallas_tpu"]}.get(jax.default_backend(), [])
+        impls = args.impls.split(",") if args.impls else ["xla", *pallas]
+        out["runner"] = bench_runner(args.tiny, args.batch, args.steps, impls)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
