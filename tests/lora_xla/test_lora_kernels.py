@@ -128,3 +128,20 @@ def test_bad_shapes_are_clear_errors() -> None:
         lora_expand(jnp.zeros((4, 8)), jnp.zeros((4, 4)), jnp.zeros((2, 6, 4)), seg, 4, "xla")
     with pytest.raises(ValueError, match="impl"):
         lora_shrink(jnp.zeros((4, 8)), jnp.zeros((2, 4, 8)), seg, "cuda")
+
+
+def test_pallas_tpu_lowers_for_tpu_at_8b_shapes() -> None:
+    """The Mosaic path (gmm) lowered for a TPU on this CPU host at Llama-8B shapes (bf16, rank
+    16, 8 slots): block shapes Mosaic accepts, one kernel each for the shrink and the expand."""
+    import jax
+    from jax import export
+
+    def f(x, a, b, y, slots):  # noqa: ANN001, ANN202
+        seg = make_segments(slots, 8)
+        return lora_expand(y, lora_shrink(x, a, seg, "pallas_tpu"), b, seg, 0, "pallas_tpu")
+
+    bf = jnp.bfloat16
+    args = (jnp.zeros((256, 4096), bf), jnp.zeros((8, 16, 4096), bf),
+            jnp.zeros((8, 14336, 16), bf), jnp.zeros((256, 14336), bf), jnp.zeros(256, jnp.int32))  # fmt: skip
+    exported = export.export(jax.jit(f), platforms=["tpu"])(*args)
+    assert exported.mlir_module().count("tpu_custom_call") == 2
