@@ -153,7 +153,10 @@ def lora_expand(
     if impl == "xla":
         num_slots = b.shape[0]
         s_all = s[:, None, :] * _onehot(seg.slots, num_slots, s.dtype)[..., None]  # [T, S, R]
-        delta = jnp.einsum("tsr,sor->to", s_all, b, preferred_element_type=jnp.float32)
+        # One 2D dot over (slot, rank): [T, S*R] @ [S*R, out] (2-5x faster on XLA:CPU than a
+        # dot with two contracting dims, measured at tiny and 1k x 4k shapes).
+        b_t = jnp.swapaxes(b, 1, 2).reshape(num_slots * b.shape[2], out_f)
+        delta = jnp.dot(s_all.reshape(s.shape[0], -1), b_t, preferred_element_type=jnp.float32)
     else:
         delta = _apply_rows(b, s.astype(b.dtype), seg, impl)
     part = y[:, offset : offset + out_f].astype(jnp.float32) + delta
