@@ -25,6 +25,7 @@ interpreter). Output: JSON to --out and stdout.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -161,7 +162,9 @@ def _run_decode(runner, batch: int, prompt_len: int, steps: int, lora: bool) -> 
     return {"step_ms": ms, "tok_s": batch / ms * 1e3}
 
 
-def bench_runner(tiny: bool, batch: int, steps: int, impls: list[str]) -> dict[str, Any]:
+def bench_runner(
+    tiny: bool, batch: int, steps: int, impls: list[str], prompt_len: int | None = None
+) -> dict[str, Any]:
     """Decode rows of the runner without LoRA and with LoRA per implementation in `impls`
     (XLASERVE_LORA_IMPL); a variant that fails is recorded with its error."""
     import os
@@ -172,7 +175,7 @@ def bench_runner(tiny: bool, batch: int, steps: int, impls: list[str]) -> dict[s
     from xlaserve.model_loader.registry import build_spec
 
     path = write_model_dir(tempfile.mkdtemp(), num_layers=2 if tiny else 32, tiny=tiny)
-    prompt_len = 16 if tiny else 256
+    prompt_len = prompt_len or (16 if tiny else 256)
     res: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "slots": SLOTS, "rank": RANK}
     batches = sorted({1, batch})
     for impl in [None, *impls]:
@@ -208,6 +211,8 @@ def bench_runner(tiny: bool, batch: int, steps: int, impls: list[str]) -> dict[s
             os.environ.pop("XLASERVE_LORA_IMPL", None)
             if runner is not None:
                 runner.shutdown()
+                del runner
+                gc.collect()  # free the device memory before the next variant's weights
     for impl in impls:
         for b in batches:
             if f"lora_{impl}_b{b}" in res and f"none_b{b}" in res:
@@ -224,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per kernel row")
     ap.add_argument("--skip-runner", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 256 (tiny: 16)")
     ap.add_argument(
         "--impls", default=None,
         help="LoRA implementations of the runner rows, comma-separated (default: xla + this "
@@ -236,11 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
     }
-    out["kernels"] = bench_kernels(args.tiny, args.reps)
+    if not args.skip_kernels:
+        out["kernels"] = bench_kernels(args.tiny, args.reps)
     if not args.skip_runner:
         pallas = {"gpu": ["pallas_gpu"], "tpu": ["pallas_tpu"]}.get(jax.default_backend(), [])
         impls = args.impls.split(",") if args.impls else ["xla", *pallas]
-        out["runner"] = bench_runner(args.tiny, args.batch, args.steps, impls)
+        out["runner"] = bench_runner(args.tiny, args.batch, args.steps, impls, args.prompt_len)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
