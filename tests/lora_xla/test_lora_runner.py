@@ -98,3 +98,25 @@ def test_bad_adapters_and_slots_are_clear_errors(lora_runner) -> None:  # noqa: 
         runner.execute(SchedulerOutput(new_requests=[nr], num_scheduled_tokens={"bad": 2},
                                        total_num_scheduled_tokens=2))  # fmt: skip
     runner.requests.pop("bad", None)
+
+
+def test_qk_norm_family_mixed_batch_matches_merged_transformers(
+    tiny_model_dir, jax_cache_dir
+) -> None:  # noqa: ANN001
+    """Qwen3 (qk-norm after the projections): the deltas land before the norms, as merged."""
+    path = tiny_model_dir("qwen3")
+    runner = make_runner(
+        path, jax_cache_dir, max_num_batched_tokens=BUDGET, max_num_seqs=4,
+        enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK,
+    )  # fmt: skip
+    try:
+        a1 = make_adapter(runner.spec, "a1", 1, MAX_RANK, LORA_MODULES, seed=5)
+        a2 = make_adapter(runner.spec, "a2", 2, 2, ("q_proj", "k_proj", "up_proj"), seed=6)
+        slots = [1, 0, -1, 0]
+        got = drive_lora(runner, PROMPTS, slots, [(0, a1), (1, a2)], "q")
+    finally:
+        runner.shutdown()
+    by_slot = {0: a1, 1: a2, -1: None}
+    want = [hf_merged_greedy(path, by_slot[s], p) for s, p in zip(slots, PROMPTS, strict=True)]
+    assert got == want
+    assert got[1] != hf_merged_greedy(path, None, PROMPTS[1])
