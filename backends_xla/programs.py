@@ -83,6 +83,8 @@ class StepBatch:
     # [feed_src[k]] on the device; feed_dst = T (out of range) for unused entries.
     feed_dst: np.ndarray
     feed_src: np.ndarray
+    # i32 [T] (multi-LoRA): each token's adapter slot, -1 = base model and padding.
+    lora_slots: np.ndarray
     req_ids: list[str] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # first position computed this step
     counts: list[int] = field(default_factory=list)  # tokens computed this step
@@ -96,14 +98,16 @@ class StepBatch:
 # StepBatch's packed fields in buffer order; shapes in terms of T, R, M (blocks per request),
 # N (= R * (1 + K) gathered rows) and S (the sampler's packed parameter words).
 _PACKED = ("sample_params", "input_ids", "positions", "slot_mapping", "kv_lens", "block_tables",
-           "cu_q_lens", "num_seqs", "logits_indices", "feed_dst", "feed_src")  # fmt: skip
+           "cu_q_lens", "num_seqs", "logits_indices", "feed_dst", "feed_src", "lora_slots")  # fmt: skip
+_PER_TOKEN = 4  # fields of shape (t,): input_ids, positions, slot_mapping, lora_slots
 
 
 def step_layout(t: int, r: int, m: int, n: int) -> list[tuple[str, tuple[int, ...]]]:
     """(field, shape) of each packed StepBatch field, in buffer order."""
     shapes = {"sample_params": (sampler_words(r),), "input_ids": (t,), "positions": (t,),
               "slot_mapping": (t,), "kv_lens": (r,), "block_tables": (r, m), "cu_q_lens": (r + 1,),
-              "num_seqs": (1,), "logits_indices": (n,), "feed_dst": (r,), "feed_src": (r,)}  # fmt: skip
+              "num_seqs": (1,), "logits_indices": (n,), "feed_dst": (r,), "feed_src": (r,),
+              "lora_slots": (t,)}  # fmt: skip
     return [(name, shapes[name]) for name in _PACKED]
 
 
@@ -123,6 +127,7 @@ def dummy_batch(t: int, r: int, max_blocks: int, num_rows: int) -> StepBatch:
     packed = np.zeros(size, np.int32)
     batch = StepBatch(packed, **unpack_step(packed, t, r, max_blocks, num_rows))
     batch.slot_mapping[:] = -1
+    batch.lora_slots[:] = -1
     batch.feed_dst[:] = t
     pack_params(host_tensors(r, 1, extras=False), batch.sample_params)
     return batch
@@ -136,13 +141,15 @@ def make_jitted(
     dims: tuple[int, int, int],
     num_spec_tokens: int,
     md_static: dict,
+    lora: tuple[int, str] | None = None,
 ) -> dict[str, Callable]:
     """kind -> jitted function (not yet lowered). Programs take the model weights as the flat
     leaf list of the nnx.State (`treedef` rebuilds it while tracing): flattening a list costs
     microseconds per call, the nested State up to a millisecond for an 8B model. dims = (R, M, N):
     request rows, blocks per request, gathered rows. The forward donates the KV cache (argument 1)
     and pins its shardings so the donated cache always matches. md_static: AttentionMetadata's
-    static fields (mesh, impl)."""
+    static fields (mesh, impl). lora: (slots, impl) with multi-LoRA: the forward groups the
+    packed per-token `lora_slots` once and every projection with slot tables adds its delta."""
     rep = replicated
     r, m, n = dims
 
@@ -153,11 +160,19 @@ def make_jitted(
         """packed: i32 [L] (step_layout); prev: i32 [R], the last SAMPLE program's tokens (async
         scheduling feeds the inputs that were still on the device); state_slots: i32 [R] for
         state-space models, else None."""
-        t = (packed.shape[0] - sum(int(np.prod(s)) for _, s in step_layout(0, r, m, n))) // 3
+        fixed = sum(int(np.prod(s)) for _, s in step_layout(0, r, m, n))
+        t = (packed.shape[0] - fixed) // _PER_TOKEN
         f = unpack_step(packed, t, r, m, n)
+        lora_md = None
+        if lora is not None:
+            from xlaserve.kernels_pallas.lora import make_segments
+            from xlaserve.models_flax.layers import LoRAStep
+
+            lora_md = LoRAStep(make_segments(f["lora_slots"], lora[0]), lora[1])
         input_ids = f["input_ids"].at[f["feed_dst"]].set(prev[f["feed_src"]], mode="drop")
         md = AttentionMetadata(f["slot_mapping"], f["kv_lens"], f["block_tables"], f["cu_q_lens"],
-                               f["num_seqs"], state_slots=state_slots, **md_static)  # fmt: skip
+                               f["num_seqs"], state_slots=state_slots, lora=lora_md,
+                               **md_static)  # fmt: skip
         hidden, kv_caches = model_of(leaves)(input_ids, f["positions"], kv_caches, md)
         # Pin shardings so the donated cache and the next programs' inputs always match.
         kv_caches = [

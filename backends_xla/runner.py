@@ -112,6 +112,7 @@ class _ReqState(ReqState):
     output_counts: np.ndarray | None = None  # i32 [V], kept only when penalties are on
     prompt_mask: np.ndarray | None = None  # bool [V], kept only when penalties are on
     param_words: np.ndarray | None = None  # i32 [NS]: its packed sampler row (steps 0)
+    lora_slot: int = -1  # NewRequestData.lora_slot: its LoRA table slot, -1 = base model
 
 
 @dataclass
@@ -131,7 +132,7 @@ class XlaModelRunner(RunnerCore):
         tensor_parallel=True, data_parallel_with_tensor_parallel=True, expert_parallel=True,
         multi_host=True, speculative_methods=("ngram", "draft_model"), kv_offload=True,
         quantization=QUANT_METHODS, kv_cache_dtypes=KV_CACHE_DTYPES,
-        checkpoint_formats=("safetensors", "orbax"), async_scheduling=True,
+        checkpoint_formats=("safetensors", "orbax"), async_scheduling=True, lora=True,
     )  # fmt: skip
 
     @staticmethod
@@ -225,6 +226,12 @@ class XlaModelRunner(RunnerCore):
         self._variant_pool: ThreadPoolExecutor | None = None
         self._neutral: dict[int, dict[str, jax.Array]] = {}  # B -> device-resident neutral extras
         self._hidden_dtype: jnp.dtype = self.dtype
+        # Multi-LoRA slot tables (lora.py), None unless config.lora.enable_lora.
+        self.lora_tables = None
+        if config.lora.enable_lora:
+            from xlaserve.backends_xla.lora import XlaLoRATables
+
+            self.lora_tables = XlaLoRATables(self)
         # method "draft_model": the draft's weights, KV cache and programs (draft.py).
         self.draft = None
         if sc is not None and sc.method == "draft_model":
@@ -239,13 +246,18 @@ class XlaModelRunner(RunnerCore):
             quant=self.quant_scheme, expert_parallel=self.config.parallel.enable_expert_parallel,
             kernels=self.config.kernels,
         )  # fmt: skip
+        lora = self.lora_tables
+        if lora is not None:  # the zeroed slot tables join the weights (lora.py)
+            self.graphdef, self.state = lora.attach(self.graphdef, self.state)
         treedef = self.sync_weights()
         dims = (self.max_num_seqs, self.max_blocks_per_seq, self.num_rows)
         md_static = {"mesh": self.mesh, "impl": self.config.kernels.rpa_impl}
         self._jitted = make_jitted(
             self.graphdef, treedef, self._kv_layer_shardings, self._replicated, dims,
-            self.num_spec_tokens, md_static,
+            self.num_spec_tokens, md_static, None if lora is None else lora.program_args,
         )  # fmt: skip
+        if lora is not None:
+            lora.warm_up()
         if self.draft is not None:
             self.draft.load()
 
@@ -450,6 +462,10 @@ class XlaModelRunner(RunnerCore):
             self.kv_caches = self.kv_offload.apply(
                 self.kv_caches, so.kv_disk_out, so.kv_copy_out, so.kv_disk_in, so.kv_copy_in
             )
+        if so.lora_loads:  # before the forward that first uses the slots
+            if self.lora_tables is None:
+                raise ValueError("LoRA adapters scheduled but enable_lora is off")
+            self.lora_tables.write(so.lora_loads)
         self._update_states(so)
         out = RunnerOutput()
         launched = _Launched(out)
@@ -531,6 +547,10 @@ class XlaModelRunner(RunnerCore):
         r = _ReqState(list(nr.token_ids), nr.num_prompt_tokens, p, list(nr.block_ids),
                       nr.num_computed_tokens, seed=seed & 0xFFFFFFFF)  # fmt: skip
         r.param_words = param_words(p, r.seed)
+        if nr.lora_slot != -1:
+            from xlaserve.backends_xla.lora import lora_slot_of
+
+            r.lora_slot = lora_slot_of(self, nr.lora_slot)
         if p.needs_penalties:
             n = r.num_prompt_tokens
             r.prompt_mask = np.zeros(self.vocab, bool)
@@ -570,6 +590,11 @@ class XlaModelRunner(RunnerCore):
         batch.sampling, batch.drafts = plan.sampling, plan.drafts
         if self.state_model:  # padding rows keep slot S (dropped writes)
             batch.state_slots[:b] = [st.state_slot for st in plan.states]
+        if self.lora_tables is not None:  # each token's LoRA slot (padding: -1)
+            from xlaserve.backends_xla.lora import fill_token_slots
+
+            fill_token_slots(batch.lora_slots, [st.lora_slot for st in plan.states],
+                             x.query_start_loc)  # fmt: skip
         return batch
 
     def _dummy_batch(self, t: int) -> StepBatch:

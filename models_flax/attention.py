@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from xlaserve.kernels_pallas.ragged_paged_attention import (
     write_kv_quant,
 )
 from xlaserve.model_loader.spec import ModelSpec
-from xlaserve.models_flax.layers import Linear, _param, apply_rotary, make_norm
+from xlaserve.models_flax.layers import Linear, _param, apply_rotary, lora_linear, make_norm
 
 # (k, v), each [N, S, Hkv, D]; quantized cache: (k codes, v codes, k scales, v scales), codes
 # [N, S, Hkv, D] int8 / float8_e4m3fn, scales float32 [N, S, Hkv].
@@ -38,7 +39,15 @@ KVCache = tuple[jax.Array, ...]
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["slot_mapping", "kv_lens", "block_tables", "cu_q_lens", "num_seqs", "state_slots"],
+    data_fields=[
+        "slot_mapping",
+        "kv_lens",
+        "block_tables",
+        "cu_q_lens",
+        "num_seqs",
+        "state_slots",
+        "lora",
+    ],
     meta_fields=["mesh", "impl"],
 )
 @dataclass(frozen=True)
@@ -60,6 +69,9 @@ class AttentionMetadata:
     # int32 [B]: recurrent-state slot of each request row (state-space models, models_flax/mamba.py;
     # padding rows hold the slot count: their writes are dropped); None for attention-only models.
     state_slots: jax.Array | None = None
+    # Multi-LoRA (layers.LoRAStep: each token's adapter slot, grouped): None = no LoRA this
+    # program. Projections with slot tables add their deltas (layers.lora_linear).
+    lora: Any = None
 
 
 def paged_attention(
@@ -188,7 +200,8 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """x [T, H]; cos/sin [T, R/2] (None: no rope, e.g. learned positions) -> [T, H]."""
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        lo = md.lora
+        q, k, v = (lora_linear(p, x, lo) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.full_qk_norm:  # OLMo2: normalise before the head split
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -204,4 +217,4 @@ class Attention(nnx.Module):
             sm_scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             alibi_slopes=alibi, sinks=None if self.sinks is None else self.sinks[...],
         )  # fmt: skip
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), kv
+        return lora_linear(self.o_proj, o.reshape(t, self.num_heads * self.head_dim), lo), kv

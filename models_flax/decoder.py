@@ -75,18 +75,24 @@ class DecoderLayer(nnx.Module):
     def _scale(self, h: jax.Array) -> jax.Array:
         return h if self.rm == 1.0 else h * jnp.asarray(self.rm, h.dtype)
 
+    def _mlp(self, x: jax.Array, md: AttentionMetadata) -> jax.Array:
+        """The MLP; dense ones apply the step's LoRA deltas (MoE experts take none)."""
+        if md.lora is not None and isinstance(self.mlp, (GatedMLP, MLP)):
+            return self.mlp(x, md.lora)
+        return self.mlp(x)
+
     def __call__(
         self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None, kv: KVCache, md: AttentionMetadata
     ) -> tuple[jax.Array, KVCache]:  # fmt: skip
         if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
             a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md)
-            return x + a + self.mlp(self.post_attention_layernorm(x)), kv
+            return x + a + self._mlp(self.post_attention_layernorm(x), md), kv
         h = self.input_layernorm(x) if self.pre_norms else x  # OLMo2: raw residual stream
         h, kv = self.self_attn(h, cos, sin, kv, md)
         if self.sandwich:
             h = self.post_attn_out_norm(h)
         x = x + self._scale(h)
-        h = self.mlp(self.post_attention_layernorm(x) if self.pre_norms else x)
+        h = self._mlp(self.post_attention_layernorm(x) if self.pre_norms else x, md)
         if self.sandwich:
             h = self.post_mlp_out_norm(h)
         return x + self._scale(h), kv

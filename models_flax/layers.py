@@ -11,6 +11,10 @@ Axis letters: T tokens, H hidden, I intermediate, V vocab, Hq/Hkv heads, D head_
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +62,71 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
         y = jnp.einsum("ti,oi->to", x, self.weight[...])
         return y if self.bias is None else y + self.bias[...]
+
+
+# ---- multi-LoRA (xlaserve/lora) --------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["seg"], meta_fields=["impl"])
+@dataclass(frozen=True)
+class LoRAStep:
+    """One program's LoRA inputs: seg = kernels_pallas.lora.LoRASegments (each token's slot,
+    grouped; computed once per forward), impl = the shrink / expand implementation (static)."""
+
+    seg: Any
+    impl: str = "auto"
+
+
+def lora_targets(model: nnx.Module, modules: tuple[str, ...]) -> dict[tuple[int, str], nnx.Module]:
+    """(layer, module name) -> the `Linear` / `QuantLinear` a LoRA adapter of that module name
+    applies to: `layers[i].self_attn.<name>` or `layers[i].mlp.<name>`, when the layer has one
+    (MLA attention and MoE experts have none: an adapter for them is refused)."""
+    out: dict[tuple[int, str], nnx.Module] = {}
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        for part in ("self_attn", "mlp"):
+            parent = getattr(layer, part, None)
+            for name in modules:
+                mod = getattr(parent, name, None)
+                if type(mod) in (Linear, QuantLinear):
+                    out[(i, name)] = mod
+    return out
+
+
+def linear_dims(mod: nnx.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a `Linear` or `QuantLinear`."""
+    if isinstance(mod, QuantLinear):
+        return mod.d_in, mod.d_out
+    out_f, in_f = mod.weight.get_value().shape
+    return in_f, out_f
+
+
+def add_lora_tables(
+    model: nnx.Module, modules: tuple[str, ...], num_slots: int, rank: int, dtype: jnp.dtype,
+    sharding: Any = None,
+) -> dict[tuple[int, str], nnx.Module]:  # fmt: skip
+    """Give every LoRA target of `model` zeroed slot tables (in place): `lora_a` [S, R, in] and
+    `lora_b` [S, out, R] in `dtype` (placed with `sharding` when given). Returns the targets."""
+    targets = lora_targets(model, modules)
+    for mod in targets.values():
+        d_in, d_out = linear_dims(mod)
+        a, b = jnp.zeros((num_slots, rank, d_in), dtype), jnp.zeros((num_slots, d_out, rank), dtype)
+        if sharding is not None:
+            a, b = jax.device_put(a, sharding), jax.device_put(b, sharding)
+        mod.lora_a, mod.lora_b = nnx.Param(a), nnx.Param(b)
+    return targets
+
+
+def lora_linear(mod: nnx.Module, x: jax.Array, lora: LoRAStep | None) -> jax.Array:
+    """mod(x) [T, out] plus, for each token with an adapter slot, B[slot] @ (A[slot] @ x_t),
+    when the step carries LoRA inputs and `mod` has slot tables (`add_lora_tables`)."""
+    y = mod(x)
+    a = getattr(mod, "lora_a", None)
+    if lora is None or a is None:
+        return y
+    from xlaserve.kernels_pallas.lora import lora_expand, lora_shrink
+
+    s = lora_shrink(x, a[...], lora.seg, lora.impl)
+    return lora_expand(y, s, mod.lora_b[...], lora.seg, 0, lora.impl)
 
 
 class RMSNorm(nnx.Module):
@@ -120,8 +189,9 @@ class MLP(nnx.Module):
         self.up_proj = Linear(hidden, inter, dtype, bias, tp="col")
         self.down_proj = Linear(inter, hidden, dtype, bias, tp="row")
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(get_activation(self.activation)(self.up_proj(x)))
+    def __call__(self, x: jax.Array, lora: LoRAStep | None = None) -> jax.Array:
+        h = get_activation(self.activation)(lora_linear(self.up_proj, x, lora))
+        return lora_linear(self.down_proj, h, lora)
 
 
 class GatedMLP(nnx.Module):
@@ -139,9 +209,10 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear(inter, hidden, dtype, bias, tp="row")
         self.activation = activation
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora: LoRAStep | None = None) -> jax.Array:
         act = _ACTIVATIONS[self.activation]
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        h = act(lora_linear(self.gate_proj, x, lora)) * lora_linear(self.up_proj, x, lora)
+        return lora_linear(self.down_proj, h, lora)
 
 
 class Rotary(nnx.Module):
