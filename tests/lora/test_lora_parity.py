@@ -11,7 +11,6 @@ from tiny_models import hf_greedy
 
 from xlaserve import LLM, SamplingParams
 from xlaserve.lora import LoRARequest
-from xlaserve.runner import get_capabilities
 
 PROMPTS = [
     [5, 17, 33, 2, 90],
@@ -20,18 +19,6 @@ PROMPTS = [
     [64, 65, 66, 67],
 ]
 NEW = 8
-
-
-def _backend_param(name: str):  # noqa: ANN202
-    """xla is part B of issue 27: expected to fail until its runner declares LoRA."""
-    if name == "xla":
-        try:
-            ready = get_capabilities("xla").lora
-        except Exception:  # noqa: BLE001 - jax missing: the xfail says why
-            ready = False
-        if not ready:
-            return pytest.param(name, marks=pytest.mark.xfail(strict=False, reason="part B"))
-    return name
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +40,7 @@ def adapters(tiny_model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
     return get
 
 
-@pytest.mark.parametrize("backend", [_backend_param("torch"), _backend_param("xla")])
+@pytest.mark.parametrize("backend", ["torch", "xla"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_mixed_batch_matches_merged_transformers(adapters, kind: str, backend: str) -> None:  # noqa: ANN001
     base, ads = adapters(kind)
