@@ -148,7 +148,7 @@ def dequantize_fp8(q: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 def quantize_weight(method: str, w: np.ndarray, group_size: int = INT4_DEFAULT_GROUP) -> dict:
     """W [N, K] -> {"qweight", "scales"[, "qzeros"]} in the canonical layout of `method`."""
-    if method == "int8":
+    if method in ("int8", "int8_w8a8"):  # w8a8: the same weights, activations at run time
         q, s = quantize_int8(w)
         return {"qweight": q, "scales": s}
     if method == "int4":
