@@ -155,19 +155,21 @@ def w8a8_matmul_ref(
     fmt: str,
     bias: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    math: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """The w8a8 math in float64 (exact products and sums of the codes): x [M, K] quantized per
-    token (`quant_rows_ref`), times wq [N, K] with scales ws (see `dequant_w8`) -> [M, N] x.dtype.
-    Also the CPU serving path (fast enough for the tiny and demo models)."""
+    """The w8a8 math: x [M, K] quantized per token (`quant_rows_ref`), times wq [N, K] with
+    scales ws (see `dequant_w8`) -> [M, N] x.dtype. math float64 (default): exact products and
+    sums of the codes (the kernels' reference); float32: the CPU serving emulation of block
+    fp8, the same operations as the XLA backend's `fp8_block_matmul`."""
     xq, xs = quant_rows_ref(x, fmt)
-    w = (wq.view(torch.float8_e4m3fn) if wq.dtype == torch.uint8 else wq).double()
     if block is None:
-        y = (xq.double() @ w.t()) * ws.double().reshape(-1)[None, :]
+        w = (wq.view(torch.float8_e4m3fn) if wq.dtype == torch.uint8 else wq).to(math)
+        y = (xq.to(math) @ w.t()) * ws.to(math).reshape(-1)[None, :]
     else:
-        y = xq.double() @ dequant_w8(wq, ws, block).double().t()
-    y = y * xs.double()
+        y = xq.to(math) @ dequant_w8(wq, ws, block).to(math).t()
+    y = y * xs.to(math)
     if bias is not None:
-        y = y + bias.double()
+        y = y + bias.to(math)
     return y.to(x.dtype)
 
 

@@ -489,7 +489,7 @@ class QuantLinear(nn.Module):
         if self.block is not None:
             from xlaserve.kernels_cuda.scaled_mm import w8a8_matmul_ref
 
-            return w8a8_matmul_ref(x, w8, self.scales, "fp8", block=self.block)
+            return w8a8_matmul_ref(x, w8, self.scales, "fp8", block=self.block, math=torch.float32)
         return fp8_linear_ref(x, w8, self.scales)
 
     def extra_repr(self) -> str:
