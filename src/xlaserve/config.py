@@ -425,6 +425,10 @@ class KernelConfig:
     # torch._scaled_mm with row-wise scales, "triton" = the Triton fp8 tl.dot GEMM; "auto" =
     # scaled_mm. Block-wise fp8 checkpoints always take the Triton block-scaled GEMM.
     fp8_gemm: str = "auto"
+    # Torch int8 weight-only on CUDA: M at or above which the weight is dequantized to the
+    # activation dtype and multiplied by cuBLAS instead of the fused Triton dequant GEMM (0 =
+    # never; an A/B switch for the largest prefill steps, where the dequant pass is cheap).
+    int8_dequant_min_m: int = 0
 
     def __post_init__(self) -> None:
         for name in TRISTATE_SWITCHES:

@@ -307,3 +307,21 @@ def test_int8_w8a8_xla_matches_torch(src: str) -> None:
     got = xla_logits(src, IDS, quantization="int8_w8a8")
     ref = runner_logits(src, IDS, quantization="int8_w8a8")
     assert np.abs(got - ref).max() <= 2e-4
+
+
+# ---- int8 weight-only tl.dot at large M (tile table per M bucket) --------------------------------
+
+
+@pytest.mark.parametrize("m", [9, 40, 100, 300])
+def test_int8_weight_only_dot_tile_buckets(m: int) -> None:
+    """Every INT8_DOT_TILES bucket (grouped launch order, ragged M / N / K edges) and explicit
+    6-value tiles match the reference."""
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    n, k = 136, 200
+    wq, ws = _w8("int8", n, k, m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV)
+    ref = qm.int8_matmul_ref(x, wq, ws)
+    assert _rel(qm.int8_matmul(x, wq, ws), ref) < 1e-5
+    assert _rel(qm.int8_matmul(x, wq, ws, tiles=(32, 32, 32, 3, 4, 2)), ref) < 1e-5
+    assert qm.int8_dot_tiles(m) == next(t for mm, t in qm.INT8_DOT_TILES if m <= mm)[:6]
