@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"][name] = _stage(args, name)
         save()
     base = result["rows"].get("bf16", {})
-    for name, row in result["rows"].items():
+    for row in result["rows"].values():
         for part, key in (("offline", "output_tokens_per_s"), ("batch1", "decode_tokens_per_s")):
             b = base.get(part, {}).get(key)
             v = row.get(part, {}).get(key)
