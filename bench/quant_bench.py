@@ -24,13 +24,15 @@ merged into ``--output-json`` after each row):
   ``fp8_gemv``), and the per-token activation quantization alone (``quant_rows_int8`` /
   ``_fp8``, torch-ops twin ``quant_rows_torch_fp8``). w8a8 variants include the activation
   quantization (what a layer pays).
+- ``--quality``: the shipped demo model's perplexity on a fixed KJV passage (prompt logprobs of
+  one request) per row, and its ratio to the unquantized row (the issue's bound: <= 1.02).
 
 Run on the H200 (the lead; ~8 minutes):
-    python -m xlaserve.bench.quant_bench --llama8b --gemm --output-json quant.json
+    python -m xlaserve.bench.quant_bench --llama8b --gemm --quality --output-json quant.json
 CPU smoke test (demo model, tiny counts, tiny GEMM shapes in the Triton interpreter):
     python -m xlaserve.bench.quant_bench --model demo --num-prompts 4 --input-len 8 \
         --output-len 8 --batch1-input 8 --batch1-output 8 --repeats 1 --gemm --tiny-gemm \
-        --in-process --output-json quant.json
+        --quality --in-process --output-json quant.json
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ GEMM_SHAPES = ((4096, 6144), (4096, 28672), (14336, 4096), (4096, 4096))
 TINY_GEMM_SHAPES = ((128, 192), (256, 128))
 GEMM_M = (1, 8, 64, 256, 1024, 4096, 16384)
 TINY_GEMM_M = (1, 8, 40)
+
+
+# A fixed held-out KJV passage (Genesis 50:1-4; public domain) for the perplexity row.
+QUALITY_TEXT = (
+    "And Joseph fell upon his father's face, and wept upon him, and kissed him.\n"
+    "And Joseph commanded his servants the physicians to embalm his father: and the physicians "
+    "embalmed Israel.\n"
+    "And forty days were fulfilled for him; for so are fulfilled the days of those which are "
+    "embalmed: and the Egyptians mourned for him threescore and ten days.\n"
+    "And when the days of his mourning were past, Joseph spake unto the house of Pharaoh, saying, "
+    "If now I have found grace in your eyes, speak, I pray you, in the ears of Pharaoh, saying,\n"
+)
 
 
 def _median(xs: list[float]) -> float:
@@ -150,6 +164,42 @@ def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "decode_tokens_per_s": (n_out - 1) / dt if dt > 0 else float("nan"),
     }
     llm.llm_engine.shutdown()
+    return res
+
+
+def run_quality(rows: list[str]) -> dict[str, Any]:
+    """Demo-model perplexity of QUALITY_TEXT per row (exp of the mean negative prompt logprob)
+    and its ratio to the "bf16" row (the model's own dtype on the CPU)."""
+    import math
+
+    import torch
+
+    from xlaserve import LLM, SamplingParams
+    from xlaserve.demo import demo_model_path
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ["XLASERVE_FP8_EMULATION"] = "1"
+    res: dict[str, Any] = {}
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for name in rows:
+        kw = dict(ROWS[name], model=demo_model_path(), enable_prefix_caching=False)
+        kw.update({"dtype": "bfloat16"} if cuda else {"num_kv_blocks": 64})
+        try:
+            llm = LLM(**kw)
+            out = llm.generate([QUALITY_TEXT], sp, use_tqdm=False)[0]
+            ids = out.prompt_token_ids
+            pairs = zip(out.prompt_logprobs[1:], ids[1:], strict=True)
+            lps = [pos[t].logprob for pos, t in pairs]
+            res[name] = {"perplexity": math.exp(-sum(lps) / len(lps)), "tokens": len(ids)}
+            llm.llm_engine.shutdown()
+        except Exception as e:  # noqa: BLE001 - recorded, the other rows go on
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    base = res.get("bf16", {}).get("perplexity")
+    for v in res.values():
+        if base and "perplexity" in v:
+            v["ratio_vs_bf16"] = v["perplexity"] / base
+            v["within_2_percent"] = v["ratio_vs_bf16"] <= 1.02
     return res
 
 
@@ -345,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-kv-blocks", type=int, default=256, help="KV blocks without a GPU")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--gemm", action="store_true", help="also the GEMM microbenchmark")
+    ap.add_argument("--quality", action="store_true", help="also the demo-model perplexities")
     ap.add_argument("--gemm-only", action="store_true")
     ap.add_argument("--gemm-m", type=int, nargs="*", default=None)
     ap.add_argument("--gemm-reps", type=int, default=20)
@@ -390,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                 row[part]["ratio_vs_bf16"] = v / b
         if base.get("num_kv_blocks") and row.get("num_kv_blocks"):
             row["kv_blocks_ratio_vs_bf16"] = row["num_kv_blocks"] / base["num_kv_blocks"]
+    if args.quality:
+        print("== quality", flush=True)
+        result["quality"] = run_quality(["bf16"] + [r for r in ROWS if r != "bf16"])
+        save()
     if args.gemm or args.gemm_only:
         print("== gemm", flush=True)
         result["gemm"] = _stage(args, "gemm")

@@ -23,7 +23,8 @@ TINY = ["--model", "demo", "--num-prompts", "3", "--input-len", "6", "--output-l
 def test_quant_bench_demo_rows_and_gemm(tmp_path: Path) -> None:
     out = tmp_path / "quant.json"
     quant_bench.main([*TINY, "--rows", "bf16,int8_w8a8,fp8_kv", "--gemm", "--tiny-gemm",
-                      "--gemm-m", "20", "--gemm-reps", "1", "--output-json", str(out)])  # fmt: skip
+                      "--gemm-m", "20", "--gemm-reps", "1", "--quality",
+                      "--output-json", str(out)])  # fmt: skip
     data = json.loads(out.read_text())
     for name in ("bf16", "int8_w8a8", "fp8_kv"):
         row = data["rows"][name]
@@ -32,6 +33,9 @@ def test_quant_bench_demo_rows_and_gemm(tmp_path: Path) -> None:
         assert row["offline"]["ratio_vs_bf16"] > 0
         assert row["batch1"]["decode_tokens_per_s"] > 0
         assert row["num_kv_blocks"] > 0
+    for name in quant_bench.ROWS:  # every mode's perplexity within 2% of float
+        q = data["quality"][name]
+        assert q["tokens"] > 20 and q["within_2_percent"], (name, q)
     gemm = data["gemm"]
     for k, n in quant_bench.TINY_GEMM_SHAPES:
         row = gemm[f"{k}x{n}"]["20"]
