@@ -325,3 +325,35 @@ def test_int8_weight_only_dot_tile_buckets(m: int) -> None:
     assert _rel(qm.int8_matmul(x, wq, ws), ref) < 1e-5
     assert _rel(qm.int8_matmul(x, wq, ws, tiles=(32, 32, 32, 3, 4, 2)), ref) < 1e-5
     assert qm.int8_dot_tiles(m) == next(t for mm, t in qm.INT8_DOT_TILES if m <= mm)[:6]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_quant_layers_w8a8_and_int8_large_m() -> None:
+    """CUDA layers at an 8B shape: int8_w8a8 (GEMV at M 1, int8 GEMM above), block fp8, and the
+    int8 weight-only tiled GEMM at large M, against the float reference of the same codes."""
+    from xlaserve.backends_torch.layers.linear import Linear, QuantLinear, fp8_supported
+    from xlaserve.kernels_cuda import quant_matmul as qm
+    from xlaserve.kernels_cuda import scaled_mm as sm
+
+    torch.manual_seed(0)
+    lin = Linear(4096, 6144, True, torch.bfloat16, "cuda")
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    torch.nn.init.normal_(lin.bias, std=0.02)
+    schemes = [QuantScheme("int8_w8a8")]
+    if fp8_supported("cuda"):
+        schemes.append(QuantScheme("fp8", source="fp8-block", weight_block=(128, 128)))
+    for scheme in schemes:
+        ql = QuantLinear.from_float(lin, scheme)
+        fmt = "int8" if scheme.method == "int8_w8a8" else "fp8"
+        for m in (1, 7, 300, 2048):
+            x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+            ref = sm.w8a8_matmul_ref(x, ql.qweight, ql.scales, fmt, ql.bias, scheme.weight_block)
+            if m == 1 and fmt == "int8":  # the weight-only GEMV: x not rounded
+                ref = x.float() @ ql.dequantized_weight().t() + ql.bias.float()
+            assert _rel(ql(x), ref) < 2e-2, (scheme.method, m)
+    q8 = QuantLinear.from_float(lin, QuantScheme("int8"))
+    for m in (300, 4096):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = qm.int8_matmul_ref(x, q8.qweight, q8.scales)
+        assert _rel(qm.int8_matmul(x, q8.qweight, q8.scales), ref) < 1e-2, m
