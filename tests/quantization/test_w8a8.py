@@ -357,3 +357,15 @@ def test_gpu_quant_layers_w8a8_and_int8_large_m() -> None:
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         ref = qm.int8_matmul_ref(x, q8.qweight, q8.scales)
         assert _rel(qm.int8_matmul(x, q8.qweight, q8.scales), ref) < 1e-2, m
+
+
+def test_kernel_switches_validated() -> None:
+    from xlaserve.config import KernelConfig
+
+    kc = KernelConfig.from_env(
+        {"XLASERVE_INT8_W8A8_GEMM": "triton", "XLASERVE_INT8_DEQUANT_MIN_M": "4096"}
+    )
+    assert (kc.int8_w8a8_gemm, kc.int8_dequant_min_m, kc.fp8_gemm) == ("triton", 4096, "auto")
+    for field, bad in (("int8_w8a8_gemm", "cutlass"), ("fp8_gemm", "x"), ("act_quant", "")):
+        with pytest.raises(ValueError, match=field):
+            KernelConfig(**{field: bad})
