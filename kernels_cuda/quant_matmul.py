@@ -57,6 +57,28 @@ def _tiles(m: int) -> tuple[int, int, int]:
     return TILES["decode"] if m <= 16 else TILES["prefill"]
 
 
+# int8 weight-only tl.dot (M above the GEMV): `scaled_mm.DotTiles` per M bucket (the scheduler's
+# 16-256 mixed steps and 512-16384 prefill / large-batch steps), the first with M <= max M wins.
+# The int8 -> bf16 weight conversion sits in the K loop, so big tiles (128 rows of x per
+# converted weight tile), a grouped launch order (weight tiles reused from L2 across GROUP_M M
+# tiles) and a pipelined K loop (num_stages) decide large-M speed; the old (64, 64, 64) tile with
+# 4 warps and no grouping measured 0.44x bf16 offline (H200). Re-tune from
+# `bench/quant_bench.py --gemm`.
+INT8_DOT_TILES: tuple[tuple[int, tuple[int, ...]], ...] = (
+    (16, (16, 64, 128, 1, 4, 4)),
+    (64, (64, 64, 128, 8, 4, 4)),
+    (256, (64, 128, 128, 8, 4, 4)),
+    (1 << 62, (128, 128, 64, 8, 8, 4)),
+)
+
+
+def int8_dot_tiles(m: int) -> tuple[int, int, int, int, int, int]:
+    """The default (block_m, block_n, block_k, group_m, num_warps, num_stages) of the int8
+    weight-only tl.dot kernel for an M-row product."""
+    t = next(t for max_m, t in INT8_DOT_TILES if m <= max_m)
+    return tuple(t) + (8, 4, 3)[len(t) - 3 :]
+
+
 # GEMV path (decode): possible for 1 <= M <= GEMV_MAX_M. Larger M has enough rows per weight tile
 # for tl.dot to pay off (and an [M, BLOCK_N] accumulator per program stops being small).
 GEMV_MAX_M = 8
@@ -174,15 +196,19 @@ def _check_gemv_tiles(name: str, tiles: GemvTiles | tuple) -> GemvTiles:
     return t
 
 
-def _check_dot_tiles(name: str, tiles: tuple) -> tuple[int, int, int]:
-    """A user (BLOCK_M, BLOCK_N, BLOCK_K) override of the tl.dot path; ValueError when bad."""
+def _check_dot_tiles(name: str, tiles: tuple, extra: bool = False) -> tuple[int, ...]:
+    """A user (BLOCK_M, BLOCK_N, BLOCK_K) override of the tl.dot path (extra: optionally
+    followed by group_m, num_warps, num_stages: the int8 kernel); ValueError when bad."""
+    n_ok = 3 <= len(tiles) <= 6 if extra and isinstance(tiles, tuple) else len(tiles) == 3
     if (
         not isinstance(tiles, tuple)
-        or len(tiles) != 3
-        or not all(isinstance(v, int) and _is_pow2(v) and 16 <= v <= 256 for v in tiles)
+        or not n_ok
+        or not all(isinstance(v, int) and _is_pow2(v) and 16 <= v <= 256 for v in tiles[:3])
+        or not all(isinstance(v, int) and v >= 1 for v in tiles[3:])
     ):
         raise ValueError(
-            f"{name}: tl.dot tiles (M > {GEMV_MAX_M}) must be (BLOCK_M, BLOCK_N, BLOCK_K), "
+            f"{name}: tl.dot tiles (M > {GEMV_MAX_M}) must be (BLOCK_M, BLOCK_N, BLOCK_K"
+            f"{'[, group_m, num_warps, num_stages]' if extra else ''}), "
             f"powers of two in 16..256, got {tiles!r}"
         )
     return tiles
@@ -247,31 +273,36 @@ def _int8_mm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # 1-D grid in grouped order: GROUP_M consecutive M tiles sweep N together, so each int8
+    # weight tile is read from HBM about once per group (then from L2).
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + kk[None, :],
-            mask=(rm[:, None] < M) & (kk[None, :] < K),
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + rn[:, None] * stride_wn + kk[None, :],
-            mask=(rn[:, None] < N) & (kk[None, :] < K),
-            other=0,
-        )
+        k_ok = k0 + rk < K
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0)
         if UPCAST:
             x = x.to(tl.float32)
-        wf = w.to(x.dtype)  # int8 values are exact in fp16/bf16/fp32
-        acc += tl.dot(x, tl.trans(wf))
+        acc += tl.dot(x, w.to(x.dtype))  # int8 values are exact in fp16/bf16/fp32
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     acc = acc * s[None, :]
     tl.store(
@@ -600,25 +631,32 @@ def int8_matmul(
              else gemv_tiles("int8", m, n, k))  # fmt: skip
         # The kernel reads int8 codes as raw bytes (see _int8_bits_to_f32).
         return _gemv("int8", x, qweight.view(torch.uint8), scales.contiguous(), None, 0, t, kernels)
-    t = _check_dot_tiles("int8_matmul", tiles) if tiles is not None else _tiles(m)
+    t = _check_dot_tiles("int8_matmul", tiles, extra=True) if tiles is not None else None
     return _int8_dot(x, qweight, scales.contiguous(), t)
 
 
 def _int8_dot(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, tiles: tuple[int, int, int]
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """The tl.dot int8 path on validated inputs (any M; benchmarks time it at small M too)."""
+    """The tl.dot int8 path on validated inputs (any M; benchmarks time it at small M too).
+    tiles: (block_m, block_n, block_k[, group_m, num_warps, num_stages]); None = the
+    INT8_DOT_TILES bucket of M."""
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    bm, bn, bk = tiles
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    t = int8_dot_tiles(m) if tiles is None else tuple(tiles) + (8, 4, 3)[len(tiles) - 3 :]
+    bm, bn, bk, gm, warps, stages = t
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _int8_mm_kernel[grid](
         x, qweight, scales, y, m, n, k,
         x.stride(0), qweight.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, UPCAST=upcast_dot(x.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, UPCAST=upcast_dot(x.dtype),
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 

@@ -284,6 +284,33 @@ def fp8_matmul(x: jax.Array, w8: jax.Array, w_scale: jax.Array) -> jax.Array:
     return (y * xs * w_scale.astype(jnp.float32)[None, :]).astype(x.dtype)
 
 
+def _quant_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token e4m3: x [M, K] -> (xq float8_e4m3fn [M, K], xs f32 [M, 1] = amax / 448)."""
+    xf = x.astype(jnp.float32)
+    xs = jnp.maximum(jnp.abs(xf).max(axis=-1, keepdims=True), 1e-12) / FP8_MAX
+    return jnp.clip(xf / xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), xs
+
+
+def fp8_block_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Block-wise fp8 weights (dequantized in the jitted forward: `w` f32 [N, K] = codes times
+    their block's scale) with x rounded per token to e4m3, as the torch backend does; f32 math
+    -> [M, N] in x's dtype."""
+    xq, xs = _quant_rows_fp8(x)
+    return (_dot_t(xq.astype(jnp.float32), w) * xs).astype(x.dtype)
+
+
+def int8_w8a8_matmul(x: jax.Array, q: jax.Array, s: jax.Array) -> jax.Array:
+    """int8 w8a8: x [M, K] quantized per token to int8 (scale amax / 127, round half away from
+    zero: the torch kernels' rounding), q int8 [N, K], s f32 [N]; an int8 x int8 -> int32 dot
+    (the MXU's int8 rate on TPU v5e / v6e, cuBLAS int8 on GPU) -> [M, N] in x's dtype."""
+    xf = x.astype(jnp.float32)
+    xs = jnp.maximum(jnp.abs(xf).max(axis=-1, keepdims=True), 1e-12) / 127.0
+    v = xf / xs
+    xq = jnp.clip(jnp.trunc(v + 0.5 * jnp.sign(v)), -127, 127).astype(jnp.int8)
+    acc = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * xs * s.astype(jnp.float32)[None, :]).astype(x.dtype)
+
+
 class QuantLinear(nnx.Module):
     """Quantized drop-in for `Linear`: x [T, in] -> [T, out] in x's dtype.
 
@@ -315,6 +342,7 @@ class QuantLinear(nnx.Module):
         group: int = 0,
         act_order: bool = False,
         impl: str = "auto",
+        weight_block: tuple[int, int] | None = None,
     ) -> None:
         if tp not in (None, "col", "row"):
             raise ValueError(f"tp must be None, 'col' or 'row', got {tp!r}")
@@ -325,8 +353,9 @@ class QuantLinear(nnx.Module):
         col = 0 if tp == "col" else None
         self.d_in, self.d_out, self.method, self.impl = d_in, d_out, method, impl
         self.group = 0
+        self.block = None if weight_block is None else tuple(weight_block)
         perm = qzeros = None  # each attribute assigned once: nnx fixes its kind (data/static)
-        if method == "int8":
+        if method in ("int8", "int8_w8a8"):
             self.qweight = _param((n, k), jnp.int8, ax)
             self.scales = _param((n,), jnp.float32, col)
         elif method == "int4":
@@ -340,7 +369,11 @@ class QuantLinear(nnx.Module):
                 perm = _param((k,), jnp.int32)
         elif method == "fp8":
             self.qweight = _param((n, k), jnp.float8_e4m3fn, ax)
-            self.scales = _param((n,), jnp.float32, col)
+            if self.block is None:
+                self.scales = _param((n,), jnp.float32, col)
+            else:  # block-wise: [ceil(N / bn), ceil(K / bk)], split like the weight
+                gn, gk = -(-n // self.block[0]), -(-k // self.block[1])
+                self.scales = _param((gn, gk), jnp.float32, ax)
         else:
             raise ValueError(f"unknown quantization method {method!r}")
         self.qzeros, self.perm = qzeros, perm
@@ -353,12 +386,16 @@ class QuantLinear(nnx.Module):
             from xlaserve.kernels_pallas.quant_matmul import dequant_int4_ref
 
             return dequant_int4_ref(self.qweight[...], s, self.qzeros[...]).astype(dtype)
+        if self.block is not None:  # block scales expanded to [N, K] (XLA fuses it into the dot)
+            n, k = self.d_out, self.d_in
+            s = jnp.repeat(jnp.repeat(s, self.block[0], 0)[:n], self.block[1], 1)[:, :k]
+            return (self.qweight[...].astype(jnp.float32) * s).astype(dtype)
         return (self.qweight[...].astype(jnp.float32) * s[:, None]).astype(dtype)
 
     def _use_pallas(self) -> bool:
         from xlaserve.kernels_pallas import compat
 
-        if self.method == "fp8" or self.impl == "xla":
+        if self.method in ("fp8", "int8_w8a8") or self.impl == "xla":
             return False
         if self.impl == "pallas_tpu" or compat.is_interpret_forced():
             return True
@@ -370,8 +407,12 @@ class QuantLinear(nnx.Module):
 
     def _matmul(self, x: jax.Array) -> jax.Array:  # [M, K] -> [M, N] x.dtype
         q, s = self.qweight[...], self.scales[...]
+        if self.method == "fp8" and self.block is not None:
+            return fp8_block_matmul(x, self.dequantized_weight(jnp.float32))
         if self.method == "fp8":
             return fp8_matmul(x, q, s)
+        if self.method == "int8_w8a8":
+            return int8_w8a8_matmul(x, q, s)
         if self._use_pallas():
             from xlaserve.kernels_pallas import quant_matmul as qm
 
@@ -421,6 +462,7 @@ def quantize_linears(
             scheme.layer_group(k) if scheme.method == "int4" else 0,
             scheme.act_order,
             impl,
+            scheme.weight_block,
         )
         parent = model
         for p in path[:-1]:

@@ -168,8 +168,8 @@ def can_fuse(
     scheme = _checkpoint_scheme(model_dir)
     if scheme is None:
         return True
-    if scheme.act_order:
-        return False
+    if scheme.act_order or scheme.weight_block is not None:
+        return False  # per-member permutations / block scales do not concatenate by rows
     return len({scheme.skips(p) for p in member_prefixes}) == 1
 
 
@@ -328,9 +328,14 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tenso
 class QuantLinear(nn.Module):
     """Drop-in for `Linear` with quantized weights. x: [..., in] -> [..., out].
 
-    int8: qweight int8 [N, K], scales f32 [N]; int4: qweight uint8 [N, K/2], scales f32 [N, G],
-    qzeros uint8 [N, G] (+ perm int32 [K] for GPTQ act-order); fp8: qweight uint8 [N, K] holding
-    float8_e4m3fn bits, scales f32 [N]. CPU: dequantize-on-the-fly matmul (fp8: emulated).
+    int8 / int8_w8a8: qweight int8 [N, K], scales f32 [N]; int4: qweight uint8 [N, K/2], scales
+    f32 [N, G], qzeros uint8 [N, G] (+ perm int32 [K] for GPTQ act-order); fp8: qweight uint8
+    [N, K] holding float8_e4m3fn bits, scales f32 [N], or block-wise (scheme.weight_block =
+    (bn, bk)) f32 [ceil(N / bn), ceil(K / bk)]. CPU: dequantize-on-the-fly matmul (fp8 and
+    int8_w8a8: emulated, activations rounded per token as on the GPU).
+    int8_w8a8 on CUDA: M == 1 takes the int8 weight-only GEMV (bandwidth-bound; x stays
+    float), larger M per-token int8 activations and an int8 GEMM (kernels_cuda/scaled_mm.py,
+    KernelConfig.int8_w8a8_gemm). Block-wise fp8: the Triton block-scaled GEMM at every M.
     CUDA: Triton dequant-matmul (int8/int4; a GEMV kernel for decode-sized M, see
     `quant_matmul.use_gemv`). fp8 (cc >= 8.9): M == 1 (decode) runs weight-only through the
     Triton fp8 GEMV (x not quantized: at least as accurate, and bandwidth- rather than
@@ -363,7 +368,8 @@ class QuantLinear(nn.Module):
 
         self.perm = None
         self.qzeros = None
-        if self.method == "int8":
+        self.block = scheme.weight_block
+        if self.method in ("int8", "int8_w8a8"):
             self.qweight = param((n, k), torch.int8)
             self.scales = param((n,), torch.float32)
         elif self.method == "int4":
@@ -377,7 +383,12 @@ class QuantLinear(nn.Module):
                 self.perm = param((k,), torch.int32)
         elif self.method == "fp8":
             self.qweight = param((n, k), torch.uint8)
-            self.scales = param((n,), torch.float32)
+            if self.block is None:
+                self.scales = param((n,), torch.float32)
+            else:
+                from xlaserve.kernels_cuda.scaled_mm import block_scale_shape
+
+                self.scales = param(block_scale_shape(n, k, self.block), torch.float32)
         else:
             raise ValueError(f"unknown quantization method {self.method!r}")
         self.bias = param((n,), dtype) if bias else None
@@ -389,9 +400,12 @@ class QuantLinear(nn.Module):
         q = cls(linear.in_features, linear.out_features, linear.bias is not None, scheme,
                 w.dtype, w.device)  # fmt: skip
         with torch.no_grad():  # on the weight's device: no host round trip of every weight
-            tensors = quantize_weight_torch(
-                scheme.method, w.detach().float(), getattr(q, "group", 0)
-            )
+            if scheme.weight_block is not None:
+                tensors = quantize_fp8_block_torch(w.detach().float(), scheme.weight_block)
+            else:
+                tensors = quantize_weight_torch(
+                    scheme.method, w.detach().float(), getattr(q, "group", 0)
+                )
             for name, t in tensors.items():
                 getattr(q, name).copy_(t)
             if linear.bias is not None:
@@ -402,10 +416,14 @@ class QuantLinear(nn.Module):
         """W [N, K] (in the input-channel order x is fed in after `perm`)."""
         from xlaserve.kernels_cuda.quant_matmul import dequant_int4_torch
 
-        if self.method == "int8":
+        if self.method in ("int8", "int8_w8a8"):
             return (self.qweight.float() * self.scales[:, None]).to(dtype)
         if self.method == "int4":
             return dequant_int4_torch(self.qweight, self.scales, self.qzeros, dtype)
+        if self.block is not None:
+            from xlaserve.kernels_cuda.scaled_mm import dequant_w8
+
+            return dequant_w8(self.qweight, self.scales, self.block).to(dtype)
         w = self.qweight.view(torch.float8_e4m3fn).float()
         return (w * self.scales[:, None]).to(dtype)
 
@@ -425,8 +443,27 @@ class QuantLinear(nn.Module):
             if on_cuda:
                 from xlaserve.kernels_cuda.quant_matmul import int8_matmul
 
+                cut = kernel_switch("int8_dequant_min_m", self.kernels)
+                if 0 < cut <= x.shape[0]:  # A/B: dequantize, then cuBLAS
+                    return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
                 return int8_matmul(x.contiguous(), self.qweight, self.scales, kernels=self.kernels)
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        if self.method == "int8_w8a8":
+            if on_cuda:
+                from xlaserve.kernels_cuda import quant_matmul as qm
+
+                if qm.use_gemv("int8", x.shape[0]):  # decode: weight-only GEMV, x not rounded
+                    return qm.int8_matmul(
+                        x.contiguous(), self.qweight, self.scales, kernels=self.kernels
+                    )
+                from xlaserve.kernels_cuda.scaled_mm import int8_w8a8_matmul
+
+                return int8_w8a8_matmul(
+                    x.contiguous(), self.qweight, self.scales, kernels=self.kernels
+                )
+            from xlaserve.kernels_cuda.scaled_mm import w8a8_matmul_ref
+
+            return w8a8_matmul_ref(x, self.qweight, self.scales, "int8")
         if self.method == "int4":
             from xlaserve.kernels_cuda import quant_matmul as qm
 
@@ -440,13 +477,22 @@ class QuantLinear(nn.Module):
         w8 = self.qweight.view(torch.float8_e4m3fn)
         if on_cuda and fp8_supported(x.device):
             from xlaserve.kernels_cuda import quant_matmul as qm
+            from xlaserve.kernels_cuda.scaled_mm import fp8_w8a8_matmul
 
+            if self.block is not None:
+                return fp8_w8a8_matmul(
+                    x.contiguous(), w8, self.scales, block=self.block, kernels=self.kernels
+                )
             if qm.use_gemv("fp8", x.shape[0]):  # decode: weight-only, no per-token quant
                 return qm.fp8_weight_matmul(
                     x.contiguous(), self.qweight, self.scales, kernels=self.kernels
                 )
-            if x.shape[1] % 16 == 0 and w8.shape[0] % 16 == 0:
-                return fp8_linear_scaled_mm(x, w8, self.scales)
+            # Per-token quantization by one Triton kernel, then _scaled_mm or the Triton GEMM.
+            return fp8_w8a8_matmul(x.contiguous(), w8, self.scales, kernels=self.kernels)
+        if self.block is not None:
+            from xlaserve.kernels_cuda.scaled_mm import w8a8_matmul_ref
+
+            return w8a8_matmul_ref(x, w8, self.scales, "fp8", block=self.block, math=torch.float32)
         return fp8_linear_ref(x, w8, self.scales)
 
     def extra_repr(self) -> str:
@@ -457,12 +503,12 @@ def quantize_weight_torch(method: str, w: torch.Tensor, group: int = 0) -> dict[
     """`xlaserve.quantization.quantize_weight` in torch, on w's device, with the same rounding
     (round half to even) and the same canonical layouts: W [N, K] float32 -> {"qweight",
     "scales"[, "qzeros"]}; fp8 codes as their uint8 bits. group: the int4 group size."""
-    if method in ("int8", "fp8"):
-        top = 127.0 if method == "int8" else FP8_MAX
+    if method in ("int8", "int8_w8a8", "fp8"):
+        top = FP8_MAX if method == "fp8" else 127.0
         amax = w.abs().amax(dim=1)
         s = torch.where(amax > 0, amax / top, torch.ones_like(amax))
         x = w / s[:, None]
-        if method == "int8":
+        if method != "fp8":
             q = torch.round(x).clamp_(-127, 127).to(torch.int8)
         else:
             q = x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -479,6 +525,21 @@ def quantize_weight_torch(method: str, w: torch.Tensor, group: int = 0) -> dict[
         packed = (qg[:, :, 0, :] | (qg[:, :, 1, :] << 4)).reshape(n, k // 2)
         return {"qweight": packed, "scales": s, "qzeros": z.to(torch.uint8)}
     raise ValueError(f"unknown quantization method {method!r}")
+
+
+def quantize_fp8_block_torch(w: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """W [N, K] float32 -> block-wise fp8 {"qweight" uint8 [N, K] (e4m3 bits), "scales" f32
+    [ceil(N / bn), ceil(K / bk)]}: one scale amax / 448 per (bn, bk) block (ragged edge blocks
+    included), as `hf_formats.quantize_fp8_block` writes."""
+    n, k = w.shape
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    wp = F.pad(w, (0, gk * bk - k, 0, gn * bn - n))
+    amax = wp.abs().reshape(gn, bn, gk, bk).amax(dim=(1, 3))
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    full = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    q = (w / full).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return {"qweight": q, "scales": s}
 
 
 def torch_quant_scheme(

@@ -47,7 +47,8 @@ class ModelConfig:
     revision: str | None = None
     # Refused: xlaserve never executes code shipped with a checkpoint.
     trust_remote_code: bool = False
-    # Weight quantization: None, "int8", "int4", "fp8".
+    # Weight quantization: None, "int8" (weight-only), "int8_w8a8" (int8 weights and per-token
+    # int8 activations, SmoothQuant-style), "int4", "fp8" (fp8 weights, per-token activations).
     quantization: str | None = None
     # Chat template (Jinja text, or the path of a file holding it) used instead of the
     # tokenizer's own; None = the tokenizer's.
@@ -71,8 +72,9 @@ class ModelConfig:
             f"max_logprobs must be in [0, 20], got {self.max_logprobs}",
         )
         _check(
-            self.quantization in (None, "int8", "int4", "fp8"),
-            f"quantization must be None, 'int8', 'int4' or 'fp8', got {self.quantization!r}",
+            self.quantization in (None, "int8", "int8_w8a8", "int4", "fp8"),
+            "quantization must be None, 'int8', 'int8_w8a8', 'int4' or 'fp8', got "
+            f"{self.quantization!r}",
         )
 
 
@@ -415,6 +417,21 @@ class KernelConfig:
     # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
     # to it, so it sets the M of every projection's matmul at batch 1.
     xla_min_token_bucket: int = 16
+    # Torch w8a8 (kernels_cuda/scaled_mm.py): per-token activation quantization by the fused
+    # Triton kernel ("auto" / "triton") or by torch ops ("torch"; A/B measurements).
+    act_quant: str = "auto"
+    # Torch int8 w8a8 GEMM: "int_mm" = torch._int_mm (cuBLASLt) + a Triton scale epilogue,
+    # "triton" = the Triton int8 tl.dot GEMM with the scales in its epilogue; "auto" = int_mm
+    # where its shape rules hold (M > 16, K and N multiples of 8), else triton.
+    int8_w8a8_gemm: str = "auto"
+    # Torch fp8 w8a8 GEMM (per-channel weights) at M above the GEMV: "scaled_mm" =
+    # torch._scaled_mm with row-wise scales, "triton" = the Triton fp8 tl.dot GEMM; "auto" =
+    # scaled_mm. Block-wise fp8 checkpoints always take the Triton block-scaled GEMM.
+    fp8_gemm: str = "auto"
+    # Torch int8 weight-only on CUDA: M at or above which the weight is dequantized to the
+    # activation dtype and multiplied by cuBLAS instead of the fused Triton dequant GEMM (0 =
+    # never; an A/B switch for the largest prefill steps, where the dequant pass is cheap).
+    int8_dequant_min_m: int = 0
 
     def __post_init__(self) -> None:
         for name in TRISTATE_SWITCHES:
@@ -423,6 +440,13 @@ class KernelConfig:
             _check(value in TRISTATE, f"{name} must be one of {TRISTATE}, got {value!r}")
         for name in ("attention_backend", "moe_impl", "rpa_impl", "gmm_impl"):
             _check(bool(getattr(self, name)), f"{name} must be a non-empty name")
+        for name, allowed in (
+            ("act_quant", ("auto", "triton", "torch")),
+            ("int8_w8a8_gemm", ("auto", "int_mm", "triton")),
+            ("fp8_gemm", ("auto", "scaled_mm", "triton")),
+        ):
+            value = getattr(self, name)
+            _check(value in allowed, f"{name} must be one of {allowed}, got {value!r}")
         s = self.graph_max_kv_splits
         _check(
             isinstance(s, int) and s >= 1 and s & (s - 1) == 0,

@@ -88,9 +88,18 @@ def _save(tensors: dict[str, np.ndarray], path: str) -> None:
 
 def write_prequantized(src: str, dst: str, fmt: str, group_size: int = 32, **opts: object) -> str:
     """Copy the float HF checkpoint `src` to `dst` with every decoder linear quantized in `fmt`
-    ("gptq", "awq", "compressed-tensors"), and config.json's quantization_config set the way
-    the reference tools write it. Returns dst."""
-    from xlaserve.quantization.hf_formats import pack_awq, pack_gptq, quantize_compressed_fp8
+    ("gptq", "awq", "compressed-tensors" fp8, "compressed-tensors-int8" W8A8 (opts: strategy,
+    w8a16=True for weight-only), "fp8-block" DeepSeek / Qwen3-FP8 style (opts: block)), and
+    config.json's quantization_config set the way the reference tools write it. Returns dst."""
+    from xlaserve.quantization.hf_formats import (
+        pack_awq,
+        pack_gptq,
+        quantize_compressed_fp8,
+        quantize_compressed_int8,
+        quantize_fp8_block,
+    )
+
+    block = tuple(opts.get("block", (128, 128)))
 
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
@@ -108,6 +117,12 @@ def write_prequantized(src: str, dst: str, fmt: str, group_size: int = 32, **opt
             parts = pack_gptq(w, group_size, sym=True, perm=perm, v1=True)
         elif fmt == "awq":
             parts = pack_awq(w, group_size)
+        elif fmt == "compressed-tensors-int8":
+            parts = quantize_compressed_int8(w, str(opts.get("strategy", "channel")))
+            if not opts.get("w8a16"):
+                parts["input_scale"] = np.ones((1,), np.float32)  # a static scale: dropped
+        elif fmt == "fp8-block":
+            parts = quantize_fp8_block(w, block)
         else:
             parts = quantize_compressed_fp8(w, str(opts.get("strategy", "channel")))
         for k, v in parts.items():
@@ -130,6 +145,36 @@ def write_prequantized(src: str, dst: str, fmt: str, group_size: int = 32, **opt
             "zero_point": True,
             "version": "gemm",
             "modules_to_not_convert": None,
+        }
+    elif fmt == "fp8-block":
+        qc = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(block),
+            "modules_to_not_convert": ["lm_head"],
+        }
+    elif fmt == "compressed-tensors-int8":
+        strategy = str(opts.get("strategy", "channel"))
+        act = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+               "dynamic": True}  # fmt: skip
+        qc = {
+            "quant_method": "compressed-tensors",
+            "format": "int-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "int",
+                        "strategy": strategy,
+                        "symmetric": True,
+                        "dynamic": False,
+                    },  # fmt: skip
+                    "input_activations": None if opts.get("w8a16") else act,
+                }
+            },
+            "ignore": ["lm_head"],
         }
     else:
         strategy = str(opts.get("strategy", "channel"))

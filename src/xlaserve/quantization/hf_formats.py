@@ -25,6 +25,16 @@ compressed-tensors, format "float-quantized" (fp8 e4m3 weights, dynamic per-toke
     weight        float8_e4m3fn [N, K]
     weight_scale  float32 [N, 1] (strategy "channel") or [1] / [] ("tensor")
     input_scale   float32 (static activation scale; dropped: activations are scaled per token)
+compressed-tensors, format "int-quantized" (symmetric int8 weights; W8A8 with int8
+input_activations, served with dynamic per-token activation scales):
+    weight        int8 [N, K]
+    weight_scale  float32 / bfloat16 [N, 1] ("channel") or [1] ("tensor")
+    input_scale   (static W8A8 only; dropped)
+fp8 block-wise (config quant_method "fp8", weight_block_size [bn, bk]; DeepSeek-V3, Qwen3-FP8):
+    weight            float8_e4m3fn [N, K]
+    weight_scale_inv  float32 [ceil(N / bn), ceil(K / bk)]; W = weight * weight_scale_inv of
+                      its block (despite the name, a multiplier)
+    -> canonical fp8 {qweight [N, K], scales [ceil(N / bn), ceil(K / bk)]}
 """
 
 from __future__ import annotations
@@ -152,6 +162,34 @@ def quantize_compressed_fp8(w: np.ndarray, strategy: str = "channel") -> dict[st
     }
 
 
+def quantize_compressed_int8(w: np.ndarray, strategy: str = "channel") -> dict[str, np.ndarray]:
+    """W [N, K] -> compressed-tensors int8 tensors {weight, weight_scale} (symmetric)."""
+    w = np.asarray(w, dtype=np.float32)
+    if strategy == "channel":
+        amax = np.abs(w).max(axis=1, keepdims=True)
+    else:
+        amax = np.full((1,), np.abs(w).max(), np.float32)
+    s = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / s.reshape(-1, 1) if strategy == "channel" else w / s), -127, 127)
+    return {"weight": q.astype(np.int8), "weight_scale": s}
+
+
+def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> dict:
+    """W [N, K] -> block-wise fp8 tensors {weight, weight_scale_inv} (one amax / 448 scale per
+    [bn, bk] block, ragged edge blocks included)."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    wp = np.zeros((gn * bn, gk * bk), np.float32)
+    wp[:n, :k] = w
+    amax = np.abs(wp).reshape(gn, bn, gk, bk).max(axis=(1, 3))
+    s = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    full = np.repeat(np.repeat(s, bn, 0)[:n], bk, 1)[:, :k]
+    q = np.clip(w / full, -448, 448).astype(FP8_E4M3)
+    return {"weight": q, "weight_scale_inv": s}
+
+
 # ---- readers -------------------------------------------------------------------------------------
 
 
@@ -199,14 +237,18 @@ def awq_to_canonical(t: dict[str, np.ndarray], scheme: QuantScheme) -> dict[str,
 
 
 def compressed_fp8_to_canonical(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """compressed-tensors fp8 tensors of one layer -> canonical fp8 {qweight, scales}."""
+    """compressed-tensors fp8 / int8 tensors (or block-wise fp8: weight_scale_inv) of one layer
+    -> canonical {qweight, scales}."""
     w = t["weight"]
+    if "weight_scale_inv" in t:
+        return {"qweight": w, "scales": np.asarray(t["weight_scale_inv"], np.float32)}
     s = np.asarray(t["weight_scale"], np.float32).reshape(-1)
     return {"qweight": w, "scales": np.ascontiguousarray(np.broadcast_to(s, (w.shape[0],)))}
 
 
 _INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _FP8_PARTS = ("weight", "weight_scale", "input_scale")
+_SCALE_PARTS = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
 def _complete(slot: dict, scheme: QuantScheme) -> bool:
@@ -214,7 +256,7 @@ def _complete(slot: dict, scheme: QuantScheme) -> bool:
         return all(p in slot for p in _INT4_PARTS)
     if scheme.source == "awq":
         return all(p in slot for p in _INT4_PARTS[:3])
-    return "weight" in slot and "weight_scale" in slot
+    return "weight" in slot and ("weight_scale" in slot or "weight_scale_inv" in slot)
 
 
 def _emit(prefix: str, slot: dict, scheme: QuantScheme) -> list[tuple[str, np.ndarray]]:
@@ -237,10 +279,7 @@ def convert_prequantized(
         prefix, _, part = name.rpartition(".")
         ours = (int4 and part in _INT4_PARTS) or (
             not int4
-            and (
-                part in ("weight_scale", "input_scale")
-                or (part == "weight" and w.dtype == FP8_E4M3)
-            )
+            and (part in _SCALE_PARTS or (part == "weight" and w.dtype in (FP8_E4M3, np.int8)))
         )
         if not ours:
             yield name, w
@@ -254,6 +293,8 @@ def convert_prequantized(
             continue  # a static activation scale of an already emitted layer
         needed = ("qweight", "qzeros", "scales") if int4 else ("weight", "weight_scale")
         missing = [p for p in needed if p not in slot]
+        if not int4 and "weight_scale_inv" in slot:
+            missing = [p for p in missing if p != "weight_scale"]
         if missing:
             raise ValueError(f"{scheme.source} checkpoint: {prefix} lacks {', '.join(missing)}")
         yield from _emit(prefix, slot, scheme)

@@ -23,6 +23,11 @@ int4 (weight-only, asymmetric, group-wise along K; group g, G = K / g groups):
 fp8 (e4m3fn weights, per output channel; activations quantized per token at run time):
     X.qweight  float8_e4m3fn [N, K]   (ml_dtypes.float8_e4m3fn; torch stores its bits as uint8)
     X.scales   float32 [N]            s = max|W[n]| / 448;   W ~= float(q) * s[:, None]
+    block-wise (QuantScheme.weight_block = (bn, bk), DeepSeek-V3 / Qwen3-FP8 checkpoints):
+    X.scales   float32 [ceil(N / bn), ceil(K / bk)]   W ~= float(q) * s[n // bn, k // bk]
+
+int8_w8a8: the int8 layout above; activations are quantized per token to int8 at run time
+(s_x = max|x[m]| / 127, round half away from zero) and the GEMM runs on int8 codes.
 """
 
 from __future__ import annotations
@@ -148,7 +153,7 @@ def dequantize_fp8(q: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 def quantize_weight(method: str, w: np.ndarray, group_size: int = INT4_DEFAULT_GROUP) -> dict:
     """W [N, K] -> {"qweight", "scales"[, "qzeros"]} in the canonical layout of `method`."""
-    if method == "int8":
+    if method in ("int8", "int8_w8a8"):  # w8a8: the same weights, activations at run time
         q, s = quantize_int8(w)
         return {"qweight": q, "scales": s}
     if method == "int4":

@@ -16,9 +16,13 @@ from xlaserve.quantization.numpy_quant import INT4_DEFAULT_GROUP, int4_group_siz
 
 _logger = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4", "fp8")
-# Sources: "runtime" = quantize a float checkpoint while loading; the others are HF formats.
-SOURCES = ("runtime", "gptq", "awq", "compressed-tensors")
+# "int8": weight-only int8; "int8_w8a8": int8 weights and dynamic per-token int8 activations
+# (SmoothQuant-style, vLLM's compressed-tensors W8A8 int8); "fp8": fp8 weights and per-token
+# fp8 activations.
+METHODS = ("int8", "int8_w8a8", "int4", "fp8")
+# Sources: "runtime" = quantize a float checkpoint while loading; the others are HF formats
+# ("fp8-block": quant_method "fp8" with weight_block_size, DeepSeek-V3 / Qwen3-FP8).
+SOURCES = ("runtime", "gptq", "awq", "compressed-tensors", "fp8-block")
 # Linear layers never quantized (logits head, tiny MoE gates).
 DEFAULT_IGNORE = ("lm_head", "router", "shared_expert_gate")
 
@@ -35,12 +39,24 @@ class QuantScheme:
     gptq_v1: bool = True
     # Canonical-name fragments/regexes of linear layers left in float.
     ignore: tuple[str, ...] = field(default=DEFAULT_IGNORE)
+    # fp8 block-wise weights: (block_n, block_k) of one weight scale; scales are then
+    # [ceil(N / block_n), ceil(K / block_k)] (None: one scale per output channel).
+    weight_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"quantization method must be one of {METHODS}, got {self.method!r}")
         if self.source not in SOURCES:
             raise ValueError(f"quantization source must be one of {SOURCES}, got {self.source!r}")
+        if self.weight_block is not None and (
+            self.method != "fp8"
+            or len(self.weight_block) != 2
+            or min(self.weight_block) < 16
+            or any(b & (b - 1) for b in self.weight_block)
+        ):
+            raise ValueError(
+                f"weight_block {self.weight_block!r}: fp8 only, two powers of two >= 16"
+            )
 
     @property
     def prequantized(self) -> bool:
@@ -105,28 +121,67 @@ def scheme_from_hf_config(qc: dict) -> QuantScheme:
             ignore=ignore,
         )
     if kind == "compressed-tensors":
-        groups = qc.get("config_groups") or {}
-        for grp in groups.values():
-            w = grp.get("weights") or {}
-            if w.get("type") == "float" and int(w.get("num_bits", 0)) == 8:
-                strategy = w.get("strategy", "tensor")
-                if strategy not in ("tensor", "channel"):
-                    raise NotImplementedError(
-                        f"compressed-tensors fp8 weight strategy {strategy!r} is not supported "
-                        "(tensor or channel only)"
-                    )
-                continue
+        return _compressed_tensors_scheme(qc)
+    if kind == "fp8":
+        block = qc.get("weight_block_size")
+        if not block or len(block) != 2:
             raise NotImplementedError(
-                f"compressed-tensors scheme {w!r} is not supported (only fp8 'float-quantized')"
+                "fp8 checkpoints (quant_method 'fp8') are supported with weight_block_size "
+                f"[block_n, block_k] only, got {block!r}"
             )
-        if not groups:
-            raise NotImplementedError("compressed-tensors config without config_groups")
+        if str(qc.get("activation_scheme", "dynamic")).lower() != "dynamic":
+            raise NotImplementedError("fp8 block-wise checkpoints with static activation scales")
         return QuantScheme(
-            method="fp8", source="compressed-tensors", ignore=_ct_ignore(qc.get("ignore") or [])
+            method="fp8",
+            source="fp8-block",
+            weight_block=(int(block[0]), int(block[1])),
+            ignore=_ct_ignore(list(qc.get("modules_to_not_convert") or [])),
         )
     raise NotImplementedError(
         f"pre-quantized checkpoint format {kind!r} is not supported "
-        "(supported: gptq, awq, compressed-tensors fp8)"
+        "(supported: gptq, awq, compressed-tensors fp8 / int8, fp8 block-wise)"
+    )
+
+
+def _compressed_tensors_scheme(qc: dict) -> QuantScheme:
+    """compressed-tensors: fp8 'float-quantized' (per-tensor / per-channel weights) or int8
+    'int-quantized' (symmetric per-channel / per-tensor int8 weights; with int8
+    input_activations it is W8A8, served with dynamic per-token activation scales, a static
+    input_scale being dropped; without, int8 weight-only)."""
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise NotImplementedError("compressed-tensors config without config_groups")
+    methods = set()
+    for grp in groups.values():
+        w = grp.get("weights") or {}
+        bits, typ = int(w.get("num_bits", 0)), w.get("type")
+        strategy = w.get("strategy", "tensor")
+        if bits != 8 or typ not in ("float", "int"):
+            raise NotImplementedError(
+                f"compressed-tensors scheme {w!r} is not supported (only 8-bit 'float' / 'int')"
+            )
+        if strategy not in ("tensor", "channel"):
+            raise NotImplementedError(
+                f"compressed-tensors {typ} weight strategy {strategy!r} is not supported "
+                "(tensor or channel only)"
+            )
+        if typ == "float":
+            methods.add("fp8")
+            continue
+        if not w.get("symmetric", True):
+            raise NotImplementedError("compressed-tensors int8 with asymmetric weights")
+        act = grp.get("input_activations") or None
+        if act is not None and (int(act.get("num_bits", 8)) != 8 or act.get("type") != "int"):
+            raise NotImplementedError(
+                f"compressed-tensors int8 weights with activations {act!r} (int8 only)"
+            )
+        methods.add("int8" if act is None else "int8_w8a8")
+    if len(methods) != 1:
+        raise NotImplementedError(f"compressed-tensors config mixes schemes {sorted(methods)}")
+    return QuantScheme(
+        method=methods.pop(),
+        source="compressed-tensors",
+        ignore=_ct_ignore(qc.get("ignore") or []),
     )
 
 
