@@ -62,11 +62,15 @@ def make_attention(
     device: str,
 ) -> tuple[Attention, nn.Parameter | None]:
     """The attention core of `layer` over this rank's (query, KV) heads (scale, sliding window,
-    soft-cap and ALiBi slopes from the spec) and, for spec.attn_sinks (gpt-oss), the layer's
-    sink logits float32 [Hq] (a parameter its attention module owns as `sinks`), else None."""
+    attention chunk, soft-cap and ALiBi slopes from the spec) and, for spec.attn_sinks (gpt-oss),
+    the layer's sink logits float32 [Hq] (a parameter its attention module owns as `sinks`),
+    else None."""
     scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
     window, cap = layer_window(spec, layer), spec.attn_logit_softcap
-    attn = Attention(*heads, spec.head_dim, scale, backend, window, cap, alibi_heads(spec, device))
+    attn = Attention(
+        *heads, spec.head_dim, scale, backend, window, cap, alibi_heads(spec, device),
+        chunk_size=spec.layer_chunk_size(layer),
+    )  # fmt: skip
     if not spec.attn_sinks:
         return attn, None
     if tp_world_size() > 1:

@@ -57,13 +57,15 @@ class DecoderAttention(nn.Module):
         super().__init__()
         (self.hq, self.hkv), self.d = attention_heads(spec), spec.head_dim
         build_qkv(self, spec, layer, dtype, device, kernels)
-        self.qk_norm = spec.qk_norm
-        self.full_qk_norm = spec.qk_norm and spec.qk_norm_scope == "full"
-        if spec.qk_norm:
+        self.qk_norm = spec.layer_qk_norm(layer)
+        self.full_qk_norm = self.qk_norm and spec.qk_norm_scope == "full"
+        if self.qk_norm:
             qd, kd = (spec.q_size, spec.kv_size) if self.full_qk_norm else (self.d, self.d)
             self.q_norm = spec_norm(spec, qd, dtype, device)
             self.k_norm = spec_norm(spec, kd, dtype, device)
         self.rotary = layer_rotary(spec, layer, device)
+        # Llama 4 NoPE layers: (floor_scale, scale) of the position-dependent q temperature.
+        self.temperature = spec.nope_attn_temperature if self.rotary is None else None
         self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
         # sinks: gpt-oss attention sinks [Hq] (a parameter) or None
         self.attn, self.sinks = make_attention(spec, layer, (self.hq, self.hkv), backend, device)
@@ -80,6 +82,10 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.hkv, self.d)
         if self.qk_norm and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.temperature is not None:  # q * (1 + a * log1p(floor((p + 1) / F)))
+            floor_scale, a = self.temperature
+            t_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * a + 1.0
+            q = (q * t_scale[:, None, None]).to(q.dtype)
         if self.rotary is not None:
             if self.fuse_rope_kv and self.rotary.triton_enabled and len(kv) == 2:
                 # One kernel rotates q / k and writes k / v into the (float) paged cache.

@@ -252,6 +252,38 @@ def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers 
                 "truncate": False,
             },
         )
+    if name == "llama4":  # rope layers: chunked (8), qk L2-norm; NoPE layer: temperature
+        return tf.Llama4TextConfig(
+            **{**c, "intermediate_size": 32},
+            intermediate_size_mlp=128,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,  # layer 0 dense, layer 1 MoE (+ shared expert)
+            no_rope_layers=[1, 0],  # HF: 1 = rope; layer 1 is NoPE
+            attention_chunk_size=WINDOW,
+            floor_scale=4,  # small so that the temperature changes within the test prompts
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if name == "llama4_topk":  # top-2 input-scaled routing, every layer MoE, qk-norm off
+        return tf.Llama4TextConfig(
+            **{**c, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            no_rope_layers=[0, 1],
+            use_qk_norm=False,
+            attention_chunk_size=WINDOW,
+            floor_scale=4,
+        )
     ds_moe = dict(
         n_routed_experts=8,
         num_experts_per_tok=2,
@@ -351,6 +383,8 @@ ARCHS = {
     "bloom": "BloomForCausalLM",
     "mpt": "MptForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "llama4": "Llama4ForCausalLM",
+    "llama4_topk": "Llama4ForCausalLM",
 }
 
 

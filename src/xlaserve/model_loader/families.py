@@ -1024,3 +1024,98 @@ register_architecture(  # gpt-oss (OpenAI): sinks, alternating sliding / full, b
     ["GptOssForCausalLM"],
     ArchAdapter(family="moe", build_spec=_GPT_OSS.build_spec, convert=_gpt_oss_convert),
 )
+
+
+# ---- Llama 4 text (interleaved MoE, NoPE layers, chunked attention) ---------------------------
+
+
+def _llama4(cfg: dict, kw: dict) -> dict:
+    """Llama4TextConfig -> spec. no_rope_layers[i] is 1 where layer i USES rope (HF's naming);
+    rope layers attend in chunks of attention_chunk_size and L2-normalise q / k (use_qk_norm:
+    a weightless RMS norm, loaded as ones); NoPE layers see all keys, with temperature tuning."""
+    n = kw["num_layers"]
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    use_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    step = int(cfg.get("interleave_moe_layer_step", 1))
+    moe = cfg.get("moe_layers")
+    moe = list(range(step - 1, n, step)) if moe is None else list(moe)
+    chunk = cfg.get("attention_chunk_size")
+    types = cfg.get("layer_types") or [
+        "chunked_attention" if r and chunk is not None else "full_attention" for r in use_rope
+    ]
+    rope_layers = [i for i in range(n) if use_rope[i]]
+    bias = bool(cfg.get("attention_bias"))
+    out = dict(
+        intermediate_size=cfg.get("intermediate_size_mlp") or kw["intermediate_size"],
+        qkv_bias=bias,
+        o_bias=bias,
+        nope_layers=[i for i in range(n) if not use_rope[i]],
+        qk_norm=bool(cfg.get("use_qk_norm", True)),
+        qk_norm_layers=rope_layers,
+        num_experts=cfg["num_local_experts"],
+        num_experts_per_tok=cfg.get("num_experts_per_tok", 1),
+        moe_intermediate_size=kw["intermediate_size"],
+        shared_expert_intermediate_size=kw["intermediate_size"],
+        moe_scoring="sigmoid",  # top-k of sigmoid == top-k of the logits; weights = sigmoid
+        norm_topk_prob=False,
+        moe_scale_input=True,
+        dense_mlp_layers=[i for i in range(n) if i not in moe],
+    )
+    if chunk is not None and any(t.startswith("chunked") for t in types):
+        out.update(attention_chunk_size=int(chunk), layer_types=list(types))
+    if cfg.get("attn_temperature_tuning", True):
+        out["nope_attn_temperature"] = (
+            float(cfg.get("floor_scale", 8192)),
+            float(cfg.get("attn_scale", 0.1)),
+        )
+    return out
+
+
+_LLAMA4 = LlamaLike(
+    fields=_llama4, renames=((r"\.feed_forward\.", ".mlp."),), interleaved_rope=True, family="moe"
+)
+
+
+def _llama4_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[str, np.ndarray]]:
+    """Experts ship fused as gate_up_proj [E, H, 2I] (gate half first) and down_proj [E, I, H]:
+    transposed to the canonical [E, I, H] / [E, H, I]. Rope layers' weightless qk L2-norm gets
+    ones as its q_norm / k_norm weights. Llama4ForConditionalGeneration: the text model's
+    tensors sit under `language_model.`; the vision tower and projector are dropped."""
+    if name.startswith(("vision_model.", "multi_modal_projector.")):
+        return []
+    if name.startswith("language_model."):
+        name = name[len("language_model.") :]
+    base = name[len("model.") :] if name.startswith("model.") else name
+    base = base.replace(".feed_forward.", ".mlp.")
+    if base.endswith(".mlp.experts.gate_up_proj"):
+        head, i = base[: -len("gate_up_proj")], w.shape[2] // 2
+        t = np.swapaxes(w, 1, 2)  # [E, 2I, H]
+        return [
+            (head + "w_gate", np.ascontiguousarray(t[:, :i])),
+            (head + "w_up", np.ascontiguousarray(t[:, i:])),
+        ]
+    if base.endswith(".mlp.experts.down_proj"):
+        return [(base[: -len("down_proj")] + "w_down", np.ascontiguousarray(np.swapaxes(w, 1, 2)))]
+    out = list(_LLAMA4.convert(name, w, spec))
+    m = re.match(r"^layers\.(\d+)\.self_attn\.q_proj\.weight$", base)
+    if m and spec.layer_qk_norm(int(m.group(1))):
+        ones = np.ones(spec.head_dim, dtype=w.dtype)
+        out += [(base.replace("q_proj", p), ones) for p in ("q_norm", "k_norm")]
+    return out
+
+
+def _llama4_mm_spec(cfg: dict, model_dir: str) -> ModelSpec:
+    """Llama4ForConditionalGeneration: the text model's spec from text_config (text only)."""
+    text = {**cfg["text_config"], "architectures": cfg["architectures"]}
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return _LLAMA4.build_spec(text, model_dir)
+
+
+register_architecture(  # Llama 4 text (Scout / Maverick): MoE + NoPE + chunked attention
+    ["Llama4ForCausalLM"],
+    ArchAdapter(family="moe", build_spec=_LLAMA4.build_spec, convert=_llama4_convert),
+)
+register_architecture(  # Llama 4 multimodal checkpoints, served text-only
+    ["Llama4ForConditionalGeneration"],
+    ArchAdapter(family="moe", build_spec=_llama4_mm_spec, convert=_llama4_convert),
+)
