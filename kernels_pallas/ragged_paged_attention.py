@@ -858,12 +858,13 @@ def _pallas_gpu_impl(
     sliding_window: int | None,
     soft_cap: float | None,
     block_sizes: BlockSizes | GpuBlockSizes | None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     del k_scale, v_scale  # float caches only (quantized_cache=False)
     return ragged_paged_attention_gpu(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        block_sizes=block_sizes,
+        block_sizes=block_sizes, chunk_size=chunk_size,
     )  # fmt: skip
 
 
@@ -872,7 +873,7 @@ RPA_IMPLS: dict[str, RpaImpl] = {
     "reference": RpaImpl("reference", _reference_impl, True, None, chunked=True),
     "pallas_tpu": RpaImpl("pallas_tpu", _pallas_tpu_attention, True, BlockSizes, chunked=True),
     # The GPU kernel has no in-kernel dequantization: quantized caches take the reference.
-    "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, False, GpuBlockSizes),
+    "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, False, GpuBlockSizes, chunked=True),
 }
 
 
@@ -928,8 +929,8 @@ def ragged_paged_attention(
     num_seqs ignored); block_tables: int32 [B, M]; cu_q_lens: int32 [B+1] query start offsets
     into T (non-decreasing; padded sequences have q_len 0); num_seqs: int32 [1].
     GQA: query head h uses kv head h // (Hq // Hkv). sliding_window w: keys in (p - w, p].
-    chunk_size C (Llama 4 chunked attention): only keys with k // C == p // C. pallas_gpu
-    does not take it: a chunked call there runs the reference.
+    chunk_size C (Llama 4 chunked attention): only keys with k // C == p // C (every
+    built-in impl; a registered impl without `chunked` runs the reference for it).
     soft_cap c: logits = c * tanh(logits / c). Softmax and accumulation in float32.
     impl: "reference" | "pallas_tpu" | "pallas_gpu" | "auto" (pallas_tpu on a TPU backend or
     under forced TPU interpret mode, GPU_AUTO_IMPL on a GPU backend, else reference).

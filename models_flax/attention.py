@@ -80,8 +80,7 @@ def paged_attention(
     """q [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]. k_scale, v_scale: float32
     [N, S, Hkv] for an int8 / fp8 cache (None for a float cache). alibi_slopes [Hq] (ALiBi) and
     sinks [Hq] (attention sinks): only the jnp reference implements them (Bloom, MPT, gpt-oss
-    run it on every platform). chunk_size: chunked attention (Llama 4; the reference and the
-    pallas_tpu kernel take it, pallas_gpu falls back to the reference)."""
+    run it on every platform). chunk_size: chunked attention (Llama 4), every kernel."""
     if alibi_slopes is not None or sinks is not None:
         return ref_ragged_paged_attention(
             q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,

@@ -1,7 +1,8 @@
 """Chunked attention (Llama 4: a query at position p sees keys k <= p with k // C == p // C) in
 ragged paged attention: a case worked by hand on the jnp reference and the Pallas TPU kernel
-(TPU interpret mode), then the kernel vs the reference vs a float64 numpy oracle over ragged
-batches whose prompts and prefill chunks cross chunk boundaries. Unused cache slots hold NaN."""
+(TPU interpret mode), then the TPU kernel, the Pallas GPU kernel (Pallas interpreter) and the
+reference vs a float64 numpy oracle over ragged batches whose prompts and prefill chunks cross
+chunk boundaries. Unused cache slots hold NaN."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from _rpa_testlib import make_case, np_attention
 
 from xlaserve.kernels_pallas import BlockSizes, ragged_paged_attention, ref_ragged_paged_attention
+from xlaserve.kernels_pallas.ragged_paged_attention_gpu import GpuBlockSizes
 
 D, S = 8, 8
 
@@ -85,16 +87,34 @@ def test_kernel_matches_reference_and_numpy(
     assert not np.allclose(np_attention(case, sm_scale=0.125), want, atol=1e-3)
 
 
-def test_gpu_kernel_without_chunks_runs_the_reference() -> None:
-    # pallas_gpu does not take chunk_size: a chunked call there runs the reference (same result).
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize(
+    "page_size,chunk,dtype,block_sizes",
+    [
+        (8, 4, jnp.float32, GpuBlockSizes(16, 2)),  # chunk < page; BQ 8 tiles cross chunks
+        (16, 16, jnp.float32, GpuBlockSizes(16, 1)),  # unmasked interior steps inside a chunk
+        (8, 5, jnp.bfloat16, None),  # unaligned chunks, the tuning table
+        (16, 8, jnp.float32, GpuBlockSizes(16, 1, kv_splits=4, force_splits=True)),  # split KV
+        # BK 16, chunk 24: the decode at position 39 (chunk from 24) starts in key block 1
+        # (keys 16..31), which must stay masked; block 0 of the decode at 16 runs unmasked.
+        (8, 24, jnp.float32, GpuBlockSizes(16, 2)),
+    ],
+)
+def test_gpu_kernel_matches_numpy(page_size, chunk, dtype, block_sizes) -> None:  # noqa: ANN001
+    """The Pallas GPU kernel (Pallas interpreter on CPU) on the same ragged scenario."""
+    rng = np.random.default_rng(chunk + page_size)
+    max_pages = -(-40 // page_size) + 1
+    q_lens, kv_lens = SCENARIO
     case = make_case(
-        rng, [3, 1], [11, 9], page_size=8, hq=2, hkv=1, d=16, dtype=jnp.float32,
-        batch=2, num_tokens=4, max_pages=2, num_pages=5,
+        rng, q_lens, kv_lens, page_size=page_size, hq=4, hkv=2, d=64, dtype=dtype,
+        batch=6, num_tokens=32, max_pages=max_pages, num_pages=5 * (max_pages - 1) + 3,
     )  # fmt: skip
-    kw = dict(sm_scale=0.25, chunk_size=4)
-    out = ragged_paged_attention(*case.args(), impl="pallas_gpu", **kw)
-    np.testing.assert_allclose(np.asarray(out), np_attention(case, **kw), atol=2e-5, rtol=2e-5)
+    kw = dict(sm_scale=0.125, chunk_size=chunk)
+    want = np_attention(case, **kw)
+    out = ragged_paged_attention(*case.args(), impl="pallas_gpu", block_sizes=block_sizes, **kw)
+    out = np.asarray(out.astype(jnp.float32))
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(out, want, atol=tol, rtol=tol)
+    np.testing.assert_array_equal(out[sum(q_lens) :], 0.0)
 
 
 def test_bad_chunk_size_is_a_clear_error() -> None:
@@ -105,3 +125,26 @@ def test_bad_chunk_size_is_a_clear_error() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="chunk_size"):
         ragged_paged_attention(*case.args(), sm_scale=1.0, chunk_size=0, impl="reference")
+
+
+def test_gpu_kernel_lowers_to_triton_with_chunks() -> None:
+    """The chunk mask (integer floor division) lowers through Pallas -> Triton (PTX is GPU-only)."""
+    from optional_deps import import_or_skip
+
+    from xlaserve.kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+
+    export = import_or_skip("jax.export")
+    case = make_case(
+        np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=40, hkv=8, d=128,
+        dtype=jnp.bfloat16, batch=4, num_tokens=32,
+    )  # fmt: skip
+
+    def f(*args):  # noqa: ANN002, ANN202
+        return ragged_paged_attention_gpu(*args, sm_scale=0.125, chunk_size=8, interpret=False)
+
+    exported = export.export(
+        jax.jit(f),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*case.args())
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
