@@ -8,8 +8,8 @@ import json
 import os
 
 import torch
-from arch_zoo import _config_more, make_arch_model
-from test_models_torch_parity import PROMPTS, _ours, _ragged_last_logits
+from arch_zoo import PROMPTS, _config_more, make_arch_model
+from test_models_torch_parity import _ours, _ragged_last_logits
 
 from xlaserve.model_loader.registry import build_spec
 

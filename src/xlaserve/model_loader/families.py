@@ -187,6 +187,20 @@ def _sliding(cfg: dict, kw: dict) -> dict:
     return dict(sliding_window=sw, layer_types=lt)
 
 
+def _layer_norm_plain_mlp(eps: float, bias: bool, norm_bias: bool = True) -> dict:
+    """LayerNorm blocks with a plain (ungated) MLP: the fields GPT-style families share. `bias`:
+    biases on the MLP and the q/k/v/o projections; norm_bias: the LayerNorms' own bias."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=norm_bias,
+        norm_eps=eps,
+        gated_mlp=False,
+        mlp_bias=bias,
+        qkv_bias=bias,
+        o_bias=bias,
+    )
+
+
 # ---- Llama-like: RMS pre-norms, rope, gated MLP ------------------------------------------------
 
 register_llama_like(  # Helium (Kyutai): interleaved rope, qkv bias
@@ -278,17 +292,9 @@ register_llama_like(  # GLM-4 (0414): + sandwich norms after attention and after
 
 
 def _nemotron(cfg: dict, kw: dict) -> dict:
-    bias = bool(cfg.get("attention_bias"))
-    return dict(
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=cfg.get("norm_eps", 1e-5),
-        gated_mlp=False,
-        mlp_bias=bool(cfg.get("mlp_bias")),
-        qkv_bias=bias,
-        o_bias=bias,
-        partial_rotary_factor=_partial_rotary(cfg, 0.5),
-    )
+    out = _layer_norm_plain_mlp(cfg.get("norm_eps", 1e-5), bool(cfg.get("attention_bias")))
+    out.update(mlp_bias=bool(cfg.get("mlp_bias")), partial_rotary_factor=_partial_rotary(cfg, 0.5))
+    return out
 
 
 register_llama_like(  # Nemotron (NVIDIA, Minitron): LayerNorm1P, relu^2 MLP, partial rope
@@ -528,13 +534,7 @@ register_llama_like(  # GPT-J: parallel block (one LayerNorm), interleaved parti
 def _phi(cfg: dict, kw: dict) -> dict:
     _unsupported(cfg, qk_layernorm=True)
     return dict(
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=cfg.get("layer_norm_eps", 1e-5),
-        gated_mlp=False,
-        mlp_bias=True,
-        qkv_bias=True,
-        o_bias=True,
+        **_layer_norm_plain_mlp(cfg.get("layer_norm_eps", 1e-5), True),
         partial_rotary_factor=_partial_rotary(cfg, 0.5),
         parallel_residual=True,
         lm_head_bias=True,
@@ -570,16 +570,9 @@ def _opt(cfg: dict, kw: dict) -> dict:
             f"{arch} with word_embed_proj_dim != hidden_size (project_in/out) is not supported"
         )
     _unsupported(cfg, layer_norm_elementwise_affine=False, _remove_final_layer_norm=True)
-    bias = bool(cfg.get("enable_bias", True))
     return dict(
+        **_layer_norm_plain_mlp(1e-5, bool(cfg.get("enable_bias", True))),
         intermediate_size=cfg["ffn_dim"],
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=1e-5,
-        gated_mlp=False,
-        mlp_bias=bias,
-        qkv_bias=bias,
-        o_bias=bias,
         position_embedding="learned",
         activation=_act(cfg.get("activation_function", "relu")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -665,13 +658,7 @@ def _falcon(cfg: dict, kw: dict) -> dict:
     return dict(
         num_kv_heads=kv,
         intermediate_size=cfg.get("ffn_hidden_size") or 4 * cfg["hidden_size"],
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        gated_mlp=False,
-        mlp_bias=bias,
-        qkv_bias=bias,
-        o_bias=bias,
+        **_layer_norm_plain_mlp(cfg.get("layer_norm_epsilon", 1e-5), bias),
         activation=_act(cfg.get("activation") or "gelu"),
         parallel_residual=parallel,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -682,6 +669,16 @@ def _falcon(cfg: dict, kw: dict) -> dict:
     )
 
 
+# Bloom's block tensor names, which Falcon kept: fused qkv, dense out, 4h MLP.
+_BLOOM_BLOCK_NAMES = (
+    (r"^ln_f\.", "norm."),
+    (r"^h\.", "layers."),
+    (r"\.self_attention\.query_key_value\.", ".self_attn.qkv_proj."),
+    (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
+    (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."),
+    (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+)
+
 register_llama_like(  # Falcon (7B / 40B / 180B, Falcon 2 / 3 dense): parallel block, MQA / GQA
     ["FalconForCausalLM"],
     LlamaLike(
@@ -689,14 +686,9 @@ register_llama_like(  # Falcon (7B / 40B / 180B, Falcon 2 / 3 dense): parallel b
         prefixes=("transformer.",),
         renames=(
             (r"^word_embeddings\.", "embed_tokens."),
-            (r"^ln_f\.", "norm."),
-            (r"^h\.", "layers."),
             (r"\.ln_attn\.", ".input_layernorm."),
             (r"\.ln_mlp\.", ".post_attention_layernorm."),
-            (r"\.self_attention\.query_key_value\.", ".self_attn.qkv_proj."),
-            (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
-            (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."),
-            (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+            *_BLOOM_BLOCK_NAMES,
         ),
         family="gpt_neox",
     ),
@@ -858,13 +850,7 @@ def _bloom(cfg: dict, kw: dict) -> dict:
         head_dim=hidden // heads,
         intermediate_size=4 * hidden,
         num_layers=cfg.get("n_layer") or cfg["num_hidden_layers"],
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        gated_mlp=False,
-        mlp_bias=True,
-        qkv_bias=True,
-        o_bias=True,
+        **_layer_norm_plain_mlp(cfg.get("layer_norm_epsilon", 1e-5), True),
         activation="gelu_tanh",
         position_embedding="alibi",
         alibi_slopes=bloom_alibi_slopes(heads),
@@ -898,12 +884,7 @@ register_llama_like(  # BLOOM: ALiBi, embedding LayerNorm, per-head fused qkv, G
         renames=(
             (r"^word_embeddings_layernorm\.", "embed_layernorm."),
             (r"^word_embeddings\.", "embed_tokens."),
-            (r"^ln_f\.", "norm."),
-            (r"^h\.", "layers."),
-            (r"\.self_attention\.query_key_value\.", ".self_attn.qkv_proj."),
-            (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
-            (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."),
-            (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+            *_BLOOM_BLOCK_NAMES,
         ),
         family="gpt2",
     ),
@@ -930,13 +911,7 @@ def _mpt(cfg: dict, kw: dict) -> dict:
         num_kv_heads=heads,
         head_dim=hidden // heads,
         intermediate_size=int(cfg.get("expansion_ratio", 4) * hidden),
-        norm_kind="layer",
-        norm_bias=bias,
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        gated_mlp=False,
-        mlp_bias=bias,
-        qkv_bias=bias,
-        o_bias=bias,
+        **_layer_norm_plain_mlp(cfg.get("layer_norm_epsilon", 1e-5), bias, norm_bias=bias),
         activation="gelu",
         position_embedding="alibi",
         alibi_slopes=mpt_alibi_slopes(heads, float(att.get("alibi_bias_max", 8))),
