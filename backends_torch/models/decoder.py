@@ -1,7 +1,7 @@
 """One generic decoder-only transformer built from a ModelSpec; every dense / MoE family is this
 module with different spec fields, set by the adapters (model_loader/registry.py, families.py; the
 README's models table lists them): norm kind / offset / placement (pre, sandwich, post-only), rope
-(partial, local theta, NoPE layers), learned positions or ALiBi, qkv / o / MLP / lm_head biases,
+(partial, local theta, NoPE layers, their temperature), learned positions or ALiBi, qkv / o / MLP / lm_head biases,
 qk-norm, sliding windows, soft-caps, multipliers, parallel residual, FusedMoE in place of the MLP;
 mla (DeepSeek) swaps in MLA attention (models/mla.py).
 
@@ -63,9 +63,7 @@ class DecoderAttention(nn.Module):
             qd, kd = (spec.q_size, spec.kv_size) if self.full_qk_norm else (self.d, self.d)
             self.q_norm = spec_norm(spec, qd, dtype, device)
             self.k_norm = spec_norm(spec, kd, dtype, device)
-        self.rotary = layer_rotary(spec, layer, device)
-        # Llama 4 NoPE layers: (floor_scale, scale) of the position-dependent q temperature.
-        self.temperature = spec.nope_attn_temperature if self.rotary is None else None
+        self.rotary = layer_rotary(spec, layer, device)  # or Llama 4's NoPE-layer q temperature
         self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
         # sinks: gpt-oss attention sinks [Hq] (a parameter) or None
         self.attn, self.sinks = make_attention(spec, layer, (self.hq, self.hkv), backend, device)
@@ -82,10 +80,6 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.hkv, self.d)
         if self.qk_norm and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.temperature is not None:  # q * (1 + a * log1p(floor((p + 1) / F)))
-            floor_scale, a = self.temperature
-            t_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * a + 1.0
-            q = (q * t_scale[:, None, None]).to(q.dtype)
         if self.rotary is not None:
             if self.fuse_rope_kv and self.rotary.triton_enabled and len(kv) == 2:
                 # One kernel rotates q / k and writes k / v into the (float) paged cache.
