@@ -113,26 +113,3 @@ def test_bad_chunk_size_is_a_clear_error() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="chunk_size"):
         ragged_paged_attention(*case.args(), sm_scale=1.0, chunk_size=0, impl="reference")
-
-
-def test_gpu_kernel_lowers_to_triton_with_chunks() -> None:
-    """The chunk mask (integer floor division) lowers through Pallas -> Triton (PTX is GPU-only)."""
-    from optional_deps import import_or_skip
-
-    from xlaserve.kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
-
-    export = import_or_skip("jax.export")
-    case = make_case(
-        np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=40, hkv=8, d=128,
-        dtype=jnp.bfloat16, batch=4, num_tokens=32,
-    )  # fmt: skip
-
-    def f(*args):  # noqa: ANN002, ANN202
-        return ragged_paged_attention_gpu(*args, sm_scale=0.125, chunk_size=8, interpret=False)
-
-    exported = export.export(
-        jax.jit(f),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*case.args())
-    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
