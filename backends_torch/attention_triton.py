@@ -27,6 +27,7 @@ class TritonAttention(AttentionBackend):
     """Paged attention through the Triton kernels (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
+    supports_chunked = True  # chunk_size: Llama 4 chunked attention, in the kernel's mask
     cuda_graphs = True  # metadata from device tensors only; split-KV fixed per captured graph
     triton_kernels = True
     metadata_cls = TritonAttentionMetadata
@@ -72,10 +73,12 @@ class TritonAttention(AttentionBackend):
         logit_softcap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D] -> out [T, Hq, D]; rows past query_start_loc[B] (padding) are zeros."""
+        """q: [T, Hq, D] -> out [T, Hq, D]; rows past query_start_loc[B] (padding) are zeros.
+        chunk_size: chunked attention (Llama 4), keys of the query's own chunk only."""
         return self._attend(
             q, k_cache, v_cache, md, scale,
-            sliding_window=sliding_window, soft_cap=logit_softcap,
+            sliding_window=sliding_window, soft_cap=logit_softcap, chunk_size=chunk_size,
             k_scale=k_scale, v_scale=v_scale, kernels=self.kernels,
         )  # fmt: skip

@@ -8,7 +8,8 @@ Layout (shared with the Torch backend's CPU path):
 - ``seq_lens``: int32 [B], context length of each sequence INCLUDING this step's new tokens.
   The q_len_i queries of sequence i are the LAST q_len_i positions of its context, so query r
   (0-based within the sequence) sits at position ``seq_len_i - q_len_i + r`` and attends to key
-  positions ``<= `` its own (causal), and, with a sliding window w, ``> q_pos - w``.
+  positions ``<= `` its own (causal), and, with a sliding window w, ``> q_pos - w``; with an
+  attention chunk C (Llama 4), only keys of its own chunk: ``k_pos // C == q_pos // C``.
 - Soft-cap: ``score = cap * tanh(score / cap)`` applied after the ``sm_scale`` multiply.
 
 Kernel shape: the grid is (query tiles across the flattened ragged batch, Hkv). A tile holds
@@ -124,6 +125,7 @@ def _unified_attention_kernel(
     sm_scale,
     soft_cap,
     window,
+    chunk,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -132,6 +134,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -201,6 +204,8 @@ def _unified_attention_kernel(
     kv_begin = q_first * 0
     if USE_WINDOW:
         kv_begin = tl.maximum(q_first - window + 1, 0)
+    if USE_CHUNK:  # no key before the chunk of the tile's first query
+        kv_begin = tl.maximum(kv_begin, (q_first // chunk) * chunk)
     kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:
         # Split-KV (flash-decoding): this program covers one contiguous chunk of whole tiles.
@@ -253,6 +258,8 @@ def _unified_attention_kernel(
         mask = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             mask = mask & (n[None, :] > q_pos[:, None] - window)
+        if USE_CHUNK:
+            mask = mask & (n[None, :] // chunk == q_pos[:, None] // chunk)
         s = tl.where(mask, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -335,6 +342,7 @@ def _check_attention_args(
     soft_cap: float | None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[int, int, int, int, int]:
     """Validate shapes/dtypes; return (T, Hq, Hkv, D, B)."""
     name = "unified_attention"
@@ -395,6 +403,8 @@ def _check_attention_args(
         raise ValueError(f"{name}: max_query_len must be >= 0, got {max_query_len}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"{name}: sliding_window must be None or > 0, got {sliding_window}")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"{name}: chunk_size must be None or > 0, got {chunk_size}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"{name}: soft_cap must be None or > 0, got {soft_cap}")
     return t, hq, hkv, d, b
@@ -440,6 +450,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     kernels: KernelConfig | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """`unified_attention` with the batch layout passed as one struct (`PagedBatch`): q
     [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]; the per-layer arguments as there."""
@@ -449,7 +460,7 @@ def paged_attention(
         batch.max_query_len, batch.max_seq_len, sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap,
         num_kv_splits=getattr(batch, "num_kv_splits", None),
-        k_scale=k_scale, v_scale=v_scale, kernels=kernels,
+        k_scale=k_scale, v_scale=v_scale, kernels=kernels, chunk_size=chunk_size,
     )  # fmt: skip
 
 
@@ -472,6 +483,7 @@ def unified_attention(
     zero_padding: bool | None = None,
     *,
     kernels: KernelConfig | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Paged causal attention over a ragged batch of prefill chunks and decodes, one launch.
 
@@ -487,6 +499,8 @@ def unified_attention(
         max_seq_len: host int, max seq_len (sizes the split-KV heuristic).
         sm_scale: softmax scale, usually D ** -0.5.
         sliding_window: w or None; key allowed iff key_pos > q_pos - w.
+        chunk_size: C or None (Llama 4 chunked attention); key allowed iff
+            key_pos // C == q_pos // C (chunks aligned to position 0).
         soft_cap: cap or None; score = cap * tanh(score / cap).
         num_kv_splits: split-KV (flash-decoding) factor, a power of 2 <= 64. None picks one on
             GPU for decode-only batches too small to fill the SMs (1 under the interpreter).
@@ -504,7 +518,7 @@ def unified_attention(
     """
     t, hq, hkv, d, b = _check_attention_args(
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, max_query_len,
-        sliding_window, soft_cap, k_scale, v_scale,
+        sliding_window, soft_cap, k_scale, v_scale, chunk_size,
     )  # fmt: skip
     quant = k_scale is not None
     check_device(
@@ -560,6 +574,7 @@ def unified_attention(
         block_tables.stride(0),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         b, t, num_tiles, float(sm_scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        int(chunk_size or 1),
         G=g,
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -568,6 +583,7 @@ def unified_attention(
         BLOCK_Q=block_q,
         BLOCK_N=cfg["BLOCK_N"],
         USE_WINDOW=sliding_window is not None,
+        USE_CHUNK=chunk_size is not None,
         USE_SOFTCAP=soft_cap is not None,
         UPCAST=upcast_dot(q.dtype),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -626,6 +642,7 @@ def unified_attention_ref(
     zero_padding: bool | None = None,
     *,
     kernels: KernelConfig | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Plain torch reference of :func:`unified_attention` (same arguments, fp32 math;
     ``num_kv_splits`` is accepted and ignored; a quantized cache is dequantized first).
@@ -634,7 +651,7 @@ def unified_attention_ref(
     """
     _check_attention_args(
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, max_query_len,
-        sliding_window, soft_cap, k_scale, v_scale,
+        sliding_window, soft_cap, k_scale, v_scale, chunk_size,
     )  # fmt: skip
     if out is None:
         out = torch.zeros_like(q)
@@ -668,6 +685,8 @@ def unified_attention_ref(
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
+        if chunk_size is not None:
+            allowed &= k_pos // chunk_size == q_pos // chunk_size
         s = s.masked_fill(~allowed, float("-inf"))
         o = torch.matmul(torch.softmax(s, dim=-1), v)  # [Hq, q_len, D]
         out[q_lo:q_hi] = o.transpose(0, 1).to(out.dtype)

@@ -48,7 +48,8 @@ No `Ref.reshape` anywhere (the TPU interpreter lacks it): refs are only indexed
 value reshapes of leading axes into the sublane axis (S and tq are multiples of 8).
 
 Masking: a key at position k is visible to a query at position p iff k < kv_len, k <= p and,
-with a sliding window w, k > p - w (HF Mistral semantics). Soft cap: cap * tanh(s / cap) before
+with a sliding window w, k > p - w (HF Mistral semantics), and, with an attention chunk C
+(Llama 4 chunked attention), k // C == p // C (chunks aligned to position 0). Soft cap: cap * tanh(s / cap) before
 masking. Masked logits get a large finite negative value (never -inf - -inf = NaN); rows of
 other sequences keep their state; padding rows end with l = 0 and are written as zeros.
 
@@ -192,6 +193,7 @@ def _check_inputs(
     impl: str,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    chunk_size: int | None = None,
 ) -> None:
     if impl != "auto" and impl not in RPA_IMPLS:
         raise ValueError(f"impl must be one of {('auto', *RPA_IMPLS)}, got {impl!r}")
@@ -248,6 +250,8 @@ def _check_inputs(
             raise ValueError(f"{name} must be int32, got {arr.dtype}")
     if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
 
@@ -380,6 +384,7 @@ def ref_ragged_paged_attention(
     v_scale: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """Plain jnp ragged paged attention (same contract as `ragged_paged_attention`).
     alibi_slopes: float32 [Hq] (reference only): logits += slope[h] * key position (ALiBi).
@@ -388,7 +393,7 @@ def ref_ragged_paged_attention(
 
     Gathers, for every token, its sequence's M pages: k [T, M*S, Hkv, D] (dequantized to
     float32 with k_scale/v_scale [N, S, Hkv] for an int8/fp8 cache), then masks (causal,
-    kv_len, window) and softmaxes in float32. Returns [T, Hq, D] in q's dtype, zeros for
+    kv_len, window, chunk) and softmaxes in float32. Returns [T, Hq, D] in q's dtype, zeros for
     padding tokens. `impl` is accepted (and ignored) so both functions share a signature.
     """
     del impl
@@ -418,6 +423,8 @@ def ref_ragged_paged_attention(
     mask = (kpos < kv_lens[seq][:, None]) & (kpos <= pos[:, None]) & valid[:, None]
     if sliding_window is not None:
         mask &= kpos > pos[:, None] - sliding_window
+    if chunk_size is not None:
+        mask &= kpos // chunk_size == pos[:, None] // chunk_size
     mask = mask[:, None, None, :]  # [T, 1, 1, L]
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -451,6 +458,7 @@ def _rpa_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     pages_per_block: int,
+    chunk_size: int | None = None,
     max_pages_per_seq: int,
     num_pages: int,
     batch: int,
@@ -514,6 +522,8 @@ def _rpa_kernel(
             k_lo = jnp.int32(0)
         else:
             k_lo = jnp.maximum(ctx0 + (r_lo - q_start) - sliding_window + 1, 0)
+        if chunk_size is not None:  # nothing before the chunk of the first row
+            k_lo = jnp.maximum(k_lo, ((ctx0 + (r_lo - q_start)) // chunk_size) * chunk_size)
         nonempty = (r_lo < r_hi) & (k_lo < k_hi)
         return dict(
             s=s,
@@ -535,7 +545,7 @@ def _rpa_kernel(
         """(needed, [DMA copies]) of page p of KV block `blk` of the sequence of `info`."""
         page_in_seq = blk * p_blk + p
         start = page_in_seq * s_page
-        # Pages holding no key this block's rows can see (past kv_len, before the window).
+        # Pages holding no key this block's rows can see (past kv_len, before window / chunk).
         needed = (start < info["k_hi"]) & (start + s_page > info["k_lo"])
         idx = info["s"] * max_pages_per_seq + jnp.minimum(page_in_seq, max_pages_per_seq - 1)
         page = jnp.clip(block_tables_ref[idx], 0, num_pages - 1)
@@ -585,6 +595,8 @@ def _rpa_kernel(
         mask = in_seq & (kpos < info["kv_len"]) & (kpos <= qpos)
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
+        if chunk_size is not None:
+            mask &= kpos // chunk_size == qpos // chunk_size
         row_in_seq = in_seq[:, :1]  # [rows, 1]
         # Keys of pages that were not fetched hold stale VMEM (NaN in the interpreter): zero V
         # there so 0 * NaN never reaches acc. K needs nothing: its logits are masked by select.
@@ -700,6 +712,7 @@ def _pallas_tpu_attention(
     sliding_window: int | None,
     soft_cap: float | None,
     block_sizes: BlockSizes | None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     quantized = k_scale is not None
     t, hq, d = q.shape
@@ -734,6 +747,7 @@ def _pallas_tpu_attention(
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap),
         pages_per_block=p_blk,
+        chunk_size=None if chunk_size is None else int(chunk_size),
         max_pages_per_seq=m,
         num_pages=n,
         batch=b,
@@ -799,6 +813,9 @@ class RpaImpl:
     quantized_cache: bool
     # The tile-config type it takes as block_sizes (None: it takes none and ignores them).
     block_sizes_type: type | None
+    # Takes `chunk_size` (chunked attention, Llama 4); a chunked call of an impl without runs
+    # the reference instead.
+    chunked: bool = False
 
 
 def _reference_impl(
@@ -816,12 +833,13 @@ def _reference_impl(
     sliding_window: int | None,
     soft_cap: float | None,
     block_sizes: BlockSizes | GpuBlockSizes | None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     del block_sizes  # no tiles
     return ref_ragged_paged_attention(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, chunk_size=chunk_size,
     )  # fmt: skip
 
 
@@ -840,21 +858,22 @@ def _pallas_gpu_impl(
     sliding_window: int | None,
     soft_cap: float | None,
     block_sizes: BlockSizes | GpuBlockSizes | None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     del k_scale, v_scale  # float caches only (quantized_cache=False)
     return ragged_paged_attention_gpu(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        block_sizes=block_sizes,
+        block_sizes=block_sizes, chunk_size=chunk_size,
     )  # fmt: skip
 
 
 # name -> implementation; `register_rpa_impl` adds one.
 RPA_IMPLS: dict[str, RpaImpl] = {
-    "reference": RpaImpl("reference", _reference_impl, True, None),
-    "pallas_tpu": RpaImpl("pallas_tpu", _pallas_tpu_attention, True, BlockSizes),
+    "reference": RpaImpl("reference", _reference_impl, True, None, chunked=True),
+    "pallas_tpu": RpaImpl("pallas_tpu", _pallas_tpu_attention, True, BlockSizes, chunked=True),
     # The GPU kernel has no in-kernel dequantization: quantized caches take the reference.
-    "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, False, GpuBlockSizes),
+    "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, False, GpuBlockSizes, chunked=True),
 }
 
 
@@ -881,8 +900,10 @@ def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array) -> str:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl", "block_sizes"),
-)
+    static_argnames=(
+        "sm_scale", "sliding_window", "soft_cap", "impl", "block_sizes", "chunk_size"
+    ),
+)  # fmt: skip
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -899,6 +920,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "auto",
     block_sizes: BlockSizes | GpuBlockSizes | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention over a batch mixing prefill chunks and decodes.
 
@@ -907,6 +929,8 @@ def ragged_paged_attention(
     num_seqs ignored); block_tables: int32 [B, M]; cu_q_lens: int32 [B+1] query start offsets
     into T (non-decreasing; padded sequences have q_len 0); num_seqs: int32 [1].
     GQA: query head h uses kv head h // (Hq // Hkv). sliding_window w: keys in (p - w, p].
+    chunk_size C (Llama 4 chunked attention): only keys with k // C == p // C (every
+    built-in impl; a registered impl without `chunked` runs the reference for it).
     soft_cap c: logits = c * tanh(logits / c). Softmax and accumulation in float32.
     impl: "reference" | "pallas_tpu" | "pallas_gpu" | "auto" (pallas_tpu on a TPU backend or
     under forced TPU interpret mode, GPU_AUTO_IMPL on a GPU backend, else reference).
@@ -920,16 +944,20 @@ def ragged_paged_attention(
     """
     _check_inputs(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sliding_window, soft_cap, impl, k_scale, v_scale,
+        sliding_window, soft_cap, impl, k_scale, v_scale, chunk_size,
     )  # fmt: skip
     chosen = RPA_IMPLS[_resolve_impl(impl, q, k_cache)]
     if k_scale is not None and not chosen.quantized_cache:
         chosen = RPA_IMPLS["reference"]
+    if chunk_size is not None and not chosen.chunked:
+        chosen = RPA_IMPLS["reference"]
+    # Only a chunked call passes chunk_size (registered impls without it keep their signature).
+    chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
     want = chosen.block_sizes_type
     if block_sizes is not None and want is not None and not isinstance(block_sizes, want):
         raise ValueError(f"{chosen.name} takes {want.__name__}, got {type(block_sizes).__name__}")
     return chosen.fn(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, k_scale, v_scale,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        block_sizes=block_sizes,
+        block_sizes=block_sizes, **chunk,
     )  # fmt: skip

@@ -4,7 +4,8 @@ Same contract as `ragged_paged_attention` (kernels_pallas/ragged_paged_attention
 (T padded); k_cache, v_cache [N, S, Hkv, D] already holding this step's K/V; kv_lens int32 [B];
 block_tables int32 [B, M]; cu_q_lens int32 [B+1]; num_seqs int32 [1]. The queries of sequence i
 are the LAST q_len_i positions of its kv_len_i context (causal). Output [T, Hq, D] in q's dtype,
-zeros for padding rows. GQA, sliding window (keys in (p - w, p]), soft cap (before masking),
+zeros for padding rows. GQA, sliding window (keys in (p - w, p]), attention chunks (Llama 4:
+keys with k // C == p // C), soft cap (before masking),
 float32 softmax and accumulators. Mixed batches (prefill chunks + decodes) run in one call.
 
 Design
@@ -226,6 +227,7 @@ def _rpa_gpu_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     bq: int,
+    chunk_size: int | None = None,
     pages_per_block: int,
     page_size: int,
     num_kv_heads: int,
@@ -253,6 +255,8 @@ def _rpa_gpu_kernel(
         pos0 = kv_len - q_len + off  # context position of the tile's first query
         k_hi = pos0 + n_rows  # causal end (exclusive) of the tile's last row
         k_lo = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)
+        if chunk_size is not None:  # nothing before the chunk of the tile's first row
+            k_lo = jnp.maximum(k_lo, (pos0 // chunk_size) * chunk_size)
         blk_lo = k_lo // bk
         blk_hi = (k_hi + bk - 1) // bk
         if kv_splits > 1:  # this program's contiguous share of the tile's KV steps
@@ -293,6 +297,8 @@ def _rpa_gpu_kernel(
                 mask = kpos <= row_pos
                 if sliding_window is not None:
                     mask &= kpos > row_pos - sliding_window
+                if chunk_size is not None:
+                    mask &= kpos // chunk_size == row_pos // chunk_size
                 logits = jnp.where(mask, logits, MASK_VALUE)
             m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
             alpha = jnp.exp2(m_prev - m_new)
@@ -312,7 +318,8 @@ def _rpa_gpu_kernel(
             jnp.zeros((rows, 1), jnp.float32),
         )
         # Steps whose every key is visible to every real row of the tile need no mask: keys
-        # <= the first row's position (causal) and > the last row's position - window. The
+        # <= the first row's position (causal), > the last row's position - window and in the
+        # last row's chunk (a tile crossing a chunk boundary has no unmasked step). The
         # walk is [blk_lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, blk_hi)
         # masked (the window edge, then the causal diagonal / kv_len edge).
         full_hi = jnp.clip((pos0 + 1) // bk, blk_lo, blk_hi)
@@ -320,6 +327,9 @@ def _rpa_gpu_kernel(
         if sliding_window is not None:
             pos_last = pos0 + n_rows - 1
             full_lo = (pos_last - sliding_window + 1 + bk - 1) // bk
+        if chunk_size is not None:
+            last_chunk = ((pos0 + n_rows - 1) // chunk_size) * chunk_size
+            full_lo = jnp.maximum(full_lo, (last_chunk + bk - 1) // bk)
         full_lo = jnp.clip(full_lo, blk_lo, full_hi)
         masked_body = functools.partial(body, masked=True)
         carry = lax.fori_loop(blk_lo, full_lo, masked_body, init)
@@ -416,6 +426,7 @@ def ragged_paged_attention_gpu(
     soft_cap: float | None = None,
     block_sizes: GpuBlockSizes | None = None,
     interpret: bool | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """The Pallas GPU (Triton) kernel; shapes and rules as in the module docstring.
 
@@ -446,6 +457,7 @@ def ragged_paged_attention_gpu(
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap),
         bq=bq,
+        chunk_size=None if chunk_size is None else int(chunk_size),
         pages_per_block=p,
         page_size=s,
         num_kv_heads=hkv,

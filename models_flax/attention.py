@@ -87,16 +87,18 @@ def paged_attention(
     v_scale: jax.Array | None = None,
     alibi_slopes: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """q [T, Hq, D] over caches [N, S, Hkv, D] -> [T, Hq, D]. k_scale, v_scale: float32
     [N, S, Hkv] for an int8 / fp8 cache (None for a float cache). alibi_slopes [Hq] (ALiBi) and
     sinks [Hq] (attention sinks): only the jnp reference implements them (Bloom, MPT, gpt-oss
-    run it on every platform)."""
+    run it on every platform). chunk_size: chunked attention (Llama 4), every kernel."""
     if alibi_slopes is not None or sinks is not None:
         return ref_ragged_paged_attention(
             q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks,
+            chunk_size=chunk_size,
         )  # fmt: skip
     call = functools.partial(
         ragged_paged_attention,
@@ -104,11 +106,13 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         impl=md.impl,
+        chunk_size=chunk_size,
     )
     if k_scale is None and q.dtype != k_cache.dtype:  # float32 cache of a 16-bit model (CPU)
         out = paged_attention(
             q.astype(k_cache.dtype), k_cache, v_cache, md,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            chunk_size=chunk_size,
         )  # fmt: skip
         return out.astype(q.dtype)
     mesh = md.mesh
@@ -141,6 +145,7 @@ def write_and_attend(
     soft_cap: float | None,
     alibi_slopes: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Write this step's k, v [T, Hkv, D] into the layer's cache (quantizing them for an int8 /
     fp8 cache), then attend with q [T, Hq, D]. Returns ([T, Hq, D], the updated cache)."""
@@ -160,6 +165,7 @@ def write_and_attend(
         v_scale=kv[3] if len(kv) == 4 else None,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        chunk_size=chunk_size,
     )
     return o, kv
 
@@ -174,8 +180,9 @@ class Attention(nnx.Module):
         self.k_proj = Linear(h, spec.num_kv_heads * d, dtype, spec.qkv_bias, tp="col")
         self.v_proj = Linear(h, spec.num_kv_heads * d, dtype, spec.qkv_bias, tp="col")
         self.o_proj = Linear(spec.num_heads * d, h, dtype, spec.o_bias, tp="row")
-        self.full_qk_norm = spec.qk_norm and spec.qk_norm_scope == "full"
-        if spec.qk_norm:  # "head": over each head's D dims; "full": over the whole projection
+        qk_norm = spec.layer_qk_norm(layer)
+        self.full_qk_norm = qk_norm and spec.qk_norm_scope == "full"
+        if qk_norm:  # "head": over each head's D dims; "full": over the whole projection
             qd, kd = (spec.q_size, spec.kv_size) if self.full_qk_norm else (d, d)
             norm = (spec.norm_kind, spec.norm_eps, dtype, spec.norm_weight_offset, spec.norm_bias)
             self.q_norm = make_norm(norm[0], qd, *norm[1:])
@@ -183,6 +190,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.sliding_window = spec.layer_sliding_window(layer)
+        self.chunk_size = spec.layer_chunk_size(layer)  # Llama 4 chunked attention
         self.soft_cap = spec.attn_logit_softcap
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
         # Static (a tuple, not an array attribute: nnx would treat an array as state).
@@ -197,8 +205,10 @@ class Attention(nnx.Module):
         sin: jax.Array | None,
         kv: KVCache,
         md: AttentionMetadata,
+        q_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """x [T, H]; cos/sin [T, R/2] (None: no rope, e.g. learned positions) -> [T, H]."""
+        """x [T, H]; cos/sin [T, R/2] (None: no rope, e.g. learned positions) -> [T, H].
+        q_scale: float32 [T] multiplying q (Llama 4 NoPE-layer temperature), or None."""
         t = x.shape[0]
         lo = md.lora
         q, k, v = (lora_linear(p, x, lo) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -211,10 +221,13 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if q_scale is not None:
+            q = (q * q_scale[:, None, None]).astype(v.dtype)
         alibi = None if self.alibi is None else jnp.asarray(self.alibi, jnp.float32)
         o, kv = write_and_attend(
             q, k, v, kv, md,
             sm_scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
             alibi_slopes=alibi, sinks=None if self.sinks is None else self.sinks[...],
+            chunk_size=self.chunk_size,
         )  # fmt: skip
         return lora_linear(self.o_proj, o.reshape(t, self.num_heads * self.head_dim), lo), kv

@@ -53,6 +53,8 @@ class DecoderLayer(nnx.Module):
         self.parallel, self.rm = spec.parallel_residual, spec.residual_multiplier
         self.local_rope = uses_local_rope(spec, layer)
         self.use_rope = layer not in spec.nope_layers  # NoPE layers (SmolLM3, Cohere2, ...)
+        # Llama 4: NoPE layers scale q by a position-dependent temperature (the model computes it).
+        self.temper = not self.use_rope and spec.nope_attn_temperature is not None
         if spec.pre_norms or spec.parallel_residual:
             self.input_layernorm = spec_norm(spec, h, dtype)
             self.post_attention_layernorm = spec_norm(spec, h, dtype)
@@ -82,13 +84,16 @@ class DecoderLayer(nnx.Module):
         return self.mlp(x)
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None, kv: KVCache, md: AttentionMetadata
+        self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None, kv: KVCache, md: AttentionMetadata,
+        q_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:  # fmt: skip
+        """q_scale: float32 [T] (Llama 4 NoPE temperature) for layers that take it, or None."""
+        extra = {} if q_scale is None else {"q_scale": q_scale}
         if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
-            a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md)
+            a, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, **extra)
             return x + a + self._mlp(self.post_attention_layernorm(x), md), kv
         h = self.input_layernorm(x) if self.pre_norms else x  # OLMo2: raw residual stream
-        h, kv = self.self_attn(h, cos, sin, kv, md)
+        h, kv = self.self_attn(h, cos, sin, kv, md, **extra)
         if self.sandwich:
             h = self.post_attn_out_norm(h)
         x = x + self._scale(h)
@@ -133,6 +138,7 @@ class DecoderForCausalLM(nnx.Module):
         self.embedding_multiplier = spec.embedding_multiplier
         self.final_logit_softcap = spec.final_logit_softcap
         self.logits_scaling = spec.logits_scaling
+        self.temperature = spec.nope_attn_temperature  # (floor_scale, scale) or None; static
 
     def __call__(
         self,
@@ -154,10 +160,15 @@ class DecoderForCausalLM(nnx.Module):
             rope[False] = self.rotary.cos_sin(positions)
         if self.local_rotary is not None:
             rope[True] = self.local_rotary.cos_sin(positions)
+        temp = None
+        if self.temperature is not None:  # Llama 4 NoPE layers: 1 + a * log1p(floor((p+1)/F))
+            floor_scale, a = self.temperature
+            p1 = positions.astype(jnp.float32) + 1.0
+            temp = jnp.log1p(jnp.floor(p1 / floor_scale)) * a + 1.0  # [T]
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             cos_sin = rope[layer.local_rope] if layer.use_rope else (None, None)
-            x, kv = layer(x, *cos_sin, kv, md)
+            x, kv = layer(x, *cos_sin, kv, md, temp if layer.temper else None)
             new_caches.append(kv)
         return self.norm(x), new_caches
 

@@ -255,6 +255,7 @@ class FusedMoE(nnx.Module):
             spec.moe_group_topn,
         )
         self.activation = spec.activation
+        self.scale_input = spec.moe_scale_input  # Llama 4: expert_e(w * x)
         self.biased = spec.moe_expert_bias or spec.moe_glu != "act"
         self.glu = (
             ("swiglu_clamp", float(spec.extra["swiglu_alpha"]), float(spec.extra["swiglu_limit"]))
@@ -281,6 +282,10 @@ class FusedMoE(nnx.Module):
         )
         ex = self.experts
         w = (ex.w_gate[...], ex.w_up[...], ex.w_down[...])
+        x_in, k = x, weights.shape[1]
+        if self.scale_input:  # one row w[t, k] * x[t] per (token, choice), unit weight
+            x = (x[:, None, :] * weights[:, :, None].astype(x.dtype)).reshape(-1, x.shape[-1])
+            weights, ids = jnp.ones((x.shape[0], 1), jnp.float32), ids.reshape(-1, 1)
         if self.biased:
             if self.ep_mesh is not None:
                 raise ValueError("expert biases (gpt-oss) do not run expert-parallel yet")
@@ -290,6 +295,9 @@ class FusedMoE(nnx.Module):
             out = fused_experts_ep(x, *w, weights, ids, self.ep_mesh, self.activation, self.impl)
         else:
             out = fused_experts(x, *w, weights, ids, self.activation, self.impl)
+        if self.scale_input:  # each token's K rows summed back to [T, H]
+            x = x_in
+            out = out.reshape(x.shape[0], k, -1).sum(axis=1)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

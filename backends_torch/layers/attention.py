@@ -150,6 +150,7 @@ class TorchRefAttention(AttentionBackend):
     name = "torch_ref"
     supports_alibi = True
     supports_sinks = True  # `sinks` [Hq] float32: one more logit in each softmax (gpt-oss)
+    supports_chunked = True  # `chunk_size` C: keys k <= q with k // C == q // C (Llama 4)
 
     def write_kv(
         self,
@@ -187,6 +188,7 @@ class TorchRefAttention(AttentionBackend):
         v_scale: torch.Tensor | None = None,
         alibi_slopes: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> torch.Tensor:
         _, block_size, hkv, d = k_cache.shape
         hq = q.shape[1]
@@ -220,6 +222,8 @@ class TorchRefAttention(AttentionBackend):
             if sliding_window is not None:
                 # Same convention as HF: a query sees itself and the previous window - 1 tokens.
                 allowed = allowed & (kpos > qpos - sliding_window)
+            if chunk_size is not None:  # Llama 4: only keys of the query's own chunk
+                allowed = allowed & (kpos // chunk_size == qpos // chunk_size)
             scores = scores.masked_fill(~allowed, float("-inf"))
             if sinks is not None:  # the sink's column takes mass in the softmax, then drops
                 sink = sinks.float()[:, None, None].expand(hq, q_len, 1)
@@ -289,6 +293,7 @@ class TorchBatchedAttention(TorchRefAttention):
         v_scale: torch.Tensor | None = None,
         alibi_slopes: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> torch.Tensor:
         n, block_size, hkv, d = k_cache.shape
         t, hq, _ = q.shape
@@ -307,6 +312,8 @@ class TorchBatchedAttention(TorchRefAttention):
         allowed = lay["causal"]
         if sliding_window is not None:
             allowed = allowed & (lay["kpos"] > lay["qpos"] - sliding_window)
+        if chunk_size is not None:  # Llama 4: only keys of the query's own chunk
+            allowed = allowed & (lay["kpos"] // chunk_size == lay["qpos"] // chunk_size)
         mask = (
             allowed[:, None, None, :, :].expand(b, 1, group, mq, -1).reshape(b, 1, group * mq, -1)
         )
@@ -422,8 +429,17 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
+        if chunk_size is not None and not getattr(backend, "supports_chunked", False):
+            raise ValueError(
+                f"chunked attention (Llama 4) needs an attention backend that implements it "
+                f"(torch_ref, torch_batched, triton); "
+                f"{getattr(backend, 'name', type(backend).__name__)!r} does not"
+            )
+        # Chunked attention (Llama 4): keys of the query's own chunk only (positions // C).
+        self.chunk_size = chunk_size
         if alibi_slopes is not None and not getattr(backend, "supports_alibi", False):
             raise ValueError(
                 f"ALiBi (Bloom, MPT) needs an attention backend that implements it (torch_ref, "
@@ -439,8 +455,12 @@ class Attention(nn.Module):
         self.logit_softcap = logit_softcap
 
     def _alibi(self) -> dict[str, torch.Tensor]:
-        """The backend kwarg only when set (backends without ALiBi keep their signature)."""
-        return {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
+        """The backend kwargs only when set (ALiBi slopes, attention chunk): backends without
+        them keep their signature."""
+        extra: dict = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
+        if self.chunk_size is not None:
+            extra["chunk_size"] = self.chunk_size
+        return extra
 
     def forward(
         self,

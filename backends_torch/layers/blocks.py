@@ -44,11 +44,34 @@ def spec_norm(spec: ModelSpec, dim: int, dtype: torch.dtype, device: str) -> nn.
     )
 
 
-def layer_rotary(spec: ModelSpec, layer: int, device: str) -> RotaryEmbedding | None:
-    """Rope of one layer (None for learned positions and spec.nope_layers). Sliding layers of a
-    spec with rope_local_theta use plain rope with that theta (Gemma3)."""
-    if spec.position_embedding != "rope" or layer in spec.nope_layers:
+class NoPETemperature(nn.Module):
+    """Llama 4's NoPE layers' position transform, in place of rope: q [T, Hq, D] times
+    1 + a * log1p(floor((p + 1) / F)) at positions p [T] (float32 math); k unchanged."""
+
+    triton_enabled = False  # no fused rope + KV-cache write: the attention writes k / v itself
+
+    def __init__(self, floor_scale: float, scale: float) -> None:
+        super().__init__()
+        self.floor_scale, self.scale = floor_scale, scale
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.scale
+        return (q * (t + 1.0)[:, None, None]).to(q.dtype), k
+
+
+def layer_rotary(
+    spec: ModelSpec, layer: int, device: str
+) -> RotaryEmbedding | NoPETemperature | None:
+    """Rope of one layer (None for learned positions and spec.nope_layers; a NoPETemperature
+    for NoPE layers of a spec with nope_attn_temperature). Sliding layers of a spec with
+    rope_local_theta use plain rope with that theta (Gemma3)."""
+    if spec.position_embedding != "rope":
         return None
+    if layer in spec.nope_layers:
+        temp = spec.nope_attn_temperature
+        return None if temp is None else NoPETemperature(*temp)
     if spec.rope_local_theta and layer_window(spec, layer) is not None:
         spec = replace(spec, rope_theta=spec.rope_local_theta, rope_scaling=None)
     return RotaryEmbedding(spec, device)
@@ -62,11 +85,15 @@ def make_attention(
     device: str,
 ) -> tuple[Attention, nn.Parameter | None]:
     """The attention core of `layer` over this rank's (query, KV) heads (scale, sliding window,
-    soft-cap and ALiBi slopes from the spec) and, for spec.attn_sinks (gpt-oss), the layer's
-    sink logits float32 [Hq] (a parameter its attention module owns as `sinks`), else None."""
+    attention chunk, soft-cap and ALiBi slopes from the spec) and, for spec.attn_sinks (gpt-oss),
+    the layer's sink logits float32 [Hq] (a parameter its attention module owns as `sinks`),
+    else None."""
     scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim**-0.5
     window, cap = layer_window(spec, layer), spec.attn_logit_softcap
-    attn = Attention(*heads, spec.head_dim, scale, backend, window, cap, alibi_heads(spec, device))
+    attn = Attention(
+        *heads, spec.head_dim, scale, backend, window, cap, alibi_heads(spec, device),
+        chunk_size=spec.layer_chunk_size(layer),
+    )  # fmt: skip
     if not spec.attn_sinks:
         return attn, None
     if tp_world_size() > 1:

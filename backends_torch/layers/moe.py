@@ -135,6 +135,19 @@ def fused_experts_biased_ref(
     return out.to(x.dtype)
 
 
+def scale_expert_inputs(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Input-scaled routing (Llama 4): x [T, H], weights / ids [T, K] -> (rows [T*K, H] with
+    row t*K + k = weights[t, k] * x[t] in x's dtype, unit weights [T*K, 1], ids [T*K, 1], K). Any
+    experts impl then computes expert_e(w * x) per row; summing each token's K rows gives
+    sum_k expert_e(w[t,k] * x_t)."""
+    t, k = ids.shape
+    rows = (x.unsqueeze(1) * weights.unsqueeze(-1).to(x.dtype)).reshape(t * k, -1)
+    ones = torch.ones(t * k, 1, dtype=weights.dtype, device=weights.device)
+    return rows, ones, ids.reshape(t * k, 1), k
+
+
 # name -> "module:function", imported on first use.
 _MOE_IMPLS: dict[str, str] = {
     "torch_ref": "xlaserve.backends_torch.layers.moe:fused_experts_ref",
@@ -260,10 +273,15 @@ class FusedMoE(nn.Module):
             s.moe_group_topn,
         )
         e = self.experts
+        rows, k = x, 1
+        if s.moe_scale_input:  # Llama 4: expert_e(w * x); one row per (token, choice), weight 1
+            rows, weights, ids, k = scale_expert_inputs(x, weights, ids)
         if s.moe_expert_bias or s.moe_glu != "act":
-            out = fused_experts_biased_ref(x, e, weights, ids, s)
+            out = fused_experts_biased_ref(rows, e, weights, ids, s)
         else:
-            out = self._experts_fn(x, e.w_gate, e.w_up, e.w_down, weights, ids, s.activation)
+            out = self._experts_fn(rows, e.w_gate, e.w_up, e.w_down, weights, ids, s.activation)
+        if k > 1:  # input-scaled routing: each token's K rows summed back to [T, H]
+            out = out.view(-1, k, out.shape[-1]).sum(dim=1)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -1,7 +1,7 @@
 """One generic decoder-only transformer built from a ModelSpec; every dense / MoE family is this
 module with different spec fields, set by the adapters (model_loader/registry.py, families.py; the
 README's models table lists them): norm kind / offset / placement (pre, sandwich, post-only), rope
-(partial, local theta, NoPE layers), learned positions or ALiBi, qkv / o / MLP / lm_head biases,
+(partial, local theta, NoPE layers, their temperature), learned positions or ALiBi, qkv / o / MLP / lm_head biases,
 qk-norm, sliding windows, soft-caps, multipliers, parallel residual, FusedMoE in place of the MLP;
 mla (DeepSeek) swaps in MLA attention (models/mla.py).
 
@@ -57,13 +57,13 @@ class DecoderAttention(nn.Module):
         super().__init__()
         (self.hq, self.hkv), self.d = attention_heads(spec), spec.head_dim
         build_qkv(self, spec, layer, dtype, device, kernels)
-        self.qk_norm = spec.qk_norm
-        self.full_qk_norm = spec.qk_norm and spec.qk_norm_scope == "full"
-        if spec.qk_norm:
+        self.qk_norm = spec.layer_qk_norm(layer)
+        self.full_qk_norm = self.qk_norm and spec.qk_norm_scope == "full"
+        if self.qk_norm:
             qd, kd = (spec.q_size, spec.kv_size) if self.full_qk_norm else (self.d, self.d)
             self.q_norm = spec_norm(spec, qd, dtype, device)
             self.k_norm = spec_norm(spec, kd, dtype, device)
-        self.rotary = layer_rotary(spec, layer, device)
+        self.rotary = layer_rotary(spec, layer, device)  # or Llama 4's NoPE-layer q temperature
         self.fuse_rope_kv = kernel_switch("fused_rope_kv", kernels)
         # sinks: gpt-oss attention sinks [Hq] (a parameter) or None
         self.attn, self.sinks = make_attention(spec, layer, (self.hq, self.hkv), backend, device)

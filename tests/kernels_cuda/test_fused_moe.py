@@ -181,7 +181,7 @@ def test_default_impl_selection(monkeypatch):
     assert default_moe_impl("cuda") == "torch_ref"
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama4_topk"])  # + input-scaled top-2
 def test_tiny_moe_model_greedy_tokens_match_reference(arch, tmp_path, monkeypatch):
     """Whole engine (scheduler, paged cache, chunked batches) with moe_impl forced per run."""
     from arch_zoo import make_arch_model

@@ -116,9 +116,14 @@ def make_case(
 
 
 def np_attention(
-    case: Case, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+    case: Case,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    chunk_size: int | None = None,
 ) -> np.ndarray:
-    """Float64 loop-per-sequence attention on the contiguous K/V. Padding rows are zero."""
+    """Float64 loop-per-sequence attention on the contiguous K/V. Padding rows are zero.
+    chunk_size C: a query at p sees keys k <= p with k // C == p // C (Llama 4)."""
     q = np.asarray(case.q.astype(jnp.float32), np.float64)
     t, hq, d = q.shape
     hkv = case.k_seqs[0].shape[1]
@@ -131,6 +136,8 @@ def np_attention(
         mask = kpos[None, :] <= pos[:, None]
         if sliding_window is not None:
             mask &= kpos[None, :] > pos[:, None] - sliding_window
+        if chunk_size is not None:
+            mask &= kpos[None, :] // chunk_size == pos[:, None] // chunk_size
         for h in range(hq):
             logits = q[start : start + ql, h] @ k[:, h // g].T * sm_scale
             if soft_cap is not None:

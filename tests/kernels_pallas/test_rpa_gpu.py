@@ -206,8 +206,9 @@ def test_num_seqs_below_batch_ignores_later_sequences() -> None:
     [
         (32, None, dict(sliding_window=7, soft_cap=30.0)),  # Llama-like GQA 4, prefill tiles
         (24, GpuBlockSizes(16, 8, kv_splits=4, force_splits=True), {}),  # G 3 + split KV
+        (40, None, dict(chunk_size=8)),  # Llama 4 Scout heads, chunked attention
     ],
-    ids=["gqa4-window-cap", "g3-split"],
+    ids=["gqa4-window-cap", "g3-split", "g5-chunk"],
 )
 def test_lowers_to_triton(hq, block_sizes, kw) -> None:  # noqa: ANN001
     export = import_or_skip("jax.export")

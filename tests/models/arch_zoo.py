@@ -19,6 +19,33 @@ COMMON = dict(
     **TOKENS,
 )
 WINDOW = 8  # sliding window small enough that the test prompts exceed it
+SMALL_FFN = {**COMMON, "intermediate_size": 32}  # MoE experts' size where it is intermediate_size
+GRANITE_MULTIPLIERS = dict(
+    embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.15, logits_scaling=2.0
+)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# DeepSeek-style routing (V3 and the families that copied it) and MLA sizes (V2, V3).
+DS_MOE = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+# The parity tests' mixed-length batch (both backends): prompts across the window / chunk (8).
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],  # longer than the sliding window (8)
+    [40, 41, 42],
+    list(range(100, 123)),  # several blocks, well past the window
+    [200],
+]
+MAX_NEW = 6  # greedy tokens compared
+S = 4  # block size
 
 
 def _config(name: str):  # noqa: ANN202, PLR0911 - a transformers config
@@ -88,51 +115,20 @@ def _config(name: str):  # noqa: ANN202, PLR0911 - a transformers config
     if name == "starcoder2":
         return tf.Starcoder2Config(**c, sliding_window=WINDOW)
     if name == "granite":
-        return tf.GraniteConfig(
-            **c,
-            embedding_multiplier=2.0,
-            residual_multiplier=0.5,
-            attention_multiplier=0.15,
-            logits_scaling=2.0,
-        )
+        return tf.GraniteConfig(**c, **GRANITE_MULTIPLIERS)
     if name == "mixtral":
         return tf.MixtralConfig(
             **{**c, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2
         )
     if name == "qwen2_moe":
         return tf.Qwen2MoeConfig(
-            **c,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=64,
-            norm_topk_prob=False,
+            **c, **QWEN_MOE, shared_expert_intermediate_size=64, norm_topk_prob=False
         )
     if name == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            **c,
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            norm_topk_prob=True,
-        )
+        return tf.Qwen3MoeConfig(**c, head_dim=16, **QWEN_MOE, norm_topk_prob=True)
     if name == "deepseek_v3":
         return tf.DeepseekV3Config(
-            **{**c, "num_key_value_heads": 4},
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            routed_scaling_factor=2.5,
+            **{**c, "num_key_value_heads": 4}, **DS_MOE, q_lora_rank=32, **MLA
         )
     cfg = _config_more(name)
     if cfg is None:
@@ -179,22 +175,14 @@ def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers 
     if name == "exaone4":
         return tf.Exaone4Config(**c, **sliding)
     if name == "olmoe":
-        return tf.OlmoeConfig(
-            **{**c, "intermediate_size": 32}, num_experts=4, num_experts_per_tok=2
-        )
+        return tf.OlmoeConfig(**SMALL_FFN, num_experts=4, num_experts_per_tok=2)
     if name == "granitemoe":
         return tf.GraniteMoeConfig(
-            **{**c, "intermediate_size": 32},
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            embedding_multiplier=2.0,
-            residual_multiplier=0.5,
-            attention_multiplier=0.15,
-            logits_scaling=2.0,
+            **SMALL_FFN, num_local_experts=4, num_experts_per_tok=2, **GRANITE_MULTIPLIERS
         )
     if name == "granitemoeshared":
         return tf.GraniteMoeSharedConfig(
-            **{**c, "intermediate_size": 32},
+            **SMALL_FFN,
             num_local_experts=4,
             num_experts_per_tok=2,
             shared_intermediate_size=48,
@@ -236,7 +224,7 @@ def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers 
         )
     if name == "gpt_oss":
         return tf.GptOssConfig(
-            **{**c, "intermediate_size": 32},
+            **SMALL_FFN,
             head_dim=16,
             num_local_experts=4,
             num_experts_per_tok=2,
@@ -252,21 +240,42 @@ def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers 
                 "truncate": False,
             },
         )
-    ds_moe = dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-    )
+    if name == "llama4":  # rope layers: chunked (8), qk L2-norm; NoPE layer: temperature
+        return tf.Llama4TextConfig(
+            **SMALL_FFN,
+            intermediate_size_mlp=128,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,  # layer 0 dense, layer 1 MoE (+ shared expert)
+            no_rope_layers=[1, 0],  # HF: 1 = rope; layer 1 is NoPE
+            attention_chunk_size=WINDOW,
+            floor_scale=4,  # small so that the temperature changes within the test prompts
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if name == "llama4_topk":  # top-2 input-scaled routing, every layer MoE, qk-norm off
+        return tf.Llama4TextConfig(
+            **SMALL_FFN,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            no_rope_layers=[0, 1],
+            use_qk_norm=False,
+            attention_chunk_size=WINDOW,
+            floor_scale=4,
+        )
     if name == "glm4_moe":
-        return tf.Glm4MoeConfig(**c, head_dim=16, use_qk_norm=True, **ds_moe)
+        return tf.Glm4MoeConfig(**c, head_dim=16, use_qk_norm=True, **DS_MOE)
     if name == "dots1":
-        return tf.Dots1Config(**c, head_dim=16, **ds_moe)
+        return tf.Dots1Config(**c, head_dim=16, **DS_MOE)
     if name == "ernie4_5_moe":
         return tf.Ernie4_5_MoeConfig(
             **c,
@@ -280,20 +289,10 @@ def _config_more(name: str):  # noqa: ANN202, PLR0911, PLR0912 - a transformers 
     if name == "deepseek_v2":  # V2 routing: group_limited_greedy (a group's max), no renorm
         return tf.DeepseekV2Config(
             **{**c, "num_key_value_heads": 4},
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=4,
-            topk_group=2,
+            **{**DS_MOE, "routed_scaling_factor": 2.0, "norm_topk_prob": False},  # V2 defaults
             topk_method="group_limited_greedy",
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
             q_lora_rank=None,  # V2-Lite: plain q_proj
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            routed_scaling_factor=2.0,
+            **MLA,
         )
     return None
 
@@ -351,6 +350,8 @@ ARCHS = {
     "bloom": "BloomForCausalLM",
     "mpt": "MptForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "llama4": "Llama4ForCausalLM",
+    "llama4_topk": "Llama4ForCausalLM",
 }
 
 

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from arch_zoo import load_hf
+from arch_zoo import PROMPTS, load_hf
 from safetensors.numpy import load_file, save_file
 
 from xlaserve.model_loader.registry import build_spec, iter_canonical_weights
@@ -46,7 +46,7 @@ def _assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
 
 
 def test_sharded_index_loads_like_one_file(arch_model_dir, tmp_path) -> None:  # noqa: ANN001
-    from test_models_torch_parity import PROMPTS, _ours, _ragged_last_logits
+    from test_models_torch_parity import _ours, _ragged_last_logits
 
     path = arch_model_dir("glm4")  # fused gate_up_proj, interleaved rope, sandwich norms
     sharded = str(tmp_path / "sharded")

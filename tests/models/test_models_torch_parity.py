@@ -9,18 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_zoo import ARCHS, hf_greedy, load_hf
+from arch_zoo import ARCHS, MAX_NEW, PROMPTS, S, hf_greedy, load_hf
 
 from xlaserve.model_loader.registry import build_spec, iter_canonical_weights
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],  # longer than the sliding window (8)
-    [40, 41, 42],
-    list(range(100, 123)),  # several blocks, well past the window
-    [200],
-]
-MAX_NEW = 6
-S = 4  # block size
 NAMES = list(ARCHS)
 
 

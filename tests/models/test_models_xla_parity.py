@@ -19,18 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from arch_zoo import ARCHS, hf_greedy, load_hf
+from arch_zoo import ARCHS, MAX_NEW, PROMPTS, S, hf_greedy, load_hf
 
 from xlaserve.model_loader.registry import build_spec
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],  # longer than the sliding window (8)
-    [40, 41, 42],
-    list(range(100, 123)),  # several blocks, well past the window
-    [200],
-]
-MAX_NEW = 6
-S = 4  # block size
 WIDTH = 12  # block-table width: 48 tokens per request
 NAMES = list(ARCHS)
 ENGINE_NAMES = ["gemma2", "qwen2_moe"]  # each engine compiles ~5 programs: keep it to two

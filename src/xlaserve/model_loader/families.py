@@ -187,6 +187,20 @@ def _sliding(cfg: dict, kw: dict) -> dict:
     return dict(sliding_window=sw, layer_types=lt)
 
 
+def _layer_norm_plain_mlp(eps: float, bias: bool, norm_bias: bool = True) -> dict:
+    """LayerNorm blocks with a plain (ungated) MLP: the fields GPT-style families share. `bias`:
+    biases on the MLP and the q/k/v/o projections; norm_bias: the LayerNorms' own bias."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=norm_bias,
+        norm_eps=eps,
+        gated_mlp=False,
+        mlp_bias=bias,
+        qkv_bias=bias,
+        o_bias=bias,
+    )
+
+
 # ---- Llama-like: RMS pre-norms, rope, gated MLP ------------------------------------------------
 
 register_llama_like(  # Helium (Kyutai): interleaved rope, qkv bias
@@ -278,17 +292,9 @@ register_llama_like(  # GLM-4 (0414): + sandwich norms after attention and after
 
 
 def _nemotron(cfg: dict, kw: dict) -> dict:
-    bias = bool(cfg.get("attention_bias"))
-    return dict(
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=cfg.get("norm_eps", 1e-5),
-        gated_mlp=False,
-        mlp_bias=bool(cfg.get("mlp_bias")),
-        qkv_bias=bias,
-        o_bias=bias,
-        partial_rotary_factor=_partial_rotary(cfg, 0.5),
-    )
+    out = _layer_norm_plain_mlp(cfg.get("norm_eps", 1e-5), bool(cfg.get("attention_bias")))
+    out.update(mlp_bias=bool(cfg.get("mlp_bias")), partial_rotary_factor=_partial_rotary(cfg, 0.5))
+    return out
 
 
 register_llama_like(  # Nemotron (NVIDIA, Minitron): LayerNorm1P, relu^2 MLP, partial rope
@@ -528,13 +534,7 @@ register_llama_like(  # GPT-J: parallel block (one LayerNorm), interleaved parti
 def _phi(cfg: dict, kw: dict) -> dict:
     _unsupported(cfg, qk_layernorm=True)
     return dict(
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=cfg.get("layer_norm_eps", 1e-5),
-        gated_mlp=False,
-        mlp_bias=True,
-        qkv_bias=True,
-        o_bias=True,
+        **_layer_norm_plain_mlp(cfg.get("layer_norm_eps", 1e-5), True),
         partial_rotary_factor=_partial_rotary(cfg, 0.5),
         parallel_residual=True,
         lm_head_bias=True,
@@ -570,16 +570,9 @@ def _opt(cfg: dict, kw: dict) -> dict:
             f"{arch} with word_embed_proj_dim != hidden_size (project_in/out) is not supported"
         )
     _unsupported(cfg, layer_norm_elementwise_affine=False, _remove_final_layer_norm=True)
-    bias = bool(cfg.get("enable_bias", True))
     return dict(
+        **_layer_norm_plain_mlp(1e-5, bool(cfg.get("enable_bias", True))),
         intermediate_size=cfg["ffn_dim"],
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=1e-5,
-        gated_mlp=False,
-        mlp_bias=bias,
-        qkv_bias=bias,
-        o_bias=bias,
         position_embedding="learned",
         activation=_act(cfg.get("activation_function", "relu")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -665,13 +658,7 @@ def _falcon(cfg: dict, kw: dict) -> dict:
     return dict(
         num_kv_heads=kv,
         intermediate_size=cfg.get("ffn_hidden_size") or 4 * cfg["hidden_size"],
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        gated_mlp=False,
-        mlp_bias=bias,
-        qkv_bias=bias,
-        o_bias=bias,
+        **_layer_norm_plain_mlp(cfg.get("layer_norm_epsilon", 1e-5), bias),
         activation=_act(cfg.get("activation") or "gelu"),
         parallel_residual=parallel,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -682,6 +669,16 @@ def _falcon(cfg: dict, kw: dict) -> dict:
     )
 
 
+# Bloom's block tensor names, which Falcon kept: fused qkv, dense out, 4h MLP.
+_BLOOM_BLOCK_NAMES = (
+    (r"^ln_f\.", "norm."),
+    (r"^h\.", "layers."),
+    (r"\.self_attention\.query_key_value\.", ".self_attn.qkv_proj."),
+    (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
+    (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."),
+    (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+)
+
 register_llama_like(  # Falcon (7B / 40B / 180B, Falcon 2 / 3 dense): parallel block, MQA / GQA
     ["FalconForCausalLM"],
     LlamaLike(
@@ -689,14 +686,9 @@ register_llama_like(  # Falcon (7B / 40B / 180B, Falcon 2 / 3 dense): parallel b
         prefixes=("transformer.",),
         renames=(
             (r"^word_embeddings\.", "embed_tokens."),
-            (r"^ln_f\.", "norm."),
-            (r"^h\.", "layers."),
             (r"\.ln_attn\.", ".input_layernorm."),
             (r"\.ln_mlp\.", ".post_attention_layernorm."),
-            (r"\.self_attention\.query_key_value\.", ".self_attn.qkv_proj."),
-            (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
-            (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."),
-            (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+            *_BLOOM_BLOCK_NAMES,
         ),
         family="gpt_neox",
     ),
@@ -858,13 +850,7 @@ def _bloom(cfg: dict, kw: dict) -> dict:
         head_dim=hidden // heads,
         intermediate_size=4 * hidden,
         num_layers=cfg.get("n_layer") or cfg["num_hidden_layers"],
-        norm_kind="layer",
-        norm_bias=True,
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        gated_mlp=False,
-        mlp_bias=True,
-        qkv_bias=True,
-        o_bias=True,
+        **_layer_norm_plain_mlp(cfg.get("layer_norm_epsilon", 1e-5), True),
         activation="gelu_tanh",
         position_embedding="alibi",
         alibi_slopes=bloom_alibi_slopes(heads),
@@ -898,12 +884,7 @@ register_llama_like(  # BLOOM: ALiBi, embedding LayerNorm, per-head fused qkv, G
         renames=(
             (r"^word_embeddings_layernorm\.", "embed_layernorm."),
             (r"^word_embeddings\.", "embed_tokens."),
-            (r"^ln_f\.", "norm."),
-            (r"^h\.", "layers."),
-            (r"\.self_attention\.query_key_value\.", ".self_attn.qkv_proj."),
-            (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
-            (r"\.mlp\.dense_h_to_4h\.", ".mlp.up_proj."),
-            (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+            *_BLOOM_BLOCK_NAMES,
         ),
         family="gpt2",
     ),
@@ -930,13 +911,7 @@ def _mpt(cfg: dict, kw: dict) -> dict:
         num_kv_heads=heads,
         head_dim=hidden // heads,
         intermediate_size=int(cfg.get("expansion_ratio", 4) * hidden),
-        norm_kind="layer",
-        norm_bias=bias,
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        gated_mlp=False,
-        mlp_bias=bias,
-        qkv_bias=bias,
-        o_bias=bias,
+        **_layer_norm_plain_mlp(cfg.get("layer_norm_epsilon", 1e-5), bias, norm_bias=bias),
         activation="gelu",
         position_embedding="alibi",
         alibi_slopes=mpt_alibi_slopes(heads, float(att.get("alibi_bias_max", 8))),
@@ -1023,4 +998,99 @@ def _gpt_oss_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tupl
 register_architecture(  # gpt-oss (OpenAI): sinks, alternating sliding / full, biased clamped MoE
     ["GptOssForCausalLM"],
     ArchAdapter(family="moe", build_spec=_GPT_OSS.build_spec, convert=_gpt_oss_convert),
+)
+
+
+# ---- Llama 4 text (interleaved MoE, NoPE layers, chunked attention) ---------------------------
+
+
+def _llama4(cfg: dict, kw: dict) -> dict:
+    """Llama4TextConfig -> spec. no_rope_layers[i] is 1 where layer i USES rope (HF's naming);
+    rope layers attend in chunks of attention_chunk_size and L2-normalise q / k (use_qk_norm:
+    a weightless RMS norm, loaded as ones); NoPE layers see all keys, with temperature tuning."""
+    n = kw["num_layers"]
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    use_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    step = int(cfg.get("interleave_moe_layer_step", 1))
+    moe = cfg.get("moe_layers")
+    moe = list(range(step - 1, n, step)) if moe is None else list(moe)
+    chunk = cfg.get("attention_chunk_size")
+    types = cfg.get("layer_types") or [
+        "chunked_attention" if r and chunk is not None else "full_attention" for r in use_rope
+    ]
+    rope_layers = [i for i in range(n) if use_rope[i]]
+    bias = bool(cfg.get("attention_bias"))
+    out = dict(
+        intermediate_size=cfg.get("intermediate_size_mlp") or kw["intermediate_size"],
+        qkv_bias=bias,
+        o_bias=bias,
+        nope_layers=[i for i in range(n) if not use_rope[i]],
+        qk_norm=bool(cfg.get("use_qk_norm", True)),
+        qk_norm_layers=rope_layers,
+        num_experts=cfg["num_local_experts"],
+        num_experts_per_tok=cfg.get("num_experts_per_tok", 1),
+        moe_intermediate_size=kw["intermediate_size"],
+        shared_expert_intermediate_size=kw["intermediate_size"],
+        moe_scoring="sigmoid",  # top-k of sigmoid == top-k of the logits; weights = sigmoid
+        norm_topk_prob=False,
+        moe_scale_input=True,
+        dense_mlp_layers=[i for i in range(n) if i not in moe],
+    )
+    if chunk is not None and any(t.startswith("chunked") for t in types):
+        out.update(attention_chunk_size=int(chunk), layer_types=list(types))
+    if cfg.get("attn_temperature_tuning", True):
+        out["nope_attn_temperature"] = (
+            float(cfg.get("floor_scale", 8192)),
+            float(cfg.get("attn_scale", 0.1)),
+        )
+    return out
+
+
+_LLAMA4 = LlamaLike(
+    fields=_llama4, renames=((r"\.feed_forward\.", ".mlp."),), interleaved_rope=True, family="moe"
+)
+
+
+def _llama4_convert(name: str, w: np.ndarray, spec: ModelSpec) -> Iterable[tuple[str, np.ndarray]]:
+    """Experts ship fused as gate_up_proj [E, H, 2I] (gate half first) and down_proj [E, I, H]:
+    transposed to the canonical [E, I, H] / [E, H, I]. Rope layers' weightless qk L2-norm gets
+    ones as its q_norm / k_norm weights. Llama4ForConditionalGeneration: the text model's
+    tensors sit under `language_model.`; the vision tower and projector are dropped."""
+    if name.startswith(("vision_model.", "multi_modal_projector.")):
+        return []
+    if name.startswith("language_model."):
+        name = name[len("language_model.") :]
+    base = name[len("model.") :] if name.startswith("model.") else name
+    base = base.replace(".feed_forward.", ".mlp.")
+    if base.endswith(".mlp.experts.gate_up_proj"):
+        head, i = base[: -len("gate_up_proj")], w.shape[2] // 2
+        t = np.swapaxes(w, 1, 2)  # [E, 2I, H]
+        return [
+            (head + "w_gate", np.ascontiguousarray(t[:, :i])),
+            (head + "w_up", np.ascontiguousarray(t[:, i:])),
+        ]
+    if base.endswith(".mlp.experts.down_proj"):
+        return [(base[: -len("down_proj")] + "w_down", np.ascontiguousarray(np.swapaxes(w, 1, 2)))]
+    out = list(_LLAMA4.convert(name, w, spec))
+    m = re.match(r"^layers\.(\d+)\.self_attn\.q_proj\.weight$", base)
+    if m and spec.layer_qk_norm(int(m.group(1))):
+        ones = np.ones(spec.head_dim, dtype=w.dtype)
+        out += [(base.replace("q_proj", p), ones) for p in ("q_norm", "k_norm")]
+    return out
+
+
+def _llama4_mm_spec(cfg: dict, model_dir: str) -> ModelSpec:
+    """Llama4ForConditionalGeneration: the text model's spec from text_config (text only)."""
+    text = {**cfg["text_config"], "architectures": cfg["architectures"]}
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return _LLAMA4.build_spec(text, model_dir)
+
+
+register_architecture(  # Llama 4 text (Scout / Maverick): MoE + NoPE + chunked attention
+    ["Llama4ForCausalLM"],
+    ArchAdapter(family="moe", build_spec=_LLAMA4.build_spec, convert=_llama4_convert),
+)
+register_architecture(  # Llama 4 multimodal checkpoints, served text-only
+    ["Llama4ForConditionalGeneration"],
+    ArchAdapter(family="moe", build_spec=_llama4_mm_spec, convert=_llama4_convert),
 )

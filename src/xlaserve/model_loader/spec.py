@@ -97,8 +97,12 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
-    # Per layer "full" or "sliding" (None = all full, or all sliding when sliding_window set).
+    # Per layer "full" or "sliding" (None = all full, or all sliding when sliding_window set);
+    # "chunked" (HF "chunked_attention") layers attend within their attention_chunk_size chunk.
     layer_types: list[str] | None = None
+    # Chunked attention (Llama 4): a query at position p on a "chunked" layer sees keys k <= p
+    # with k // C == p // C (chunks aligned to position 0). None = no chunked layers.
+    attention_chunk_size: int | None = None
     # Attention scale = attn_scale if set, else head_dim ** -0.5.
     attn_scale: float | None = None
     attn_logit_softcap: float | None = None
@@ -106,6 +110,11 @@ class ModelSpec:
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
     # Layers that apply no rope at all (NoPE: SmolLM3, Cohere2 / EXAONE 4 full-attention layers).
     nope_layers: list[int] = field(default_factory=list)
+    # Attention temperature tuning on NoPE layers (Llama 4): (floor_scale F, scale a); q at
+    # position p is multiplied by 1 + a * log1p(floor((p + 1) / F)). None = off.
+    nope_attn_temperature: tuple[float, float] | None = None
+    # Layers with qk-norm when qk_norm is set (None = every layer; Llama 4: rope layers only).
+    qk_norm_layers: list[int] | None = None
     # Local rope theta for sliding layers (Gemma3). Sliding layers then use plain (unscaled) rope
     # with this theta; rope_scaling applies to full-attention layers only.
     rope_local_theta: float | None = None
@@ -142,6 +151,9 @@ class ModelSpec:
     moe_glu: str = "act"
     # Routed expert output multiplied by this (DeepSeek-V3 routed_scaling_factor).
     moe_routed_scaling: float = 1.0
+    # The routing weight scales each expert's INPUT instead of its output (Llama 4):
+    # sum_k expert_e(w[t,k] * x_t) rather than sum_k w[t,k] * expert_e(x_t).
+    moe_scale_input: bool = False
     # Shared expert output multiplied by sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
     shared_expert_gate: bool = False
     # Layers with a dense MLP (intermediate_size) in a MoE model (DeepSeek first_k_dense_replace,
@@ -182,6 +194,16 @@ class ModelSpec:
             return self.sliding_window
         # HF writes "sliding_attention"/"full_attention"; adapters may write "sliding"/"full".
         return self.sliding_window if self.layer_types[layer].startswith("sliding") else None
+
+    def layer_chunk_size(self, layer: int) -> int | None:
+        """The attention chunk of one layer (None = not a chunked-attention layer)."""
+        if self.attention_chunk_size is None or self.layer_types is None:
+            return None
+        return self.attention_chunk_size if self.layer_types[layer].startswith("chunked") else None
+
+    def layer_qk_norm(self, layer: int) -> bool:
+        """Whether `layer` applies qk-norm (qk_norm, restricted to qk_norm_layers when set)."""
+        return self.qk_norm and (self.qk_norm_layers is None or layer in self.qk_norm_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_mlp_layers

@@ -77,6 +77,11 @@ NOTES: dict[str, str] = {
     "MptForCausalLM": "ALiBi (MPT slopes), bias-free LayerNorm and projections",
     "GptOssForCausalLM": "attention sinks, sliding / full layers, biased clamped-SwiGLU MoE "
     "(reference attention and experts paths; bf16 checkpoints, not MXFP4)",
+    "Llama4ForCausalLM": "Llama 4 text: MoE every interleave_moe_layer_step-th layer (top-k "
+    "sigmoid weights scale the expert input) + shared expert; rope layers: chunked attention "
+    "+ qk L2-norm; NoPE layers: attention temperature; interleaved rope, llama3 scaling",
+    "Llama4ForConditionalGeneration": "Llama 4 checkpoints served text-only (text_config; the "
+    "vision tower is not loaded)",
     # State-space models (issue 25): the cache kinds they use (core/cache_spec.py); every other
     # architecture uses paged attention K/V only.
     "MambaForCausalLM": "cache: recurrent state only (conv window + SSM state [I, N] per layer); "
