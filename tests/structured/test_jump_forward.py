@@ -250,3 +250,19 @@ def test_preemption_and_chunks_with_jump_forward(tiny_model_dir) -> None:  # noq
         finally:
             llm.llm_engine.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_cli_flag_maps_onto_config() -> None:
+    """`--structured-jump-forward` (off by default) and its max-tokens flag reach
+    StructuredOutputConfig; a bad max is refused."""
+    from xlaserve.entrypoints import cli
+
+    def parse(args: list[str]):  # noqa: ANN202 - an EngineConfig
+        ctx = cli.serve.make_context("serve", args)
+        return cli.build_engine_config(None, cli._sections_kwargs(ctx))
+
+    assert parse([]).structured.jump_forward is False
+    on = parse(["--structured-jump-forward", "--structured-jump-forward-max-tokens", "8"])
+    assert on.structured.jump_forward is True and on.structured.jump_forward_max_tokens == 8
+    with pytest.raises(ValueError, match="jump_forward_max_tokens"):
+        parse(["--structured-jump-forward-max-tokens", "0"])
