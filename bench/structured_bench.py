@@ -14,12 +14,19 @@ Rows (each repeat runs plain then constrained on the same engine; medians):
   fill             xgrammar's batch bitmask fill (ms per step) of B matchers inside the
                    schema's string, with 1, 2, 4, ... threads (up to the host's cores): the
                    figure to set `bitmask_fill_threads` from
+  jump             jump-forward (--structured-jump-forward): for each batch B and each of
+                   ISSUE_SCHEMA and JUMP_SCHEMA (long forced keys), the same greedy constrained
+                   requests on the engine above (jump-forward off, the default) and on a second
+                   engine with it on (built after the first is shut down): engine steps,
+                   output tok/s, tokens jumped over, and whether the tokens are identical
 Also per row: engine steps launched while another was in flight (async scheduling stayed on?).
 
   # H200, Llama-3.1-8B shape, dummy bf16 (torch backend):
   python bench/structured_bench.py --llama8b --backend torch --output-json structured.json
   # CPU, the demo model:
   python bench/structured_bench.py --batches 64,1 --output-len 32 --output-json /tmp/so.json
+  # only the jump-forward row (CPU, demo model):
+  python bench/structured_bench.py --only-jump --batches 8,1 --output-len 96 --repeats 2
 """
 
 from __future__ import annotations
@@ -71,6 +78,22 @@ def nested_schema(target_bytes: int = 2048) -> dict[str, Any]:
 
 
 NESTED_SCHEMA = nested_schema()
+
+# Long keys in a fixed order (all required, no other properties): most of the output is forced.
+JUMP_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "customer_identifier_string": {"type": "string", "maxLength": 8},
+        "number_of_items_in_the_order": {"type": "integer", "minimum": 0, "maximum": 99},
+        "delivery_requested_before_noon": {"type": "boolean"},
+    },
+    "required": [
+        "customer_identifier_string",
+        "number_of_items_in_the_order",
+        "delivery_requested_before_noon",
+    ],
+    "additionalProperties": False,
+}
 
 
 def _fresh(schema: dict[str, Any], tag: str) -> dict[str, Any]:
@@ -141,17 +164,103 @@ def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]: 
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from xlaserve import LLM, SamplingParams
+def _steps(llm: Any) -> int:  # noqa: ANN401 - LLM
+    """Engine steps that computed tokens so far (count of the tokens-per-step histogram)."""
+    return sum(llm.llm_engine.get_stats().iteration_tokens_buckets)
+
+
+def jump_side(llm: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:  # noqa: ANN401
+    """One engine's half of the `jump` row: per batch and schema, medians over repeats of
+    output tok/s, and the steps, tokens, jumped tokens and token ids of the last repeat."""
+    from xlaserve import SamplingParams
     from xlaserve.sampling_params import StructuredOutputsParams as SO
+
+    eng = llm.llm_engine
+    out: dict[str, Any] = {}
+    for name, schema in (("issue_schema", ISSUE_SCHEMA), ("jump_schema", JUMP_SCHEMA)):
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=args.output_len, structured_outputs=SO(json=schema)
+        )
+        llm.generate(_prompts(2, args.input_len, vocab, args.seed + 7), sp, use_tqdm=False)
+        for b in args.batches:
+            prompts = _prompts(b, args.input_len, vocab, args.seed + b)
+            tok_s, ids = [], []
+            for _ in range(args.repeats):
+                s0, j0 = _steps(llm), eng.num_jump_forward_tokens
+                t = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                dt = time.perf_counter() - t
+                ids = [o.outputs[0].token_ids for o in outs]
+                k = sum(len(i) for i in ids)
+                tok_s.append(k / dt)
+                steps, jumped = _steps(llm) - s0, eng.num_jump_forward_tokens - j0
+            out[f"{name} batch{b}"] = {
+                "tok_s": statistics.median(tok_s),
+                "steps": steps,
+                "output_tokens": k,
+                "jumped_tokens": jumped,
+                "token_ids": ids,
+            }
+    return out
+
+
+def jump_row(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """Side by side: steps and tok/s with and without jump-forward, same prompts."""
+    row: dict[str, Any] = {}
+    for key, a in off.items():
+        b = on[key]
+        row[key] = {
+            "steps_off": a["steps"],
+            "steps_on": b["steps"],
+            "step_ratio": b["steps"] / max(1, a["steps"]),
+            "tok_s_off": a["tok_s"],
+            "tok_s_on": b["tok_s"],
+            "speedup": b["tok_s"] / a["tok_s"],
+            "output_tokens": {"off": a["output_tokens"], "on": b["output_tokens"]},
+            "jumped_tokens": b["jumped_tokens"],
+            "same_tokens": a["token_ids"] == b["token_ids"],
+        }
+    return row
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from xlaserve import LLM
 
     llm = LLM(model=args.model_dir, **_engine_kwargs(args))
     eng = llm.llm_engine
     vocab = eng.spec.vocab_size if hasattr(eng, "spec") else 32000
+    report: dict[str, Any] = {"args": vars(args), "rows": {}}
+    if not args.only_jump:
+        _main_rows(llm, args, vocab, report)
+    jump_off = jump_side(llm, args, vocab)
+    report["engine"] = {
+        "backend": eng.backend if hasattr(eng, "backend") else None,
+        "async_scheduling": getattr(llm.llm_engine, "_async", None),
+    }
+    eng.shutdown()
+    del llm, eng  # one engine's device memory at a time
+    llm = LLM(model=args.model_dir, jump_forward=True, **_engine_kwargs(args))
+    jump_on = jump_side(llm, args, vocab)
+    llm.llm_engine.shutdown()
+    report["rows"]["jump"] = jump_row(jump_off, jump_on)
+    print(json.dumps({"jump": report["rows"]["jump"]}), flush=True)
+    return report
+
+
+def _main_rows(
+    llm: Any,  # noqa: ANN401 - LLM
+    args: argparse.Namespace,
+    vocab: int,
+    report: dict[str, Any],
+) -> None:
+    """The batch, first32, compile and fill rows on one engine (jump-forward off)."""
+    from xlaserve import SamplingParams
+    from xlaserve.sampling_params import StructuredOutputsParams as SO
+
+    eng = llm.llm_engine
     n = args.output_len
     plain = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     cons = SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=SO(json=ISSUE_SCHEMA))
-    report: dict[str, Any] = {"args": vars(args), "rows": {}}
     warm = _prompts(min(8, max(args.batches)), args.input_len, vocab, args.seed + 99)
     llm.generate(warm, plain, use_tqdm=False)
     llm.generate(warm, cons, use_tqdm=False)  # compiles ISSUE_SCHEMA once, caches it
@@ -213,12 +322,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(json.dumps({"compile": comp}), flush=True)
     report["rows"]["fill"] = fill_times(eng, args.batches, args.repeats)
     print(json.dumps({"fill": report["rows"]["fill"]}), flush=True)
-    report["engine"] = {
-        "backend": eng.backend if hasattr(eng, "backend") else None,
-        "async_scheduling": getattr(llm.llm_engine, "_async", None),
-    }
-    eng.shutdown()
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only-jump", action="store_true", help="only the jump-forward row")
     args = ap.parse_args(argv)
     if args.model_dir is None:
         if args.llama8b:

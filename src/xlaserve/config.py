@@ -337,9 +337,18 @@ class StructuredOutputConfig:
     # fastest at every batch (256 rows, 128k vocab: 1.05 ms vs 2.2 ms with 2 or 4 threads);
     # set it from that row on a larger host.
     bitmask_fill_threads: int = 1
+    # Jump-forward decoding: where the grammar admits exactly one token at the next positions,
+    # append those tokens without a forward step each (exact: the sampler could pick nothing
+    # else). Off by default: it turns async scheduling off while a grammar is live (the forced
+    # tokens follow the previous step's token, which async scheduling has not read when it
+    # launches the next step); see bench/structured_bench.py's `jump` row.
+    jump_forward: bool = False
+    # Most tokens one jump appends (bounds the host work per step).
+    jump_forward_max_tokens: int = 64
 
     def __post_init__(self) -> None:
         _check(self.backend == "xgrammar", "structured output backend must be 'xgrammar'")
+        _check(self.jump_forward_max_tokens >= 1, "jump_forward_max_tokens must be >= 1")
         _check(self.bitmask_fill_threads >= 1, "bitmask_fill_threads must be >= 1")
         _check(self.cache_size >= 0, "structured_output_cache_size must be >= 0")
         _check(self.cache_bytes >= 0, "grammar_cache_bytes must be >= 0")

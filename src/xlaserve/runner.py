@@ -60,6 +60,10 @@ class CachedRequestData:
     new_block_ids: list[int]
     # Tokens whose KV is in the cache before this step (the runner checks it against its state).
     num_computed_tokens: int
+    # Tokens the engine appended to the request that the runner did not sample itself
+    # (structured-output jump-forward: tokens the grammar forces), in order; the runner appends
+    # them to its copy of the request's tokens before this step, after the tokens it sampled.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -4,7 +4,7 @@ Both backends' runners (backends_torch/runner.py, backends_xla/runner.py) subcla
 which owns everything that is bookkeeping rather than device work:
 
 - the persistent batch: one `ReqState` per request id, created from `NewRequestData`, extended
-  by `CachedRequestData`, dropped on `finished_req_ids` (`_update_states`);
+  by `CachedRequestData` (new blocks; tokens the engine appended, e.g. jump-forward), dropped on `finished_req_ids` (`_update_states`);
 - the step plan (`_plan_step`): for each scheduled request, the chunk of known tokens (+ drafts)
   it computes, whether it samples, and which input is still on the device (async scheduling:
   a `PENDING` last token, fed from the previous launch's tokens at row `pending_row`), with ONE
@@ -198,6 +198,8 @@ class RunnerCore:
                     f"cached request {cr.req_id!r} is unknown to the runner (never sent as new)"
                 )
             st.block_ids.extend(cr.new_block_ids)
+            for tok in cr.new_token_ids:  # forced by a grammar (jump-forward), not sampled here
+                self._append_token(st, tok)
             if cr.num_computed_tokens != st.num_computed_tokens:
                 # The scheduler is the source of truth (e.g. after rejected drafts).
                 logger.debug(

@@ -63,6 +63,10 @@ class Request:
     # Async scheduling: tokens sampled by launched steps whose results are not back yet; the
     # scheduler treats them as known (the runner feeds them to the next step on the device).
     num_pending_tokens: int = 0
+    # Output tokens the engine appended that the runner has not been sent yet (structured-output
+    # jump-forward): the last `num_unsent_tokens` of `output_token_ids` go out with the request's
+    # next CachedRequestData (a resumed request gets all its tokens in NewRequestData instead).
+    num_unsent_tokens: int = 0
     # Prompt tokens found in the prefix cache at first scheduling (-1 = not scheduled yet).
     num_cached_tokens: int = -1
     stop_reason: int | str | None = None

@@ -129,6 +129,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # its in-flight token is dropped; resumed from known ones
+        request.num_unsent_tokens = 0  # NewRequestData carries every token on resume
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -228,9 +229,11 @@ class Scheduler:
             num_drafts = req.num_computed_tokens + num_new - req.num_tokens
             if num_drafts > 0:
                 spec_token_ids[req.request_id] = req.spec_token_ids[:num_drafts]
-            cached_reqs.append(
-                CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
-            )
+            cached = CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
+            if req.num_unsent_tokens:  # jump-forward tokens the runner has not seen
+                cached.new_token_ids = req.output_token_ids[-req.num_unsent_tokens :]
+                req.num_unsent_tokens = 0
+            cached_reqs.append(cached)
             i += 1
 
         # 2. Waiting requests (not in a step that had to preempt: blocks are short).

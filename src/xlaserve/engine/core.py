@@ -287,6 +287,16 @@ class EngineCore:
         self.eos_token_ids = info.eos_token_ids
         self.backend = info.backend
         check_speculative_config(config.speculative, self.backend)  # before loading anything
+        # Jump-forward appends forced tokens between steps; a draft model inside the runner has
+        # its own KV and drafts that would not see them (n-gram drafts are proposed here, after
+        # the jump, so they do).
+        self._jump_forward = config.structured.jump_forward
+        if self._jump_forward and config.speculative is not None:
+            if config.speculative.method != "ngram":
+                raise ValueError(
+                    "structured jump-forward works with speculative method 'ngram' only, not "
+                    f"{config.speculative.method!r}; turn one of them off"
+                )
         par, caps = config.parallel, get_capabilities(self.backend)
         if (par.enable_expert_parallel and not caps.expert_parallel) or (
             par.nnodes > 1 and not caps.multi_host
@@ -337,6 +347,7 @@ class EngineCore:
         # runner handle, its Request objects).
         self._inflight: tuple[SchedulerOutput, Any, dict[str, Request]] | None = None
         self.num_overlapped_steps = 0  # steps launched while the previous one was in flight
+        self.num_jump_forward_tokens = 0  # tokens appended by jump-forward (no forward each)
         logger.info(
             "engine ready: model=%s backend=%s blocks=%d x %d tokens, max_model_len=%d",
             self.model_dir,
@@ -506,6 +517,9 @@ class EngineCore:
         decoding, which reads the token too, turns async off at start-up
         (`_use_async_scheduling`)."""
         st = self._structured
+        if st is not None and self._jump_forward and st.num_matchers:
+            # A jump follows the previous step's token: the next step is scheduled after it.
+            return False
         return st is None or self._late_bitmasks or (st.num_matchers == 0 and not st.has_pending())
 
     def _schedule(self, lookahead: bool) -> SchedulerOutput | None:
@@ -572,6 +586,10 @@ class EngineCore:
                     out.logprobs = [(e.token_ids, e.logprobs, e.rank) for e in entries]
                 if self._structured is not None:
                     self._advance_grammar(req, new_tokens)
+                    if self._jump_forward and not req.is_finished:
+                        forced = self._jump(req)
+                        out.new_token_ids.extend(forced)
+                        c.generation_tokens_total += len(forced)
             if req.is_finished:
                 out.finish_reason = req.status.finish_reason
                 out.stop_reason = req.stop_reason
@@ -665,6 +683,37 @@ class EngineCore:
         elif terminated:  # the grammar accepted its stop token (e.g. with ignore_eos)
             req.stop_reason = new_tokens[-1]
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _jump(self, req: Request) -> list[int]:
+        """Jump-forward: append the tokens the grammar forces after the request's newest token
+        (`StructuredOutputManager.forced_tokens`); the next step computes them as a chunk with
+        the sampled token and samples after them. Synchronous steps only (`_can_overlap`).
+
+        Left out (they decode token by token): requests that ask for logprobs (a forced token's
+        logprobs would need the forward it skips), and requests whose own token constraints
+        (allowed_token_ids, bad_words, logits processors) could disagree with the grammar.
+        At least one token is always left to sample: a jump never reaches max_tokens or
+        max_model_len."""
+        p = req.sampling_params
+        if (
+            p.logprobs is not None
+            or p.allowed_token_ids is not None
+            or p.bad_words_token_ids
+            or p.logits_processors
+        ):
+            return []
+        limit = min(
+            self.config.structured.jump_forward_max_tokens,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - 1 - req.num_tokens,
+        )
+        forced = self._structured.forced_tokens(req.request_id, limit, p.is_stop_token)
+        if forced:
+            req.output_token_ids.extend(forced)
+            req.num_unsent_tokens += len(forced)
+            req.spec_token_ids = []  # proposed after the sampled token, not after the jump
+            self.num_jump_forward_tokens += len(forced)
+        return forced
 
     # ------------------------------------------------------------------ misc
     def _count_spec(self, so: SchedulerOutput, ro: RunnerOutput) -> dict[str, tuple[int, int]]:

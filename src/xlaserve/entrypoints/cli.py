@@ -58,6 +58,8 @@ _RENAME = {
     ("structured", "cache_bytes"): "grammar_cache_bytes",
     ("structured", "compile_timeout"): "grammar_compile_timeout",
     ("structured", "compile_workers"): "grammar_compile_workers",
+    ("structured", "jump_forward"): "structured_jump_forward",
+    ("structured", "jump_forward_max_tokens"): "structured_jump_forward_max_tokens",
     ("engine", "speculative"): "speculative_config",
 }
 # Help for fields that carry no comment in config.py.

@@ -32,6 +32,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -224,6 +225,7 @@ class StructuredOutputManager:
         self._matchers: dict[str, Any] = {}  # req_id -> GrammarMatcher
         # StructuredOutputConfig.bitmask_fill_threads (measured: see its comment).
         self._batch = xgr.BatchGrammarMatcher(max_threads=cfg.bitmask_fill_threads)
+        self._jump_row = np.empty((1, self.num_words), dtype=np.int32)  # forced_tokens' mask
         self.num_compiled = 0
 
     # ----- requests ---------------------------------------------------------------------------
@@ -399,6 +401,44 @@ class StructuredOutputManager:
         elif plain:
             self._batch.batch_fill_next_token_bitmask(plain, out, rows)
         return masks
+
+    def forced_tokens(
+        self, req_id: str, limit: int, is_stop: Callable[[int], bool] = lambda t: False
+    ) -> list[int]:
+        """Jump-forward: the tokens the grammar forces next, accepted into the matcher; at most
+        `limit` of them. `is_stop(token)`: the request's stop tokens, never jumped over.
+
+        Rule (exact for every sampler, not just greedy): a token is forced when the grammar's
+        bitmask at that position admits exactly ONE token id of the vocabulary. The sampler then
+        has no choice (every other logit is -inf), so appending it without a forward step gives
+        the very token sequence that decoding token by token gives. No retokenization is
+        involved: a forced byte string (xgrammar's `find_jump_forward_string`) often has several
+        tokenizations the mask admits (`"`, `"n`, `"na`, ... ), and which one a model picks is
+        only known from its logits, so such spans are left to the model; tokenizing the string
+        ourselves would change the output. `find_jump_forward_string` is used as a cheap filter:
+        an empty string means no token is forced (a single admitted non-stop token would force
+        its first byte). A forced stop token is not taken (the normal path ends the request)."""
+        m = self._matchers.get(req_id)
+        if m is None or limit <= 0 or m.is_terminated() or not m.find_jump_forward_string():
+            return []
+        row = self._jump_row
+        out: list[int] = []
+        while len(out) < limit:
+            m.fill_next_token_bitmask(row, 0)
+            words = row[0].view(np.uint32)
+            nz = np.flatnonzero(words)
+            if len(nz) != 1:
+                break
+            w = int(words[nz[0]])
+            if w & (w - 1):  # more than one bit in the word
+                break
+            tok = 32 * int(nz[0]) + w.bit_length() - 1
+            if is_stop(tok) or not m.accept_token(tok):
+                break
+            out.append(tok)
+            if m.is_terminated():
+                break
+        return out
 
     def accept_tokens(self, req_id: str, tokens: list[int]) -> tuple[bool, str | None]:
         """Advance the matcher with the tokens the request got. Returns (terminated, error);
