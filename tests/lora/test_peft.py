@@ -139,3 +139,12 @@ def test_moe_expert_weights_refused(tmp_path) -> None:  # noqa: ANN001
                f"{pre}.mlp.down_proj.lora_B.weight": b}, str(p / "adapter_model.safetensors"))  # fmt: skip
     with pytest.raises(ValueError, match="no down_proj in layer 0"):
         load_peft_adapter(LoRARequest("m", 1, str(p)), spec, 8)
+
+
+def test_lora_request_imports_from_vllms_path() -> None:
+    from xlaserve.lora import LoRARequest
+    from xlaserve.lora.request import LoRARequest as FromVllmPath
+
+    assert FromVllmPath is LoRARequest
+    with pytest.raises(ValueError, match="lora_int_id"):
+        FromVllmPath("a", 0, "/nowhere")
