@@ -21,10 +21,16 @@ TINY = ["--model", "demo", "--num-prompts", "3", "--input-len", "6", "--output-l
 
 
 def test_quant_bench_demo_rows_and_gemm(tmp_path: Path) -> None:
+    import os
+
+    env_before = dict(os.environ)
     out = tmp_path / "quant.json"
     quant_bench.main([*TINY, "--rows", "bf16,int8_w8a8,fp8_kv", "--gemm", "--tiny-gemm",
                       "--gemm-m", "20", "--gemm-reps", "1", "--quality",
                       "--output-json", str(out)])  # fmt: skip
+    # In-process rows must not leave settings behind (fp8 emulation leaked once and turned the
+    # CPU's fp8 refusal off for every later test).
+    assert dict(os.environ) == env_before
     data = json.loads(out.read_text())
     for name in ("bf16", "int8_w8a8", "fp8_kv"):
         row = data["rows"][name]
