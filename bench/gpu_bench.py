@@ -519,7 +519,9 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
 
     kw = _llm_kwargs(args)
     kw.update(extra)
-    if kw.get("backend") == "xla" and args.variant != "xla_user":  # a modest bucket set
+    # The old batched-XLA stages: a modest bucket set, eager, 256 prompts (xla_user: as a user).
+    small_xla = kw.get("backend") == "xla" and args.variant != "xla_user"
+    if small_xla:
         kw.update(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
         kw.update(enforce_eager=True)
     t = time.perf_counter()
@@ -545,8 +547,7 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
     if what == "repetitive":
         res["repetitive"] = _repetitive(llm, args.repeats, vocab)
     if what.endswith("offline"):
-        small = kw.get("backend") == "xla" and args.variant != "xla_user"
-        n = min(args.num_prompts, 256) if small else args.num_prompts
+        n = min(args.num_prompts, 256) if small_xla else args.num_prompts
         res["offline_256_256"] = _offline(llm, n, 256, 256, 1, vocab)
     return res
 
