@@ -7,10 +7,15 @@ by slot), `starts` / `counts` [L] (each slot's range in sorted_idx). Every kerne
 tokens (exits at once past its count), so each adapter's weights are read once per tile of its
 tokens and the grid depends on T only (CUDA-graph capturable with static index buffers).
 
-- `lora_shrink(x [T, K], a [L, R, K], groups) -> s [T, R]` float32: s[t] = A[slot_t] @ x[t]
-  (rows of base tokens are left unwritten: expand never reads them).
+- `lora_shrink(x [T, K], a [L, R, K], groups) -> s [S, T, R]` float32 partial sums over S
+  slices of K: s.sum(0)[t] = A[slot_t] @ x[t] (rows of base tokens are left unwritten: expand
+  never reads them). S (`shrink_splits`) depends on T, K and L only (one per CUDA-graph bucket):
+  a decode step has one token or a few per adapter, so without a K split one program per adapter
+  walked all of K alone (batch-1 LoRA decode ran at 0.44x of the base model on the H200); the
+  expand kernel sums the S partials while loading s, so the result is deterministic (no atomics).
 - `lora_expand(s, b [L, N, R], y [T, >= off + N], groups, s_offset, y_offset)`:
-  y[t, off:off+N] += B[slot_t] @ s[t, s_offset:s_offset+R], in place. The column offsets let a
+  y[t, off:off+N] += B[slot_t] @ s.sum(0)[t, s_offset:s_offset+R], in place (s [T, R'] or
+  [S, T, R']). The column offsets let a
   fused qkv / gate_up output take each part's delta, and one shrink serve every part (A of
   the parts stacked along R).
 """
@@ -71,12 +76,15 @@ def lora_token_groups(token_slots: torch.Tensor | np.ndarray, num_slots: int) ->
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, s_ptr, idx_ptr, start_ptr, count_ptr,
-    K, R,
-    stride_xt, stride_al, stride_ar, stride_st,
+    K, R, K_PER_SPLIT, NUM_R_BLOCKS,
+    stride_xt, stride_al, stride_ar, stride_ss, stride_st,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
+    # Program (m, split * NUM_R_BLOCKS + r, slot): rows m of the slot's tokens, R block r,
+    # the K slice [split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT) into partial s[split].
     pid_m = tl.program_id(0)
-    pid_r = tl.program_id(1)
+    pid_r = tl.program_id(1) % NUM_R_BLOCKS
+    pid_s = tl.program_id(1) // NUM_R_BLOCKS
     slot = tl.program_id(2)
     count = tl.load(count_ptr + slot)
     if pid_m * BLOCK_M >= count:
@@ -89,7 +97,8 @@ def _shrink_kernel(
     mask_r = rr < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * stride_al
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_s * K_PER_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < K
         x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :],
@@ -100,15 +109,15 @@ def _shrink_kernel(
             acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, a.to(x.dtype))
-    tl.store(s_ptr + tok[:, None] * stride_st + rr[None, :], acc,
+    tl.store(s_ptr + pid_s * stride_ss + tok[:, None] * stride_st + rr[None, :], acc,
              mask=mask_m[:, None] & mask_r[None, :])  # fmt: skip
 
 
 @triton.jit
 def _expand_kernel(
     s_ptr, b_ptr, y_ptr, idx_ptr, start_ptr, count_ptr,
-    N, R,
-    stride_st, stride_bl, stride_bn, stride_yt,
+    N, R, SPLITS,
+    stride_ss, stride_st, stride_bl, stride_bn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -125,8 +134,11 @@ def _expand_kernel(
     mask_r = rr < R
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = nn < N
-    s = tl.load(s_ptr + tok[:, None] * stride_st + rr[None, :],
-                mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # [BM, BR] fp32  # fmt: skip
+    s_ptrs = s_ptr + tok[:, None] * stride_st + rr[None, :]
+    mask_s = mask_m[:, None] & mask_r[None, :]
+    s = tl.load(s_ptrs, mask=mask_s, other=0.0)  # [BM, BR] fp32: the shrink's K partials summed
+    for i in range(1, SPLITS):
+        s += tl.load(s_ptrs + i * stride_ss, mask=mask_s, other=0.0)
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + nn[None, :] * stride_bn + rr[:, None],
                 mask=mask_n[None, :] & mask_r[:, None], other=0.0)  # [BR, BN]  # fmt: skip
     if IEEE:
@@ -143,10 +155,28 @@ def _block_m(t: int) -> int:
     return 16 if t <= 16 else 32 if t <= 512 else 64
 
 
+# Programs a shrink aims to keep busy (about two per SM of an H100 / H200) and the fewest K
+# elements one program walks (a shorter slice costs more in partial sums than it saves).
+_SHRINK_TARGET_PROGRAMS = 256
+_SHRINK_MIN_K_PER_SPLIT = 256
+
+
+def shrink_splits(t: int, k: int, num_slots: int) -> int:
+    """K slices of a shrink over T tokens (a function of the shapes only, so a CUDA graph's
+    bucket always gets the same): enough programs to fill the GPU when few tokens per adapter
+    leave most of the (m, r, slot) grid idle, at most K / 256 slices."""
+    # (m, slot) programs that can hold tokens: each slot's tokens straddle at most one extra
+    # row block, and every such program holds at least one token.
+    busy = max(1, min(t, -(-t // _block_m(t)) + num_slots - 1))
+    return max(1, min(_SHRINK_TARGET_PROGRAMS // busy, k // _SHRINK_MIN_K_PER_SPLIT))
+
+
 def lora_shrink(
     x: torch.Tensor, a: torch.Tensor, groups: LoRAGroups, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [T, K] (model dtype), a [L, R, K] -> s [T, R] float32 (see the module docstring)."""
+    """x [T, K] (model dtype), a [L, R, K] -> s [S, T, R] float32 K partials (S =
+    `shrink_splits(T, K, L)`; see the module docstring). `out`: a float32 [S, >= T, >= R]
+    buffer to write into."""
     name = "lora_shrink"
     if x.ndim != 2 or a.ndim != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"{name}: x [T, K] and a [L, R, K] expected, got {tuple(x.shape)}, "
@@ -157,18 +187,23 @@ def lora_shrink(
         raise ValueError(f"{name}: x rows and a must be contiguous")
     t, k = x.shape
     num_slots, r, _ = a.shape
+    splits = shrink_splits(t, k, num_slots)
     if out is None:
-        out = torch.empty((t, r), dtype=torch.float32, device=x.device)
-    elif out.shape[0] < t or out.shape[1] < r or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"{name}: out must be float32 [>= {t}, >= {r}], got {tuple(out.shape)}")
+        out = torch.empty((splits, t, r), dtype=torch.float32, device=x.device)
+    elif (out.ndim != 3 or out.shape[0] != splits or out.shape[1] < t or out.shape[2] < r
+          or out.dtype != torch.float32 or out.stride(2) != 1):  # fmt: skip
+        raise ValueError(f"{name}: out must be float32 [{splits}, >= {t}, >= {r}], got "
+                         f"{tuple(out.shape)}")  # fmt: skip
     if t == 0:
         return out
     bm, br = _block_m(t), max(16, min(64, next_pow2(r)))
     bk = 64 if k >= 64 else max(16, next_pow2(k))
-    grid = (triton.cdiv(t, bm), triton.cdiv(r, br), num_slots)
+    k_per = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    nr = triton.cdiv(r, br)
+    grid = (triton.cdiv(t, bm), nr * splits, num_slots)
     _shrink_kernel[grid](
-        x, a, out, groups.sorted_idx, groups.starts, groups.counts, k, r,
-        x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+        x, a, out, groups.sorted_idx, groups.starts, groups.counts, k, r, k_per, nr,
+        x.stride(0), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return out
@@ -182,22 +217,24 @@ def lora_expand(
     s_offset: int = 0,
     y_offset: int = 0,
 ) -> torch.Tensor:
-    """y[t, y_offset : y_offset + N] += B[slot_t] @ s[t, s_offset : s_offset + R] for every
-    token with a slot; s [T, >= s_offset + R] float32, b [L, N, R], y [T, >= y_offset + N]
-    (in place, returned)."""
+    """y[t, y_offset : y_offset + N] += B[slot_t] @ s.sum(0)[t, s_offset : s_offset + R] for
+    every token with a slot; s float32 [T, >= s_offset + R] or the shrink's K partials
+    [S, T, >= s_offset + R], b [L, N, R], y [T, >= y_offset + N] (in place, returned)."""
     name = "lora_expand"
-    if s.ndim != 2 or b.ndim != 3 or y.ndim != 2:
-        raise ValueError(f"{name}: s [T, R'], b [L, N, R], y [T, N'] expected")
+    if s.ndim == 2:
+        s = s.unsqueeze(0)
+    if s.ndim != 3 or b.ndim != 3 or y.ndim != 2:
+        raise ValueError(f"{name}: s [T, R'] or [S, T, R'], b [L, N, R], y [T, N'] expected")
     num_slots, n, r = b.shape
     t = y.shape[0]
-    if s.shape[0] < t or s.shape[1] < s_offset + r or y.shape[1] < y_offset + n:
+    if s.shape[1] < t or s.shape[2] < s_offset + r or y.shape[1] < y_offset + n:
         raise ValueError(
             f"{name}: s {tuple(s.shape)} / y {tuple(y.shape)} too small for b {tuple(b.shape)} "
             f"at offsets {s_offset} / {y_offset}"
         )
     check_dtype(name, y, FLOAT_DTYPES)
     check_device(name, s, b, y, groups.sorted_idx)
-    if s.dtype != torch.float32 or s.stride(1) != 1 or y.stride(1) != 1 or not b.is_contiguous():
+    if s.dtype != torch.float32 or s.stride(2) != 1 or y.stride(1) != 1 or not b.is_contiguous():
         raise ValueError(f"{name}: s must be float32, and s / y rows and b contiguous")
     if t == 0:
         return y
@@ -205,8 +242,8 @@ def lora_expand(
     bn = 64 if n >= 64 else max(16, next_pow2(n))
     grid = (triton.cdiv(t, bm), triton.cdiv(n, bn), num_slots)
     _expand_kernel[grid](
-        s[:, s_offset:], b, y[:, y_offset:], groups.sorted_idx, groups.starts, groups.counts,
-        n, r, s.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        s[:, :, s_offset:], b, y[:, y_offset:], groups.sorted_idx, groups.starts, groups.counts,
+        n, r, s.shape[0], s.stride(0), s.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, IEEE=y.dtype == torch.float32,
     )  # fmt: skip
     return y

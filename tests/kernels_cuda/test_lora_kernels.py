@@ -47,7 +47,7 @@ def test_shrink_expand_match_reference(t, k, r, n, dtype, device, tolerances) ->
     lora_rows = slots >= 0
     atol, rtol = tolerances[dtype]
     torch.testing.assert_close(
-        s[lora_rows].cpu(), s_ref[lora_rows].cpu(), atol=atol * 10, rtol=rtol * 10
+        s.sum(0)[lora_rows].cpu(), s_ref[lora_rows].cpu(), atol=atol * 10, rtol=rtol * 10
     )
     # Expand into the middle columns of a wider (fused) output; other columns untouched.
     width, off = n + 24, 8
@@ -89,3 +89,34 @@ def test_bad_shapes_raise(device) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="too small"):
         lora_expand(torch.zeros(2, 4, device=device), torch.zeros(1, 8, 4, device=device),
                     torch.zeros(2, 4, device=device), groups)  # fmt: skip
+
+
+@pytest.mark.parametrize(("t", "k"), [(1, 1024), (3, 768), (20, 512)])
+def test_split_k_shrink_partials_sum_to_the_reference(t, k, device) -> None:  # noqa: ANN001
+    """Few tokens over a long K: the shrink slices K into S > 1 partials (a decode step), and
+    the expand sums them; S = 1 (one slice over the whole K) gives the same sums."""
+    from xlaserve.kernels_cuda.lora import shrink_splits
+
+    num_slots, r, n = 4, 8, 40
+    splits = shrink_splits(t, k, num_slots)
+    assert splits > 1 and shrink_splits(16384, k, num_slots) == 1
+    g = torch.Generator().manual_seed(t + k)
+    x = torch.randn(t, k, generator=g).to(device)
+    a = (torch.randn(num_slots, r, k, generator=g) * 0.1).to(device)
+    b = (torch.randn(num_slots, n, r, generator=g) * 0.1).to(device)
+    slots = torch.tensor([(i % (num_slots + 1)) - 1 for i in range(t)], dtype=torch.int32)
+    slots[0] = 2
+    slots = slots.to(device)
+    groups = lora_token_groups(slots, num_slots)
+    s = lora_shrink(x, a, groups)
+    assert s.shape == (splits, t, r)
+    lora_rows = (slots >= 0).cpu()
+    s_ref = lora_shrink_ref(x.cpu(), a.cpu(), slots.cpu())
+    # Each partial holds only its K slice: no single one equals the whole sum.
+    assert not torch.allclose(s[0].cpu()[lora_rows], s_ref[lora_rows], atol=1e-3)
+    torch.testing.assert_close(s.sum(0).cpu()[lora_rows], s_ref[lora_rows], atol=1e-4, rtol=1e-4)
+    y = torch.randn(t, n, generator=g).to(device)
+    y_ref = y.clone().cpu()
+    lora_expand(s, b, y, groups)
+    lora_expand_ref(s_ref, b.cpu(), y_ref, slots.cpu())
+    torch.testing.assert_close(y.cpu(), y_ref, atol=1e-4, rtol=1e-4)
