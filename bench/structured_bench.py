@@ -133,6 +133,45 @@ def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa:
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), eng.num_overlapped_steps - ov
 
 
+def profile_row(llm: Any, prompts: list, sps: dict[str, Any], top: int) -> dict[str, Any]:  # noqa: ANN401
+    """Per mode: the median wall time of one engine step over a whole generate (decode steps
+    dominate) and cProfile's top functions by own time (host work; GPU work is asynchronous,
+    so a wait for the device shows up in the function that waits)."""
+    import cProfile
+    import io
+    import pstats
+
+    eng = llm.llm_engine
+    out: dict[str, Any] = {}
+    for name, sp in sps.items():
+        times: list[float] = []
+        inner = eng.step
+
+        def step(*a: Any, inner: Any = inner, times: list[float] = times, **k: Any) -> Any:  # noqa: ANN401
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                times.append(time.perf_counter() - t)
+
+        eng.step = step
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            llm.generate(prompts, sp, use_tqdm=False)
+        finally:
+            prof.disable()
+            del eng.step  # the instance attribute; the class method again
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        out[name] = {
+            "steps": len(times),
+            "step_ms_median": 1e3 * statistics.median(times) if times else None,
+            "top": buf.getvalue().splitlines()[-top - 2 :],
+        }
+    return out
+
+
 def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]:  # noqa: ANN401
     """'B=<rows> threads=<t>' -> median ms of one batch bitmask fill, every matcher inside the
     ISSUE_SCHEMA string (the widest mask: most of the vocabulary is allowed)."""
@@ -232,6 +271,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"args": vars(args), "rows": {}}
     if not args.only_jump:
         _main_rows(llm, args, vocab, report)
+    if args.only_batches:
+        eng.shutdown()
+        return report
     jump_off = jump_side(llm, args, vocab)
     report["engine"] = {
         "backend": eng.backend if hasattr(eng, "backend") else None,
@@ -285,6 +327,17 @@ def _main_rows(
             "runs": runs,
         }
         print(json.dumps({f"batch{b}": report["rows"][f"batch{b}"]}), flush=True)
+    if args.profile:
+        b = max(args.batches)
+        prof = profile_row(llm, _prompts(b, args.input_len, vocab, args.seed + b),
+                           {"plain": plain, "constrained": cons}, args.profile)  # fmt: skip
+        report["rows"][f"profile batch{b}"] = prof
+        for name, p in prof.items():
+            print(f"== profile batch{b} {name}: {p['steps']} steps, median "
+                  f"{p['step_ms_median']:.2f} ms/step", flush=True)  # fmt: skip
+            print("\n".join(p["top"]), flush=True)
+    if args.only_batches:
+        return
 
     # First 32 requests with a schema never compiled (compile included) vs plain.
     p32 = _prompts(32, args.input_len, vocab, args.seed + 32)
@@ -338,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-jump", action="store_true", help="only the jump-forward row")
+    ap.add_argument("--only-batches", action="store_true", help="only the batch rows")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="also profile one plain and one constrained run of the largest batch: "
+                         "median step time and cProfile's top N")  # fmt: skip
     args = ap.parse_args(argv)
     if args.model_dir is None:
         if args.llama8b:

@@ -332,11 +332,13 @@ class StructuredOutputConfig:
     # Grammar compile worker processes (killable, so a runaway compile never outlives its
     # request or blocks shutdown); 0 compiles on a thread in-process (not cancellable).
     compile_workers: int = 2
-    # Threads of xgrammar's batch bitmask fill (one call per step fills every constrained row).
-    # Measured (bench/structured_bench.py, `fill` row): on the 2-core dev host one thread is
-    # fastest at every batch (256 rows, 128k vocab: 1.05 ms vs 2.2 ms with 2 or 4 threads);
-    # set it from that row on a larger host.
-    bitmask_fill_threads: int = 1
+    # Threads of xgrammar's batch bitmask fill (one call per step fills every constrained row);
+    # 0 = auto: cpu_count // 4, between 1 and 4, for steps of >= 32 constrained rows, one
+    # thread below (`fill_threads`). Measured (bench/structured_bench.py, `fill` row; 128k
+    # vocab): 2-core dev host, 256 rows: 1 thread 1.05 ms, 2 or 4 threads 2.2 ms; 16-core H200
+    # host, 256 rows: 1 / 2 / 4 / 8 / 16 threads 1.75 / 1.29 / 0.90 / 1.00 / 1.78 ms, one row:
+    # 4.5 us on one thread, 100+ us on more.
+    bitmask_fill_threads: int = 0
     # Jump-forward decoding: where the grammar admits exactly one token at the next positions,
     # append those tokens without a forward step each (exact: the sampler could pick nothing
     # else). Off by default: it turns async scheduling off while a grammar is live (the forced
@@ -349,12 +351,20 @@ class StructuredOutputConfig:
     def __post_init__(self) -> None:
         _check(self.backend == "xgrammar", "structured output backend must be 'xgrammar'")
         _check(self.jump_forward_max_tokens >= 1, "jump_forward_max_tokens must be >= 1")
-        _check(self.bitmask_fill_threads >= 1, "bitmask_fill_threads must be >= 1")
+        _check(self.bitmask_fill_threads >= 0, "bitmask_fill_threads must be >= 0 (0: auto)")
         _check(self.cache_size >= 0, "structured_output_cache_size must be >= 0")
         _check(self.cache_bytes >= 0, "grammar_cache_bytes must be >= 0")
         _check(self.max_grammar_bytes > 0, "max_grammar_bytes must be positive")
         _check(self.compile_timeout > 0, "grammar_compile_timeout must be positive")
         _check(self.compile_workers >= 0, "grammar_compile_workers must be >= 0")
+
+
+def fill_threads(configured: int, cpu_count: int | None) -> int:
+    """Threads of the batch bitmask fill (StructuredOutputConfig.bitmask_fill_threads; 0 =
+    auto: a quarter of the host's cores, 1 to 4)."""
+    if configured > 0:
+        return configured
+    return max(1, min(4, (cpu_count or 1) // 4))
 
 
 TRISTATE = ("auto", "on", "off")

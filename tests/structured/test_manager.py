@@ -231,3 +231,41 @@ def test_length_bounded_strings_reject_control_chars(mgr: StructuredOutputManage
     for text, ok in [('{"s": "a\tb"}', False), ('{"s": "ab"}', True), ('{"s": "abcde"}', False)]:
         m = xgr.GrammarMatcher(compiled)
         assert (m.accept_string(text) and m.is_completed()) == ok, text
+
+
+def test_fill_threads_auto_rule() -> None:
+    from xlaserve.config import fill_threads
+
+    assert [fill_threads(0, n) for n in (None, 1, 2, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    assert fill_threads(3, 2) == 3  # a configured count is kept
+
+
+def test_threaded_batch_fill_equals_one_thread(tok: Tokenizer) -> None:
+    """A step with >= MIN_ROWS_THREADED_FILL rows takes the threaded fill; its masks equal the
+    one-thread fill's, row for row, for matchers at different positions of a grammar."""
+    from xlaserve.structured.manager import MIN_ROWS_THREADED_FILL
+
+    n = MIN_ROWS_THREADED_FILL + 5
+    masks = {}
+    for threads in (1, 3):
+        m = StructuredOutputManager(
+            tok, MODEL_VOCAB, [EOS], config=StructuredOutputConfig(bitmask_fill_threads=threads)
+        )
+        try:
+            assert m.fill_threads == threads
+            grammar = m.prepare(SO(json=SCHEMA))
+            text = '{"name": "Day", "n": 7, "tags": ["a", "b"]}'
+            ids = tok.encode(text, add_special_tokens=False)
+            for i in range(n):
+                m.add_request(f"r{i}", grammar)
+                _ready(m, f"r{i}")
+                terminated, err = m.accept_tokens(f"r{i}", ids[: i % len(ids)])
+                assert err is None
+            masks[threads] = m.fill_bitmasks([f"r{i}" for i in range(n)])
+        finally:
+            m.shutdown()
+    assert len(masks[1]) == n
+    for rid, row in masks[1].items():
+        assert np.array_equal(row, masks[3][rid]), rid
+    # Rows differ across positions (the check compares real masks, not n copies of one).
+    assert len({masks[1][f"r{i}"].tobytes() for i in range(n)}) > 5

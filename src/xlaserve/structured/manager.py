@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from xlaserve.config import StructuredOutputConfig
+from xlaserve.config import StructuredOutputConfig, fill_threads
 from xlaserve.sampling_params import StructuredOutputsParams
 from xlaserve.structured.compile_pool import CompilePool
 from xlaserve.structured.openai_compat import grammar_source_bytes
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 # Compact JSON (no free whitespace between tokens): with free whitespace a model can loop on
 # spaces/newlines forever inside an object; the output is valid JSON either way.
 JSON_ANY_WHITESPACE = False
+# Constrained rows in a step from which the batch fill runs on `fill_threads` threads.
+MIN_ROWS_THREADED_FILL = 32
 
 GrammarKey = tuple[str, str]
 
@@ -223,8 +226,16 @@ class StructuredOutputManager:
         self._inflight: dict[GrammarKey, cf.Future] = {}
         self._waiting: dict[str, GrammarKey] = {}  # req_id -> key still compiling
         self._matchers: dict[str, Any] = {}  # req_id -> GrammarMatcher
-        # StructuredOutputConfig.bitmask_fill_threads (measured: see its comment).
-        self._batch = xgr.BatchGrammarMatcher(max_threads=cfg.bitmask_fill_threads)
+        # StructuredOutputConfig.bitmask_fill_threads (measured: see its comment): the
+        # threaded fill for large steps, one thread for small ones (thread start-up costs more
+        # than it saves there).
+        self.fill_threads = fill_threads(cfg.bitmask_fill_threads, os.cpu_count())
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch_mt = (
+            xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
+            if self.fill_threads > 1
+            else self._batch
+        )
         self._jump_row = np.empty((1, self.num_words), dtype=np.int32)  # forced_tokens' mask
         self.num_compiled = 0
 
@@ -399,7 +410,8 @@ class StructuredOutputManager:
         if len(plain) == 1:
             plain[0].fill_next_token_bitmask(out, rows[0])
         elif plain:
-            self._batch.batch_fill_next_token_bitmask(plain, out, rows)
+            batch = self._batch_mt if len(plain) >= MIN_ROWS_THREADED_FILL else self._batch
+            batch.batch_fill_next_token_bitmask(plain, out, rows)
         return masks
 
     def forced_tokens(
