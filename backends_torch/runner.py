@@ -682,7 +682,8 @@ class TorchModelRunner(RunnerCore):
         assert slot is not None, "more sampling rows than max_num_seqs on a deferred step"
         host, k = slot
         packed = host.view(len(masks), words).numpy()
-        packed.fill(-1)
+        if not all(m is not None and m.shape[-1] >= words for m in masks):
+            packed.fill(-1)  # rows without a mask (or a short one) allow everything
         for r, m in enumerate(masks):
             if m is not None:
                 packed[r] = np.asarray(m, dtype=np.int32).reshape(-1)[:words]

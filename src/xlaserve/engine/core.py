@@ -570,6 +570,15 @@ class EngineCore:
                 out.prompt_logprobs = [(e.token_ids, e.logprobs, e.rank) for e in entries]
         c = self.counters
         by_id: dict[str, Request] = {}
+        mgr = self._structured
+        # Grammars advance for the whole step in one batch call (StructuredOutputManager.accept_step).
+        grammar = (
+            mgr.accept_step(
+                [(r.request_id, t) for r, t in updates if t and r.request_id in self._live]
+            )
+            if mgr is not None and mgr.num_matchers
+            else {}
+        )
         for req, new_tokens in updates:
             rid = req.request_id
             if rid not in self._live:
@@ -584,8 +593,8 @@ class EngineCore:
                 if req.sampling_params.logprobs is not None:
                     entries = ro.logprobs.get(rid, [])[: len(new_tokens)]
                     out.logprobs = [(e.token_ids, e.logprobs, e.rank) for e in entries]
-                if self._structured is not None:
-                    self._advance_grammar(req, new_tokens)
+                if rid in grammar:
+                    self._grammar_result(req, new_tokens, *grammar[rid])
                     if self._jump_forward and not req.is_finished:
                         forced = self._jump(req)
                         out.new_token_ids.extend(forced)
@@ -673,8 +682,11 @@ class EngineCore:
         masks = mgr.fill_bitmasks(rids) if mgr is not None else {}
         self.runner.apply_bitmasks(handle, masks)
 
-    def _advance_grammar(self, req: Request, new_tokens: list[int]) -> None:
-        terminated, error = self._structured.accept_tokens(req.request_id, new_tokens)
+    def _grammar_result(
+        self, req: Request, new_tokens: list[int], terminated: bool, error: str | None
+    ) -> None:
+        """A request's grammar after this step's tokens (accept_step): an error finishes it
+        with that error, the grammar's end with its stop token."""
         if req.is_finished:
             return
         if error is not None:

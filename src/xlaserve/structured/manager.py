@@ -393,7 +393,12 @@ class StructuredOutputManager:
         live = [(rid, drafts.get(rid) or []) for rid in req_ids if rid in self._matchers]
         if not live:
             return {}
-        out = np.full((sum(1 + len(d) for _, d in live), self.num_words), -1, dtype=np.int32)
+        shape = (sum(1 + len(d) for _, d in live), self.num_words)
+        # Every row is written in full by a fill, except rows past a rejected draft, which must
+        # allow everything: -1 first only when there are drafts (a 256-row step's 4 MB memset
+        # otherwise sits on the step's critical path).
+        has_drafts = shape[0] > len(live)
+        out = np.full(shape, -1, dtype=np.int32) if has_drafts else np.empty(shape, np.int32)
         masks: dict[str, np.ndarray] = {}
         plain: list[Any] = []  # matchers whose single row the batch call fills
         rows: list[int] = []
@@ -451,6 +456,39 @@ class StructuredOutputManager:
             if m.is_terminated():
                 break
         return out
+
+    def accept_step(
+        self, updates: list[tuple[str, list[int]]]
+    ) -> dict[str, tuple[bool, str | None]]:
+        """`accept_tokens` for a step's requests that have a matcher: req_id -> (terminated,
+        error). Requests with one new token (every decode step without drafts) go through
+        ONE xgrammar batch call; others one by one."""
+        res: dict[str, tuple[bool, str | None]] = {}
+        singles: list[tuple[str, Any, int]] = []
+        for rid, tokens in updates:
+            m = self._matchers.get(rid)
+            if m is None or not tokens:
+                continue
+            if len(tokens) == 1:
+                singles.append((rid, m, tokens[0]))
+            else:
+                res[rid] = self.accept_tokens(rid, tokens)
+        if len(singles) > 1:
+            import xgrammar as xgr
+
+            ok = xgr.BatchGrammarMatcher.batch_accept_token(
+                [m for _, m, _ in singles], [t for _, _, t in singles]
+            )
+        else:
+            ok = [m.accept_token(t) for _, m, t in singles]
+        for (rid, m, t), accepted in zip(singles, ok, strict=True):
+            if m.is_terminated():  # after its end token, or a token past the end (ignored)
+                res[rid] = (True, None)
+            elif not accepted:
+                res[rid] = (False, f"token {t} violates the structured output grammar")
+            else:
+                res[rid] = (False, None)
+        return res
 
     def accept_tokens(self, req_id: str, tokens: list[int]) -> tuple[bool, str | None]:
         """Advance the matcher with the tokens the request got. Returns (terminated, error);
