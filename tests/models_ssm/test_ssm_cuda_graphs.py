@@ -180,6 +180,29 @@ def test_state_model_step_needs_state(ssm_model_dir) -> None:  # noqa: ANN001
         step.forward([([1], 0, [0])])
 
 
+def test_scratch_slot_is_paid_out_of_the_cache_budget(ssm_model_dir) -> None:  # noqa: ANN001
+    """A budget of exactly 3 state slots: one goes to the scratch slot, 2 to requests; the
+    state tensors hold 3 rows (memory.py's byte count walks nested caches too)."""
+    from xlaserve.backends_torch.memory import _nbytes
+    from xlaserve.model_loader.ssm import cache_layout
+
+    path = ssm_model_dir("mamba2")
+    probe = LLM(path, backend="torch", dtype="float32", block_size=4, max_model_len=64)
+    runner = probe.llm_engine.core.runner
+    per_slot = cache_layout(runner.spec, 4, 4).bytes_per_slot
+    assert _nbytes(runner.kv_caches) == (runner.num_state_slots() + 1) * per_slot
+    llm = LLM(
+        path, backend="torch", dtype="float32", block_size=4, max_model_len=64,
+        max_num_seqs=8, cpu_kv_cache_bytes=3 * per_slot,
+    )  # fmt: skip
+    runner = llm.llm_engine.core.runner
+    assert runner.num_state_slots() == 2 and runner.state_scratch_slot() == 2
+    assert llm.llm_engine.core.kv_manager.num_state_slots == 2
+    assert all(t.shape[0] == 3 for t in _state_tensors(runner.kv_caches))
+    assert _nbytes(runner.kv_caches) == 3 * per_slot
+    assert _generate(llm) == _generate(probe)  # 5 requests through 2 slots: same tokens
+
+
 GPU_ARCHS = [
     "mamba", "mamba2", "bamba", "granitemoehybrid", "jamba", "qwen3_next", "lfm2", "lfm2_moe",
     "falcon_h1", "nemotron_h",
@@ -215,3 +238,21 @@ def test_cuda_graphs_match_enforce_eager(name: str, ssm_model_dir) -> None:  # n
         torch.cuda.empty_cache()
     assert [len(t) for t in got[False]] == [3 + 2 * i for i in range(7)]
     assert got[False] == got[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["bamba", "falcon_h1"])
+def test_cuda_graphs_with_profiled_cache(name: str, ssm_model_dir) -> None:  # noqa: ANN001
+    """No num_kv_blocks: the cache budget comes from profiling the GPU (Falcon-H1's nested
+    caches counted), the scratch slot is paid out of it, and decode steps replay graphs."""
+    llm = LLM(
+        ssm_model_dir(name), backend="torch", dtype="float32", block_size=16, max_model_len=128,
+        max_num_seqs=8, gpu_memory_utilization=0.2,
+    )  # fmt: skip
+    runner = llm.llm_engine.core.runner
+    assert runner.num_state_slots() == 8 and runner.state_scratch_slot() == 8
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == MAX_TOKENS
+    assert runner.cuda_step.num_replays > 0
+    llm.llm_engine.shutdown()
+    torch.cuda.empty_cache()
