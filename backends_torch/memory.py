@@ -81,6 +81,13 @@ def kv_bytes_per_block(runner: TorchModelRunner) -> int:
     return runner.block_size * per_token + extra
 
 
+def _nbytes(caches: torch.Tensor | tuple | list) -> int:
+    """Bytes of a (nested: Falcon-H1's ((K, V), (conv, ssm)) layers) cache structure."""
+    if isinstance(caches, torch.Tensor):
+        return caches.numel() * caches.element_size()
+    return sum(_nbytes(c) for c in caches)
+
+
 def profile_cuda_blocks(runner: TorchModelRunner, per_block: int) -> int:
     """Blocks that fit in total * gpu_memory_utilization after weights and a peak forward."""
     torch.cuda.synchronize()
@@ -93,9 +100,7 @@ def profile_cuda_blocks(runner: TorchModelRunner, per_block: int) -> int:
     caches = runner._alloc_caches(nblk)
     runner._dummy_forward(tokens, caches)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - sum(
-        t.numel() * t.element_size() for layer in caches for t in layer
-    )
+    peak = torch.cuda.max_memory_allocated() - _nbytes(caches)
     del caches
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()

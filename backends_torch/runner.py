@@ -319,9 +319,9 @@ class TorchModelRunner(RunnerCore):
         from xlaserve.backends_torch.kv_offload import make_torch_kv_offload
 
         self.kv_offload = make_torch_kv_offload(self)
-        if self.device.type == "cuda" and self.state_model:
-            logger.info("CUDA graphs are off for recurrent-state models: decode runs eagerly")
-        elif self.device.type == "cuda" and self.attn_backend.cuda_graphs:
+        # Decode CUDA graphs, recurrent-state models included (their padding rows use the
+        # scratch state slot, state_scratch_slot).
+        if self.device.type == "cuda" and self.attn_backend.cuda_graphs:
             from xlaserve.backends_torch.cuda_graphs import make_cuda_step_runner
 
             self.cuda_step = make_cuda_step_runner(self)
@@ -330,6 +330,11 @@ class TorchModelRunner(RunnerCore):
     def num_state_slots(self) -> int:
         """State slots allocated beside the KV blocks (0: attention-only model; runner.py)."""
         return self._num_state_slots
+
+    def state_scratch_slot(self) -> int:
+        """The spare state slot after the requests' (state.alloc_caches): decode-graph padding
+        rows and warm-up steps use it; the cache manager never hands it out."""
+        return max(self._num_state_slots, 1)
 
     def _warm_fused_greedy(self) -> None:
         """Compile the fused greedy kernel's variants at start-up, not in the first steps: the
@@ -456,7 +461,12 @@ class TorchModelRunner(RunnerCore):
                 np.repeat([st.lora_slot for st in states], plan.counts).astype(np.int32)
             )
         if self.cuda_step is not None:  # one H2D upload; decode steps replay a CUDA graph
-            hidden, qsl, seq_lens = self.cuda_step.forward(chunks, feed)
+            step_state = None
+            if self.state_model:  # the requests' state slots (state.py)
+                from xlaserve.backends_torch.state import step_state as make_step_state
+
+                step_state = make_step_state(states, starts)
+            hidden, qsl, seq_lens = self.cuda_step.forward(chunks, feed, step_state)
         else:
             input_ids, pos_t, md = self._build_inputs(chunks)
             if self.state_model:  # the requests' state slots (state.py)

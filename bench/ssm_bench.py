@@ -7,6 +7,9 @@ merges their JSON into ``--output-json`` after each row):
   output tokens, EOS ignored; decode rate = 255 / (t(256 tokens) - t(1 token)), median of
   ``--repeats``) against the memory roofline, and ``offline`` (``--num-prompts`` random prompts
   of ``--input-len`` tokens, ``--output-len`` output tokens each: output tokens / wall time);
+- ``xlaserve-torch-eager`` (opt-in, ``--systems``): the torch row with ``enforce_eager=True``
+  (decode CUDA graphs off), beside ``xlaserve-torch`` to measure what the graphs bring; torch
+  rows record ``cuda_graph_replays`` (decode steps served by a graph);
 - ``transformers``: the same model built from the same config (random bf16 weights) on the same
   device: batch-1 decode rate, and offline as ``generate`` over batches of ``--hf-batch`` equal-
   length prompts (``--hf-prompts`` of them; the rate is comparable per output token).
@@ -17,6 +20,9 @@ recurrent state (float32) read and written: ``roofline tok/s = bandwidth / bytes
 
 Run on the GPU (the lead):
     python -m xlaserve.bench.ssm_bench --output-json ssm.json
+Decode CUDA graphs against eager, side by side:
+    python -m xlaserve.bench.ssm_bench --systems xlaserve-torch,xlaserve-torch-eager \
+        --output-json ssm_graphs.json
 CPU smoke test (tiny shapes):
     python -m xlaserve.bench.ssm_bench --tiny --num-prompts 4 --input-len 8 --output-len 8 \
         --hf-prompts 2 --batch1-output 8 --repeats 1 --in-process --output-json ssm.json
@@ -228,13 +234,15 @@ def roofline(path: str, bandwidth_gbs: float) -> dict[str, float]:
     }
 
 
-def run_xlaserve(path: str, backend: str, a: argparse.Namespace) -> dict[str, Any]:
+def run_xlaserve(
+    path: str, backend: str, a: argparse.Namespace, enforce_eager: bool = False
+) -> dict[str, Any]:
     from xlaserve import LLM, SamplingParams
 
     dev_cpu = not _cuda()
     llm = LLM(
         path, backend=backend, load_format="dummy", dtype="float32" if dev_cpu else "bfloat16",
-        max_model_len=a.input_len + a.output_len + 256,
+        max_model_len=a.input_len + a.output_len + 256, enforce_eager=enforce_eager,
     )  # fmt: skip
     vocab = llm.llm_engine.core.spec.vocab_size
     one = _prompts(1, 128 if not a.tiny else 8, vocab, seed=1)
@@ -253,11 +261,15 @@ def run_xlaserve(path: str, backend: str, a: argparse.Namespace) -> dict[str, An
     prompts = _prompts(a.num_prompts, a.input_len, vocab)
     gen(prompts[: min(8, len(prompts))], 2)
     wall = gen(prompts, a.output_len)
-    return {
+    row = {
         "batch1_decode_tokens_per_s": statistics.median(rates),
         "offline_output_tokens_per_s": a.num_prompts * a.output_len / wall,
         "offline_wall_s": wall,
     }
+    step = getattr(llm.llm_engine.core.runner, "cuda_step", None)
+    if backend == "torch":
+        row["cuda_graph_replays"] = step.num_replays if step is not None else 0
+    return row
 
 
 def run_transformers(path: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -309,6 +321,8 @@ def _cuda() -> bool:
 def run_row(shape: str, system: str, path: str, a: argparse.Namespace) -> dict[str, Any]:
     if system == "transformers":
         return run_transformers(path, a)
+    if system == "xlaserve-torch-eager":
+        return run_xlaserve(path, "torch", a, enforce_eager=True)
     return run_xlaserve(path, system.removeprefix("xlaserve-"), a)
 
 

@@ -52,9 +52,12 @@ class SimpleRMSNorm(nn.Module):
 
 def _step_state(md: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's state slots [B] int64 and keep flags [B] float32 (0 = fresh request), built
-    once per step and shared by every layer (md.derived)."""
+    once per step and shared by every layer (md.derived). A decode CUDA graph sets them itself,
+    from its static buffers (cuda_graphs.py): host lists cannot be read inside a capture."""
     got = md.derived.get("state_tensors")
     if got is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("state slots must come as md.derived['state_tensors'] in a graph")
         slots = torch.tensor(md.derived["state_slots"], dtype=torch.long)
         keep = torch.tensor([0.0 if f else 1.0 for f in md.derived["state_fresh"]])
         got = md.derived["state_tensors"] = (slots.to(device), keep.to(device))

@@ -43,3 +43,16 @@ def test_ssm_bench_tiny_qwen3_next(tmp_path: Path) -> None:
         row = entry[system]
         assert "error" not in row, row
         assert row["batch1_decode_tokens_per_s"] > 0 and row["offline_output_tokens_per_s"] > 0
+
+
+def test_ssm_bench_tiny_eager_row(tmp_path: Path) -> None:
+    """The opt-in enforce_eager torch row beside the default one (graphs vs eager on the GPU):
+    both land with rates; on the CPU neither has graph replays."""
+    out = tmp_path / "ssm.json"
+    ssm_bench.main([*TINY, "--shapes", "mamba2", "--systems", "xlaserve-torch,xlaserve-torch-eager",
+                    "--output-json", str(out)])  # fmt: skip
+    entry = json.loads(out.read_text())["mamba2"]
+    for system in ("xlaserve-torch", "xlaserve-torch-eager"):
+        row = entry[system]
+        assert "error" not in row, row
+        assert row["batch1_decode_tokens_per_s"] > 0 and row["cuda_graph_replays"] == 0
