@@ -253,11 +253,15 @@ def run_xlaserve(
         llm.generate([{"prompt_token_ids": x} for x in prompts], p, use_tqdm=False)
         return time.perf_counter() - t0
 
+    t_ready = time.perf_counter()
     gen(one, 4)  # warm-up (compiles, Triton caches)
     rates = []
     for _ in range(a.repeats):
         t1, tn = gen(one, 1), gen(one, a.batch1_output)
         rates.append((a.batch1_output - 1) / max(tn - t1, 1e-9))
+    # Progress on stderr: a row cut by --timeout-s still reports how far it got.
+    print(f"batch1 decode {statistics.median(rates):.1f} tok/s "
+          f"({time.perf_counter() - t_ready:.1f} s after start-up)", file=sys.stderr, flush=True)  # fmt: skip
     prompts = _prompts(a.num_prompts, a.input_len, vocab)
     gen(prompts[: min(8, len(prompts))], 2)
     wall = gen(prompts, a.output_len)
@@ -372,7 +376,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 dec = row["batch1_decode_tokens_per_s"]
                 row["batch1_ratio_to_roofline"] = dec / entry["roofline"]["roofline_tokens_per_s"]
             except Exception as e:  # noqa: BLE001 - a failed row is recorded, the others run
-                row = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+                err = getattr(e, "stderr", None) or ""  # a timed-out row's progress so far
+                if isinstance(err, bytes):
+                    err = err.decode(errors="replace")
+                row = {"error": f"{type(e).__name__}: {e}"[-2000:], "stderr_tail": err[-1500:]}
             entry[system] = row
             with open(a.output_json, "w") as f:
                 json.dump(results, f, indent=2)
