@@ -133,6 +133,13 @@ def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa:
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), eng.num_overlapped_steps - ov
 
 
+def _stats_rows(text: str) -> list[str]:
+    """pstats' table rows (after its 'ncalls' header line), blank lines dropped."""
+    lines = text.splitlines()
+    head = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), -1)
+    return [ln for ln in lines[head + 1 :] if ln.strip()]
+
+
 def profile_row(llm: Any, prompts: list, sps: dict[str, Any], top: int) -> dict[str, Any]:  # noqa: ANN401
     """Per mode: the median wall time of one engine step over a whole generate (decode steps
     dominate) and cProfile's top functions by own time (host work; GPU work is asynchronous,
@@ -167,7 +174,7 @@ def profile_row(llm: Any, prompts: list, sps: dict[str, Any], top: int) -> dict[
         out[name] = {
             "steps": len(times),
             "step_ms_median": 1e3 * statistics.median(times) if times else None,
-            "top": buf.getvalue().splitlines()[-top - 2 :],
+            "top": _stats_rows(buf.getvalue()),
         }
     return out
 
