@@ -133,7 +133,9 @@ def test_structured_bitmask_and_penalties(llama) -> None:  # noqa: ANN001
 def test_no_recompilation_while_serving(llama) -> None:  # noqa: ANN001
     _, runner, init_lowerings = llama
     assert init_lowerings > 0  # the listener does see compilations (those of the warm-up)
+    runner.join_sample_variants()  # compiles started by earlier tests' steps are not ours
     programs, lazy = set(runner.programs), len(runner.lazy_compiles)
+    background = len(runner.background_compiles)
     before = dict(_events)
     v = runner.vocab
     params = [
@@ -153,14 +155,21 @@ def test_no_recompilation_while_serving(llama) -> None:  # noqa: ANN001
         drive(runner, _prompts(v, lens, seed=len(lens)), params[: len(lens)], 5, BUDGET, stagger=stagger,
               bitmasks={0: np.full(-(-v // 32), -1, np.int32)})  # fmt: skip
     # The only programs allowed to appear while serving are the lazy prompt-logprobs ones (one
-    # per token bucket, at most once each), and each lowering is one of them.
+    # per token bucket, at most once each) and the sampler specializations, which compile on a
+    # background thread while the general sampler serves (runner._sample_program); each
+    # lowering is one of them.
+    runner.join_sample_variants()
+    new_variants = runner.background_compiles[background:]
     new = runner.lazy_compiles[lazy:]
     assert set(runner.programs) - programs == set(new)
+    assert len(set(new_variants)) == len(new_variants)  # each specialization compiled once
     assert all(kind == "prompt_logprobs" for kind, _ in runner.lazy_compiles)
     assert len(runner.lazy_compiles) == len(set(runner.lazy_compiles)) <= len(runner.token_buckets)
     lowered = _events.get(LOWERING_EVENT, 0) - before.get(LOWERING_EVENT, 0)
     compiled = _events.get(BACKEND_COMPILE_EVENT, 0) - before.get(BACKEND_COMPILE_EVENT, 0)
-    assert lowered == len(new) and compiled <= len(new), "a program was compiled while serving"
+    n = len(new) + len(new_variants)
+    assert all(kind.startswith("sample.") for kind, _ in new_variants)
+    assert lowered == n and compiled <= n, "a program was compiled while serving"
 
 
 def test_nan_logits_fail_only_that_step(llama) -> None:  # noqa: ANN001
