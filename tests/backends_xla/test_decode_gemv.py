@@ -116,3 +116,25 @@ def test_the_switch_is_a_kernel_config_field_env_var_and_cli_flag() -> None:
     with pytest.raises(ValueError, match="xla_decode_gemv"):
         KernelConfig(xla_decode_gemv="always")
     assert "--xla-decode-gemv" in CliRunner().invoke(main, ["serve", "--help"]).output
+
+
+def test_orbax_restore_carries_the_policy_too(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    pytest.importorskip("orbax.checkpoint")
+    from xlaserve.backends_xla.orbax_io import convert_to_orbax
+    from xlaserve.backends_xla.utils import make_mesh
+    from xlaserve.config import KernelConfig
+    from xlaserve.model_loader.registry import build_spec
+    from xlaserve.models_flax.loader import load_model
+
+    out = str(tmp_path / "orbax")
+    convert_to_orbax(tiny_model_dir("llama"), out)
+    got = {}
+    for mode in ("off", "on"):
+        graphdef, state = load_model(
+            build_spec(out), jnp.float32, make_mesh(1), kernels=KernelConfig(xla_decode_gemv=mode)
+        )
+        model = nnx.merge(graphdef, state)
+        got[mode] = {m.decode_gemv for _, m in nnx.iter_graph(model) if type(m) is Linear}
+        got[mode + "_leaves"] = len(jax.tree.leaves(state))
+    assert got["off"] == {"off"} and got["on"] == {"all"}
+    assert got["on_leaves"] == got["off_leaves"]  # the same weights, only the static policy
