@@ -138,3 +138,22 @@ def test_orbax_restore_carries_the_policy_too(tiny_model_dir, tmp_path) -> None:
         got[mode + "_leaves"] = len(jax.tree.leaves(state))
     assert got["off"] == {"off"} and got["on"] == {"all"}
     assert got["on_leaves"] == got["off_leaves"]  # the same weights, only the static policy
+
+
+def test_quantized_linears_keep_their_matmul(tiny_model_dir, jax_cache_dir: str) -> None:  # noqa: ANN001
+    from xlaserve.models_flax.layers import QuantLinear
+
+    runner = make_runner(
+        tiny_model_dir("llama"), jax_cache_dir, load=False, quantization="int8",
+        xla_decode_gemv="on",
+    )  # fmt: skip
+    try:
+        runner.load_model()
+        model = nnx.merge(runner.graphdef, runner.state)
+        mods = [m for _, m in nnx.iter_graph(model)]
+        quant = [m for m in mods if isinstance(m, QuantLinear)]
+        floats = [m for m in mods if type(m) is Linear]
+        assert quant and not any(hasattr(m, "decode_gemv") for m in quant)
+        assert floats and {m.decode_gemv for m in floats} == {"all"}  # lm_head (not quantized)
+    finally:
+        runner.shutdown()
