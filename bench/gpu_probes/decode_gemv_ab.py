@@ -15,7 +15,8 @@ share one):
     python -m xlaserve.bench.gpu_probes.decode_gemv_ab --out-dir gemv_ab
 
 Expected on an H200: ~2.5 min (sweep ~40 s, each step run ~50 s: start-up compiles four token
-buckets); the part timeouts (--timeouts, default 60,90,90 s) cap it at 4 min. CPU smoke test
+buckets); the part timeouts (--timeouts, default 75,85,85 s) cap it at ~4 min (a sweep cut short
+keeps the shapes it finished). CPU smoke test
 (tiny shapes, float32, the GEMV under Pallas' interpreter):
 `python -m xlaserve.bench.gpu_probes.decode_gemv_ab --out-dir /tmp/ab --tiny --shapes tiny`.
 """
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="off,on", help="xla_decode_gemv values of the step A/B")
     p.add_argument("--num-layers", type=int, default=32)
     p.add_argument("--tiny", action="store_true", help="tiny model shape (CPU smoke test)")
-    p.add_argument("--timeouts", default="60,90,90", help="sweep, then each step run, seconds")
+    p.add_argument("--timeouts", default="75,85,85", help="sweep, then each step run, seconds")
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
     limits = [float(t) for t in a.timeouts.split(",")]
