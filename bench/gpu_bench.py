@@ -437,6 +437,12 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     # The XLA backend as a user runs it: the xlaserve stage's arguments, compiled buckets, no
     # bucket or eager override (issue 33's side-by-side figure; --stages xlaserve,xla_user).
     "xla_user": ({"backend": "xla", "max_model_len": 2048}, "batch1+offline"),
+    # xla_user with the Pallas decode GEMV in the Flax linears forced on (issue 33; xla_user
+    # itself runs KernelConfig.xla_decode_gemv's default, or XLASERVE_XLA_DECODE_GEMV if set).
+    "xla_user_gemv": (
+        {"backend": "xla", "max_model_len": 2048, "xla_decode_gemv": "on"},
+        "batch1+offline",
+    ),
     "sync": ({"async_scheduling": "off"}, "offline"),
     "async": ({"async_scheduling": "on"}, "offline"),
     "sync_b1": ({"async_scheduling": "off"}, "batch1"),
@@ -520,7 +526,7 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
     kw = _llm_kwargs(args)
     kw.update(extra)
     # The old batched-XLA stages: a modest bucket set, eager, 256 prompts (xla_user: as a user).
-    small_xla = kw.get("backend") == "xla" and args.variant != "xla_user"
+    small_xla = kw.get("backend") == "xla" and not args.variant.startswith("xla_user")
     if small_xla:
         kw.update(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
         kw.update(enforce_eager=True)

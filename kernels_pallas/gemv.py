@@ -29,7 +29,10 @@ from jax.experimental import pallas as pl
 
 from xlaserve.kernels_pallas import compat
 
-MAX_M = 16  # decode buckets only: larger M is a GEMM and XLA's own is right there
+# The largest token bucket (M) a projection takes the GEMV at: the smallest decode bucket
+# (KernelConfig.xla_min_token_bucket's default, batch 1..16). Above it the matmul is a GEMM and
+# XLA's own is right there.
+MAX_M = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,29 +47,50 @@ class GemvConfig:
 
 
 # (N, K) -> config, from `python -m xlaserve.bench.gpu_probes.pallas_gemv` on the H200 (M = 16,
-# bf16; bench/RESULTS.md): the 8B qkv and o projections. Split-K did not win there.
+# bf16; bench/RESULTS.md). Measured: the 8B qkv (torch's fused layout) and o projections, where
+# split-K did not win. NOT measured yet (picked from those two; bench/gpu_probes/decode_gemv_ab.py
+# sweeps them): the Flax model's separate q (= o's shape), k / v, gate / up, down and lm_head.
+# The rule used: 32-column tiles, BK 256, 4 warps; split-K only where N / 32 gives too few
+# programs to fill the GPU's 132 SMs (k / v: 32 programs -> split 4 = 128, o's measured count).
 TUNED: dict[tuple[int, int], GemvConfig] = {
     (6144, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3),
     (4096, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=5),
+    # --- picked, not measured (issue 33): Llama-3.1-8B as models_flax keeps it ---
+    (1024, 4096): GemvConfig(block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=3),
+    (14336, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    (4096, 14336): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=5),
+    (128256, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3),
 }
 
 
+def _pow2_tile(dim: int, largest: int) -> int:
+    """The largest power of two in [16, largest] dividing `dim` (0: none, the GEMV cannot tile it)."""
+    t = largest
+    while t >= 16:
+        if dim % t == 0:
+            return t
+        t //= 2
+    return 0
+
+
 def default_config(n: int, k: int) -> GemvConfig:
-    """The tuned config of (n, k), else narrow column tiles (many programs) without split-K."""
+    """The tuned config of (n, k), else narrow column tiles (many programs), the widest K tile
+    <= 256 that divides k, no split-K (a tile of 0 means the shape is not covered)."""
     if (n, k) in TUNED:
         return TUNED[(n, k)]
-    return GemvConfig(block_n=32 if n % 64 else 64, block_k=256, split_k=1)
+    return GemvConfig(block_n=_pow2_tile(n, 64), block_k=_pow2_tile(k, 256), split_k=1)
 
 
 def gemv_supported(m: int, n: int, k: int, cfg: GemvConfig) -> bool:
     """The tiles divide the shape (no masks in the kernel) and M is a decode bucket."""
+    if not all(v >= 16 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k)):
+        return False
     per_split = k // cfg.split_k
     return (
         m <= MAX_M
         and n % cfg.block_n == 0
         and k % cfg.split_k == 0
         and per_split % cfg.block_k == 0
-        and all(v >= 16 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k))
     )
 
 
@@ -124,3 +148,54 @@ def gemv_ref(x: jax.Array, w: jax.Array) -> jax.Array:
     """The plain reference: float32 accumulation, x's dtype out."""
     y = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
+
+
+# ---- the decode-GEMV policy of the Flax linears (KernelConfig.xla_decode_gemv) -----------------
+
+# What "auto" means on a GPU: True = the GEMV for the shapes TUNED has (the rest keep XLA's dot),
+# False = XLA's dot everywhere. False until the step-level A/B on the H200
+# (bench/gpu_probes/decode_gemv_ab.py) shows the GEMV faster: flipping "auto" is this one line.
+AUTO_ON_GPU = False
+
+# Float dtypes the GEMV serves (quantized linears are QuantLinear, never here). float32 only
+# under the interpreter (CPU tests of the wiring; the demo model is float32): Triton's float32
+# dot would use TF32 on the GPU, which XLA's float32 dot does not.
+_GEMV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def resolve_decode_gemv(mode: str, platform: str, tp_size: int = 1) -> str:
+    """KernelConfig.xla_decode_gemv -> the policy the Linear layers carry (static):
+    "off" = XLA's dot; "tuned" = the GEMV for shapes in TUNED; "all" = every shape it tiles.
+
+    mode "on" -> "all" on GPU (Triton lowering) and CPU (Pallas' interpreter: tests);
+    "auto" -> "tuned" on GPU when AUTO_ON_GPU, else "off". Always "off" on TPU (the kernel has
+    a Triton lowering only; Mosaic is not verified for it) and under tensor parallelism
+    (`tp_size` > 1: a pallas_call is not partitioned by GSPMD, as for QuantLinear's kernels).
+    `platform` is `jax.default_backend()` ("gpu", "cpu", "tpu")."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"xla_decode_gemv must be 'auto', 'on' or 'off', got {mode!r}")
+    if mode == "off" or tp_size > 1 or platform not in ("gpu", "cpu"):
+        return "off"
+    if mode == "on":
+        return "all"
+    return "tuned" if platform == "gpu" and AUTO_ON_GPU else "off"
+
+
+def decode_gemv_config(
+    policy: str, m: int, n: int, k: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype
+) -> GemvConfig | None:
+    """The config a Linear of weight [n, k] runs x [m, k] with under `policy`
+    (`resolve_decode_gemv`), or None for XLA's dot: policy "off", M above MAX_M (prefill and
+    larger decode buckets), a dtype other than bf16 / f16 (float32 too under the interpreter),
+    x and w of different dtypes, a shape outside TUNED under "tuned", or tiles that do not fit."""
+    if policy == "off" or m > MAX_M or jnp.dtype(x_dtype) != jnp.dtype(w_dtype):
+        return None
+    interpreted = jax.default_backend() != "gpu"
+    if jnp.dtype(x_dtype) not in _GEMV_DTYPES and not (
+        interpreted and jnp.dtype(x_dtype) == jnp.dtype(jnp.float32)
+    ):
+        return None
+    if policy == "tuned" and (n, k) not in TUNED:
+        return None
+    cfg = default_config(n, k)
+    return cfg if gemv_supported(m, n, k, cfg) else None

@@ -49,7 +49,13 @@ class Embed(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x W^T (+ b), W [out, in]. tp: "col" splits out, "row" splits in, None replicates."""
+    """y = x W^T (+ b), W [out, in]. tp: "col" splits out, "row" splits in, None replicates.
+
+    `decode_gemv` (static; `set_decode_gemv`, from KernelConfig.xla_decode_gemv): "off" = XLA's
+    dot; "tuned" / "all" = the Pallas decode GEMV (kernels_pallas/gemv.py) for the base weight
+    when the token count T is a decode bucket (<= gemv.MAX_M) and the shape / dtype qualify
+    (`gemv.decode_gemv_config`), XLA's dot otherwise. Decided at trace time: each compiled
+    bucket holds one or the other."""
 
     def __init__(
         self, d_in: int, d_out: int, dtype: jnp.dtype, bias: bool = False, tp: str | None = None
@@ -58,10 +64,35 @@ class Linear(nnx.Module):
             raise ValueError(f"tp must be None, 'col' or 'row', got {tp!r}")
         self.weight = _param((d_out, d_in), dtype, {"col": 0, "row": 1}.get(tp))
         self.bias = _param((d_out,), dtype, 0 if tp == "col" else None) if bias else None
+        self.decode_gemv = "off"
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
-        y = jnp.einsum("ti,oi->to", x, self.weight[...])
+        w = self.weight[...]
+        y = None
+        if self.decode_gemv != "off" and x.ndim == 2:
+            from xlaserve.kernels_pallas import gemv as g
+
+            (m, k), n = x.shape, w.shape[0]
+            cfg = g.decode_gemv_config(self.decode_gemv, m, n, k, x.dtype, w.dtype)
+            if cfg is not None:
+                y = g.gemv(x, w, cfg)
+        if y is None:
+            y = jnp.einsum("ti,oi->to", x, w)
         return y if self.bias is None else y + self.bias[...]
+
+
+def set_decode_gemv(model: nnx.Module, policy: str) -> int:
+    """Set every float `Linear` of `model` (in place) to decode-GEMV `policy` ("off" | "tuned" |
+    "all": `kernels_pallas.gemv.resolve_decode_gemv`). QuantLinears keep their own matmuls.
+    Returns how many layers were set."""
+    if policy not in ("off", "tuned", "all"):
+        raise ValueError(f"decode GEMV policy must be 'off', 'tuned' or 'all', got {policy!r}")
+    count = 0
+    for _, mod in nnx.iter_graph(model):
+        if type(mod) is Linear:
+            mod.decode_gemv = policy
+            count += 1
+    return count
 
 
 # ---- multi-LoRA (xlaserve/lora) --------------------------------------------------------------

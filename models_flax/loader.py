@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from xlaserve.config import KernelConfig, kernel_switch
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax import get_model_class
-from xlaserve.models_flax.layers import fp8_supported, quantize_linears
+from xlaserve.models_flax.layers import fp8_supported, quantize_linears, set_decode_gemv
 from xlaserve.models_flax.moe import FusedMoE, check_expert_parallel, enable_expert_parallel
 from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
 from xlaserve.quantization.scheme import check_fp8_support
@@ -185,7 +185,9 @@ def load_model(
     `expert_parallel`: MoE experts split on E over "model" (models_flax/moe.py); ValueError when
     the mesh size does not divide num_experts.
 
-    `kernels`: the MoE layers' grouped matmul (KernelConfig.gmm_impl; None = default + env).
+    `kernels`: the MoE layers' grouped matmul (KernelConfig.gmm_impl; None = default + env) and
+    the float linears' decode GEMV (KernelConfig.xla_decode_gemv, resolved for this platform and
+    the mesh's tensor parallelism by `kernels_pallas.gemv.resolve_decode_gemv`).
 
     `quant` (see `xla_quant_scheme`): its eligible linears are `QuantLinear`s, filled from a
     pre-quantized checkpoint or quantized here from the float one. Raises ValueError for a
@@ -193,6 +195,13 @@ def load_model(
     weight-name map fails loudly instead of serving zeros).
     """
     check_tensor_parallel(spec, mesh.shape["model"])
+    from xlaserve.kernels_pallas.gemv import resolve_decode_gemv
+
+    gemv_policy = resolve_decode_gemv(
+        kernel_switch("xla_decode_gemv", kernels), jax.default_backend(), mesh.shape["model"]
+    )
+    if gemv_policy != "off":
+        logger.info("decode GEMV (Pallas) for the float linears: policy %r", gemv_policy)
     if expert_parallel:
         check_expert_parallel(spec, mesh.shape["model"])
     from xlaserve.model_loader.resolve import is_orbax_dir
@@ -213,7 +222,12 @@ def load_model(
         # `xlaserve convert --to orbax` output: restored straight into the mesh's shardings.
         from xlaserve.models_flax.orbax_io import restore_state
 
-        return restore_state(spec, dtype, mesh)
+        graphdef, state = restore_state(spec, dtype, mesh)
+        if gemv_policy == "off":
+            return graphdef, state
+        model = nnx.merge(graphdef, state)  # references the restored arrays, copies nothing
+        set_decode_gemv(model, gemv_policy)
+        return nnx.split(model)
     cls = get_model_class(spec.family)
     qlayers: dict[str, tuple[int, int]] = {}
     # Pallas calls are not partitioned by GSPMD: under tensor parallelism the XLA path runs.
@@ -227,6 +241,7 @@ def load_model(
                 m.impl = gmm_impl
         if expert_parallel:
             enable_expert_parallel(model, mesh)
+        set_decode_gemv(model, gemv_policy)  # before quantization: QuantLinears replace some
         if quant is not None:
             qlayers.update(quantize_linears(model, quant, impl))
         return model

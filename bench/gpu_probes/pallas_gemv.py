@@ -3,24 +3,51 @@ Llama-3.1-8B projection shapes (M = 16, bf16): checks each config against the re
 it with weights rotated over several copies (so L2 does not serve them), and prints one JSON line
 per shape with XLA's time, the best config and its time.
 
-    python -m xlaserve.bench.gpu_probes.pallas_gemv --out gemv.json
+    python -m xlaserve.bench.gpu_probes.pallas_gemv --out gemv.json              # full grid
+    python -m xlaserve.bench.gpu_probes.pallas_gemv --capped --shapes gate,down  # <= 6 each
+
+The full grid compiles up to 96 configs per shape (~100 s a shape on the H200); `--capped` times
+the hand-picked CAPPED list (TUNED's entry first, then its neighbours: <= 6 configs a shape).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import itertools
 import json
 import time
+from typing import Any
 
+# name -> (N, K). "qkv" / "gate_up" are torch's fused layouts; the Flax model keeps q, k, v and
+# gate, up separate: "q" = "o" (4096 x 4096), "kv" (k and v), "gate" (gate and up), "down".
 SHAPES = {
     "tiny": (64, 512),
     "qkv": (6144, 4096),
     "o": (4096, 4096),
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
+    "gate": (14336, 4096),
+    "kv": (1024, 4096),
+    "lm_head": (128256, 4096),
 }
+
+# Capped sweeps: (BN, BK, split, warps, stages), TUNED's pick first. Neighbours of the measured
+# winners (BN 32, BK 256, split 1, 4 warps) along the axes that matter per shape: the stage count
+# (long K loops), BN 64 / 8 warps (wide N), split-K where N / 32 gives few programs.
+CAPPED: dict[str, list[tuple[int, int, int, int, int]]] = {
+    "tiny": [(32, 128, 1, 4, 3), (64, 256, 2, 4, 3)],
+    "qkv": [(32, 256, 1, 4, 3), (32, 256, 1, 4, 5), (64, 256, 1, 4, 3), (32, 256, 2, 4, 3)],
+    "o": [(32, 256, 1, 4, 5), (32, 256, 1, 4, 3), (32, 256, 2, 4, 3), (16, 256, 1, 4, 3)],
+    "gate": [(32, 256, 1, 4, 3), (32, 256, 1, 4, 5), (64, 256, 1, 4, 3), (64, 256, 1, 8, 3),
+             (32, 128, 1, 4, 5), (32, 256, 2, 4, 3)],
+    "gate_up": [(32, 256, 1, 4, 3), (64, 256, 1, 4, 3), (64, 256, 1, 8, 3)],
+    "down": [(32, 256, 1, 4, 5), (32, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 256, 4, 4, 3),
+             (64, 256, 2, 4, 3), (16, 256, 1, 4, 5)],
+    "kv": [(32, 256, 4, 4, 3), (32, 256, 2, 4, 3), (32, 256, 8, 4, 3), (16, 256, 4, 4, 3),
+           (32, 256, 1, 4, 3), (64, 256, 8, 4, 3)],
+    "lm_head": [(32, 256, 1, 4, 3), (64, 256, 1, 4, 3), (32, 256, 1, 4, 5), (64, 256, 1, 8, 3)],
+}  # fmt: skip
 
 
 def _time(fn, x, ws, iters: int) -> float:  # noqa: ANN001
@@ -37,66 +64,90 @@ def _time(fn, x, ws, iters: int) -> float:  # noqa: ANN001
     return (time.perf_counter() - t) / iters / len(ws)
 
 
-def main() -> None:
+def sweep(
+    names: list[str], m: int = 16, iters: int = 10, capped: bool = False, out: str = ""
+) -> dict[str, Any]:
+    """{shape name: {n, k, xla_us, best, tuned, rows}}, printing one JSON line per shape and
+    rewriting `out` (when given) after each shape, so a run cut short keeps what it measured."""
+    import functools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from xlaserve.kernels_pallas.gemv import GemvConfig, gemv, gemv_ref, gemv_supported
+    from xlaserve.kernels_pallas.gemv import TUNED, GemvConfig, gemv, gemv_ref, gemv_supported
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default="gemv.json")
-    p.add_argument("--m", type=int, default=16)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    a = p.parse_args()
-    rng = np.random.default_rng(0)
-    results = {}
-    for name in a.shapes.split(","):
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    results: dict[str, Any] = {}
+    key = jax.random.PRNGKey(0)
+    for name in names:
         n, k = SHAPES[name]
-        copies = max(4, int(600e6 // (n * k * 2)))  # > L2 in total
-        ws = [jnp.asarray(rng.standard_normal((n, k), np.float32), jnp.bfloat16) for _ in range(copies)]  # fmt: skip
-        x = jnp.asarray(rng.standard_normal((a.m, k), np.float32), jnp.bfloat16)
+        # > L2 in total (600 MB), at most 12 copies (the compile time grows with the count;
+        # 12 x the smallest, k / v's 8 MB, is still ~2x the H200's 50 MB L2).
+        copies = min(12, max(4, int(600e6 // (n * k * 2))))
+        keys = jax.random.split(jax.random.fold_in(key, n * 7 + k), copies + 1)
+        ws = [jax.random.normal(kk, (n, k), dtype) for kk in keys[1:]]  # on the device
+        x = jax.random.normal(keys[0], (m, k), dtype)
         ref = np.asarray(gemv_ref(x, ws[0]), np.float32)
         scale = float(np.abs(ref).max())
 
         def xla(x, w):  # noqa: ANN001, ANN202
             return jnp.einsum("ti,oi->to", x, w)
 
-        t_xla = _time(xla, x, ws, a.iters)
+        t_xla = _time(xla, x, ws, iters)
         nbytes = n * k * 2
         rows = []
-        grid = itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 5))
+        if capped:
+            grid = CAPPED[name][:6]
+        else:
+            grid = list(itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 5)))
         for bn, bk, split, warps, stages in grid:
             cfg = GemvConfig(bn, bk, split, warps, stages)
-            if not gemv_supported(a.m, n, k, cfg):
+            if not gemv_supported(m, n, k, cfg):
                 continue
             try:
                 fn = functools.partial(gemv, cfg=cfg)
                 got = np.asarray(jax.jit(fn)(x, ws[0]), np.float32)
                 err = float(np.abs(got - ref).max()) / scale
-                t = _time(fn, x, ws, a.iters)
+                t = _time(fn, x, ws, iters)
             except Exception as e:  # noqa: BLE001 - a config Triton refuses is a row, not a stop
-                rows.append({"cfg": list(dataclass_tuple(cfg)), "error": repr(e)[:200]})
+                rows.append({"cfg": list(dataclasses.astuple(cfg)), "error": repr(e)[:200]})
                 continue
-            rows.append({"cfg": list(dataclass_tuple(cfg)), "us": t * 1e6, "rel_err": err,
+            rows.append({"cfg": list(dataclasses.astuple(cfg)), "us": t * 1e6, "rel_err": err,
                          "gbs": nbytes / t / 1e9})  # fmt: skip
         ok = [r for r in rows if "us" in r and r["rel_err"] < 2e-2]
         best = min(ok, key=lambda r: r["us"]) if ok else None
+        pick = TUNED.get((n, k))
+        tuned = next(
+            (r for r in ok if pick is not None and r["cfg"] == list(dataclasses.astuple(pick))),
+            None,
+        )
         results[name] = {"n": n, "k": k, "xla_us": t_xla * 1e6, "xla_gbs": nbytes / t_xla / 1e9,
-                         "best": best, "rows": rows}  # fmt: skip
-        line = {"shape": name, "xla_us": round(t_xla * 1e6, 1), "best": best and
-                {k: (round(v, 4) if isinstance(v, float) else v) for k, v in best.items()},
-                "errors": sum("error" in r for r in rows), "configs": len(rows)}  # fmt: skip
+                         "best": best, "tuned": tuned, "rows": rows}  # fmt: skip
+
+        def short(r: dict[str, Any] | None) -> Any:
+            return r and {a: (round(v, 4) if isinstance(v, float) else v) for a, v in r.items()}
+
+        line = {"shape": name, "xla_us": round(t_xla * 1e6, 1), "best": short(best),
+                "tuned": short(tuned), "errors": sum("error" in r for r in rows),
+                "configs": len(rows)}  # fmt: skip
         print(json.dumps(line), flush=True)
-    with open(a.out, "w") as f:
-        json.dump(results, f, indent=1)
+        del ws
+        if out:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
+    return results
 
 
-def dataclass_tuple(cfg) -> tuple:  # noqa: ANN001
-    import dataclasses
-
-    return dataclasses.astuple(cfg)
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="gemv.json")
+    p.add_argument("--m", type=int, default=16)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--shapes", default="qkv,o,gate_up,down")
+    p.add_argument("--capped", action="store_true", help="CAPPED's <= 6 configs a shape")
+    a = p.parse_args()
+    sweep(a.shapes.split(","), a.m, a.iters, a.capped, a.out)
 
 
 if __name__ == "__main__":

@@ -369,7 +369,9 @@ def fill_threads(configured: int, cpu_count: int | None) -> int:
 
 TRISTATE = ("auto", "on", "off")
 # KernelConfig fields that take TRISTATE values.
-TRISTATE_SWITCHES = ("triton_ops", "dense_gemv", "fused_greedy", "xla_triton_gemm")
+TRISTATE_SWITCHES = (
+    "triton_ops", "dense_gemv", "fused_greedy", "xla_triton_gemm", "xla_decode_gemv",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -436,6 +438,12 @@ class KernelConfig:
     # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
     # to it, so it sets the M of every projection's matmul at batch 1.
     xla_min_token_bucket: int = 16
+    # XLA: the dense bf16 / f16 linears (q/k/v/o, gate/up/down, lm_head; not quantized ones, not
+    # LoRA deltas) through the Pallas decode GEMV (kernels_pallas/gemv.py, Triton lowering) when
+    # the program's token bucket is <= 16 (batch-1 decode); "on" = every shape it tiles, "auto" =
+    # kernels_pallas.gemv.AUTO_ON_GPU (the shapes of its TUNED table on GPUs; off until measured),
+    # "off" = XLA's dot. Never on TPU (no Mosaic lowering) nor with tensor_parallel_size > 1.
+    xla_decode_gemv: str = "auto"
     # Torch w8a8 (kernels_cuda/scaled_mm.py): per-token activation quantization by the fused
     # Triton kernel ("auto" / "triton") or by torch ops ("torch"; A/B measurements).
     act_quant: str = "auto"

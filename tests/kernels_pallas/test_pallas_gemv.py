@@ -42,3 +42,22 @@ def test_default_configs_cover_the_8b_projections() -> None:
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         assert gemv_supported(16, n, k, default_config(n, k)), (n, k)
     assert default_config(6144, 4096).block_n == 32  # the tuned entry, not the fallback
+
+
+def test_capped_sweep_lists_fit_their_shapes_and_start_with_the_tuned_pick() -> None:
+    """bench/gpu_probes/pallas_gemv.py --capped: <= 6 configs a shape (a full sweep burned 205 s
+    of device time), each one the kernel accepts at M = 16, TUNED's entry first where it has
+    one, and every Flax 8B projection shape in TUNED (what "auto" would turn on)."""
+    import dataclasses
+
+    from xlaserve.bench.gpu_probes.pallas_gemv import CAPPED, SHAPES
+    from xlaserve.kernels_pallas.gemv import TUNED
+
+    for name, cfgs in CAPPED.items():
+        n, k = SHAPES[name]
+        assert 1 <= len(cfgs) <= 6, name
+        assert all(gemv_supported(16, n, k, GemvConfig(*c)) for c in cfgs), name
+        if (n, k) in TUNED:
+            assert cfgs[0] == dataclasses.astuple(TUNED[(n, k)]), name
+    for name in ("o", "kv", "gate", "down", "lm_head"):  # q is o's shape; up is gate's
+        assert SHAPES[name] in TUNED, name
