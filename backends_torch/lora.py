@@ -10,7 +10,14 @@ hook on the layer adds the step's deltas to its output in place:
 - CUDA: the Triton kernels (kernels_cuda/lora.py: one shrink per layer, one expand per part).
   The token groups live in static device buffers (one pinned upload per step), so the decode
   CUDA graphs capture the LoRA path once and every replay reads the step's slots: no graph per
-  adapter. Graph replays run the kernels even for base-only batches (they exit at once).
+  adapter.
+- A step whose tokens all use the base model (decided on the host from the step's slots, no
+  device sync) launches no LoRA kernel in eager mode: the hooks return at once, and the groups
+  are not even re-uploaded while the device copy already says "no tokens". CUDA graphs keep the
+  kernels inside (one graph per batch size serves base-only and LoRA steps alike): a base-only
+  replay runs them with zero counts and every program exits at once, with no launch cost on
+  the host. Capturing base-only graphs apart would save those empty programs at the price of
+  twice the capture time and graph memory.
 - CPU: the plain torch reference, per slot present in the step (XLASERVE_LORA_TRITON=1 runs the
   Triton kernels instead, under TRITON_INTERPRET=1: tests).
 
@@ -76,9 +83,13 @@ class TorchLoRA:
         self.layers: list[_LoRALayer] = []
         self._hooks = []
         # Step state: whether any token has a slot (eager forwards skip the hooks otherwise).
-        # With the Triton path it starts on, so a CUDA graph captured before any step records
-        # the kernels (every count is 0 then: they exit at once).
+        # With the Triton path it starts on, so the warm-up forwards before graph capture
+        # compile the kernels (every count is 0 then: they exit at once).
         self.active = self.use_triton
+        # Whether the device groups hold a LoRA step's counts (else all zero: a base-only step
+        # need not upload anything).
+        self._counts_live = False
+        self._buf = None  # CUDA: the pinned host / device pair of the groups (cuda_graphs._Packed)
         self._cpu_groups: list[tuple[int, torch.Tensor]] = []
         t_max = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
         self._t_max = t_max
@@ -90,7 +101,6 @@ class TorchLoRA:
                 self._buf = _Packed(n, device)
                 dev = self._buf.dev
             else:  # Triton interpreter on CPU (tests)
-                self._buf = None
                 dev = torch.zeros(n, dtype=torch.int32)
             dev.zero_()
             self._idx = dev[:t_max]
@@ -178,6 +188,8 @@ class TorchLoRA:
                 else []
             )
             return
+        if not self.active and not self._counts_live:
+            return  # base-only, and graph replays already read zero counts
         from xlaserve.kernels_cuda.lora import lora_token_groups_np
 
         t = slots.shape[0]
@@ -193,12 +205,14 @@ class TorchLoRA:
         else:
             self._dev[:t] = torch.from_numpy(packed[:t])
             self._dev[tm : tm + 2 * L] = torch.from_numpy(packed[t:])
+        self._counts_live = self.active
 
     # ---- forward -------------------------------------------------------------------------
 
     def _make_hook(self, e: _LoRALayer):  # noqa: ANN202
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-            if self.active:
+            # A CUDA graph always records the kernels (its replays serve LoRA steps too).
+            if self.active or (self._buf is not None and torch.cuda.is_current_stream_capturing()):
                 self._apply(e, inputs[0], output)
             return output
 

@@ -17,23 +17,22 @@ Per token, the forward reads its slot from the packed step buffer (`StepBatch.lo
 filled from each request's `NewRequestData.lora_slot`; -1 = base) and groups the tokens by slot
 once (kernels_pallas/lora.make_segments); each target adds B[slot] @ (A[slot] @ x).
 
-Implementation (kernels_pallas/lora.py): `XLASERVE_LORA_IMPL` (default "auto": the Mosaic grouped
-matmul on TPU, the Triton-lowered Pallas kernel on GPU, the one-hot einsum form on CPU: plain
-dots XLA fuses, no per-token weight gather, fine at the CPU's sizes). Under tensor parallelism
-"xla" always (GSPMD partitions einsums, not pallas_calls).
+Implementation (kernels_pallas/lora.py): `KernelConfig.lora_impl` (`--lora-impl`; environment
+override XLASERVE_LORA_IMPL, read by KernelConfig.from_env only; default "auto": the Mosaic
+grouped matmul on TPU, the Triton-lowered Pallas kernel on GPU, the one-hot einsum form on CPU:
+plain dots XLA fuses, no per-token weight gather, fine at the CPU's sizes). Under tensor
+parallelism "xla" always (GSPMD partitions einsums, not pallas_calls).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from xlaserve.kernels_pallas.lora import LORA_IMPLS
 from xlaserve.lora import LORA_MODULES
 from xlaserve.models_flax.layers import add_lora_tables, linear_dims
 
@@ -55,9 +54,7 @@ class XlaLoRATables:
             )
         self.runner = runner
         self.num_slots, self.rank = cfg.max_loras, cfg.max_lora_rank
-        impl = os.environ.get("XLASERVE_LORA_IMPL", "auto")
-        if impl not in LORA_IMPLS:
-            raise ValueError(f"XLASERVE_LORA_IMPL must be one of {LORA_IMPLS}, got {impl!r}")
+        impl = runner.config.kernels.lora_impl  # validated by KernelConfig
         self.impl = "xla" if runner.mesh.shape["model"] > 1 else impl
         self.dims: dict[tuple[int, str], tuple[int, int]] = {}  # (layer, module) -> (in, out)
         self._paths: dict[tuple[int, str], tuple[Any, ...]] = {}  # state path of the module

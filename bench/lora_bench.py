@@ -30,6 +30,13 @@ import tempfile
 import time
 from typing import Any
 
+from xlaserve.bench.common import (
+    add_model_args,
+    model_engine_kwargs,
+    random_prompts,
+    resolve_model_dir,
+)
+
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -67,22 +74,8 @@ def write_dummy_adapter(path: str, model_dir: str, rank: int, seed: int) -> str:
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"max_model_len": args.input_len + max(args.output_len,
                           args.batch1_output_len) + 16}  # fmt: skip
-    if args.llama8b:
-        kw.update(load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9)
-        if args.tiny:
-            kw.update(dtype="float32")
-            del kw["gpu_memory_utilization"]
-    if args.backend != "auto":
-        kw["backend"] = args.backend
+    kw.update(model_engine_kwargs(args))
     return kw
-
-
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
-    import random
-
-    rng = random.Random(seed)
-    hi = min(vocab, 30000) - 1
-    return [{"prompt_token_ids": [rng.randint(10, hi) for _ in range(length)]} for _ in range(n)]
 
 
 def _timed(llm: Any, prompts: list, sp: Any, loras: list | None) -> tuple[float, int]:  # noqa: ANN401
@@ -96,7 +89,7 @@ def _measure(llm: Any, args: argparse.Namespace, loras: list | None, rows: dict,
     from xlaserve import SamplingParams
 
     vocab = llm.llm_engine.spec.vocab_size
-    prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     per = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     # Warm-up: every adapter loaded into its slot, kernels compiled.
@@ -160,10 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--output-json", default="lora_bench.json")
-    ap.add_argument("--model-dir", default=None, help="default: the demo model (or --llama8b)")
-    ap.add_argument("--llama8b", action="store_true", help="Llama-3.1-8B shape, dummy bf16")
-    ap.add_argument("--tiny", action="store_true", help="with --llama8b: 2 tiny layers (CPU test)")
-    ap.add_argument("--backend", default="auto")
+    add_model_args(ap)
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
@@ -173,18 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.model_dir is None:
-        if args.llama8b:
-            from xlaserve.bench.gpu_bench import write_model_dir
-
-            work = tempfile.mkdtemp(prefix="lora-bench-model-")
-            args.model_dir = write_model_dir(
-                os.path.join(work, "llama8b"), num_layers=2 if args.tiny else 32, tiny=args.tiny
-            )
-        else:
-            from xlaserve.demo import demo_model_path
-
-            args.model_dir = demo_model_path()
+    args.model_dir = resolve_model_dir(args, "lora-bench-model-")
     report = run(args)
     with open(args.output_json, "w") as f:
         json.dump(report, f, indent=1)

@@ -35,9 +35,15 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from typing import Any
+
+from xlaserve.bench.common import (
+    add_model_args,
+    model_engine_kwargs,
+    random_prompts,
+    resolve_model_dir,
+)
 
 # The issue's schema.
 ISSUE_SCHEMA: dict[str, Any] = {
@@ -103,24 +109,10 @@ def _fresh(schema: dict[str, Any], tag: str) -> dict[str, Any]:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"max_num_seqs": max(args.batches)}
-    if args.llama8b:
-        kw.update(load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9)
-        if args.tiny:
-            kw.update(dtype="float32")
-            del kw["gpu_memory_utilization"]
-    if args.backend != "auto":
-        kw["backend"] = args.backend
+    kw.update(model_engine_kwargs(args))
     if args.async_scheduling:
         kw["async_scheduling"] = args.async_scheduling
     return kw
-
-
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
-    import random
-
-    rng = random.Random(seed)
-    hi = min(vocab, 30000) - 1
-    return [{"prompt_token_ids": [rng.randint(10, hi) for _ in range(length)]} for _ in range(n)]
 
 
 def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa: ANN401 - LLM
@@ -227,9 +219,9 @@ def jump_side(llm: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         sp = SamplingParams(
             temperature=0.0, max_tokens=args.output_len, structured_outputs=SO(json=schema)
         )
-        llm.generate(_prompts(2, args.input_len, vocab, args.seed + 7), sp, use_tqdm=False)
+        llm.generate(random_prompts(2, args.input_len, vocab, args.seed + 7), sp, use_tqdm=False)
         for b in args.batches:
-            prompts = _prompts(b, args.input_len, vocab, args.seed + b)
+            prompts = random_prompts(b, args.input_len, vocab, args.seed + b)
             tok_s, ids = [], []
             for _ in range(args.repeats):
                 s0, j0 = _steps(llm), eng.num_jump_forward_tokens
@@ -310,12 +302,12 @@ def _main_rows(
     n = args.output_len
     plain = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     cons = SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=SO(json=ISSUE_SCHEMA))
-    warm = _prompts(min(8, max(args.batches)), args.input_len, vocab, args.seed + 99)
+    warm = random_prompts(min(8, max(args.batches)), args.input_len, vocab, args.seed + 99)
     llm.generate(warm, plain, use_tqdm=False)
     llm.generate(warm, cons, use_tqdm=False)  # compiles ISSUE_SCHEMA once, caches it
 
     for b in args.batches:
-        prompts = _prompts(b, args.input_len, vocab, args.seed + b)
+        prompts = random_prompts(b, args.input_len, vocab, args.seed + b)
         runs: dict[str, list[float]] = {"plain": [], "constrained": []}
         toks: dict[str, int] = {}
         overlapped: dict[str, int] = {}
@@ -347,7 +339,7 @@ def _main_rows(
         return
 
     # First 32 requests with a schema never compiled (compile included) vs plain.
-    p32 = _prompts(32, args.input_len, vocab, args.seed + 32)
+    p32 = random_prompts(32, args.input_len, vocab, args.seed + 32)
     dt_p, k_p, _ = _timed(llm, p32, plain)
     sp32 = SamplingParams(
         temperature=0.0, max_tokens=n, structured_outputs=SO(json=_fresh(ISSUE_SCHEMA, "first32"))
@@ -362,7 +354,7 @@ def _main_rows(
     print(json.dumps({"first32": report["rows"]["first32"]}), flush=True)
 
     # First-request compile latency.
-    one = _prompts(1, args.input_len, vocab, args.seed + 1)
+    one = random_prompts(1, args.input_len, vocab, args.seed + 1)
     comp: dict[str, Any] = {}
     for name, schema in (("issue_schema", ISSUE_SCHEMA), ("nested_2kb", NESTED_SCHEMA)):
         fresh, cached = [], []
@@ -387,10 +379,7 @@ def _main_rows(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--output-json", default="structured_bench.json")
-    ap.add_argument("--model-dir", default=None, help="default: the demo model (or --llama8b)")
-    ap.add_argument("--llama8b", action="store_true", help="Llama-3.1-8B shape, dummy bf16")
-    ap.add_argument("--tiny", action="store_true", help="with --llama8b: 2 tiny layers (CPU test)")
-    ap.add_argument("--backend", default="auto")
+    add_model_args(ap)
     ap.add_argument("--async-scheduling", default=None, choices=["auto", "on", "off"])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1])
     ap.add_argument("--input-len", type=int, default=128)
@@ -403,18 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also profile one plain and one constrained run of the largest batch: "
                          "median step time and cProfile's top N")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.model_dir is None:
-        if args.llama8b:
-            from xlaserve.bench.gpu_bench import write_model_dir
-
-            work = tempfile.mkdtemp(prefix="so-bench-")
-            args.model_dir = write_model_dir(
-                os.path.join(work, "llama8b"), num_layers=2 if args.tiny else 32, tiny=args.tiny
-            )
-        else:
-            from xlaserve.demo import demo_model_path
-
-            args.model_dir = demo_model_path()
+    args.model_dir = resolve_model_dir(args, "so-bench-")
     report = run(args)
     with open(args.output_json, "w") as f:
         json.dump(report, f, indent=1)

@@ -108,3 +108,29 @@ def pdl_prologue(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def grouped_mm_tile(
+    a_ptr, b_ptr, M, N, stride_am, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """This program's output tile of y = a @ b^T (a [M, K], b [N, K], K contiguous) on a 1-D
+    grid in grouped order: GROUP_M consecutive M tiles sweep N together, so each weight tile is
+    read from HBM about once per group (then from L2). Returns rows rm [BLOCK_M], columns rn
+    [BLOCK_N], their masks, and the first K tile's pointers: a [BLOCK_M, BLOCK_K] and b
+    [BLOCK_K, BLOCK_N] (advance both by BLOCK_K per K step)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]
+    return rm, rn, rm < M, rn < N, a_ptrs, b_ptrs

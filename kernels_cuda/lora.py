@@ -74,6 +74,17 @@ def lora_token_groups(token_slots: torch.Tensor | np.ndarray, num_slots: int) ->
 
 
 @triton.jit
+def _slot_tokens(idx_ptr, start_ptr, slot, count, pid_m, BLOCK_M: tl.constexpr):
+    """Token ids (int64 [BLOCK_M]) of rows [pid_m * BLOCK_M, ...) of slot `slot`'s group (of
+    `count` tokens) and their mask: what one shrink / expand program works on."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < count
+    start = tl.load(start_ptr + slot)
+    tok = tl.load(idx_ptr + start + rows, mask=mask_m, other=0).to(tl.int64)
+    return tok, mask_m
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, s_ptr, idx_ptr, start_ptr, count_ptr,
     K, R, K_PER_SPLIT, NUM_R_BLOCKS,
@@ -89,10 +100,7 @@ def _shrink_kernel(
     count = tl.load(count_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return
-    start = tl.load(start_ptr + slot)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = rows < count
-    tok = tl.load(idx_ptr + start + rows, mask=mask_m, other=0).to(tl.int64)
+    tok, mask_m = _slot_tokens(idx_ptr, start_ptr, slot, count, pid_m, BLOCK_M)
     rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rr < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -126,10 +134,7 @@ def _expand_kernel(
     count = tl.load(count_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return
-    start = tl.load(start_ptr + slot)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = rows < count
-    tok = tl.load(idx_ptr + start + rows, mask=mask_m, other=0).to(tl.int64)
+    tok, mask_m = _slot_tokens(idx_ptr, start_ptr, slot, count, pid_m, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     mask_r = rr < R
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

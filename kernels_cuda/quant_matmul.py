@@ -37,6 +37,7 @@ from xlaserve.kernels_cuda._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    grouped_mm_tile,
     interpret_mode,
     next_pow2,
     pdl_kwargs,
@@ -276,23 +277,12 @@ def _int8_mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    # 1-D grid in grouped order: GROUP_M consecutive M tiles sweep N together, so each int8
-    # weight tile is read from HBM about once per group (then from L2).
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # 1-D grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM
+    # about once per GROUP_M M tiles.
+    rm, rn, m_ok, n_ok, x_ptrs, w_ptrs = grouped_mm_tile(
+        x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+    )
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + rk < K

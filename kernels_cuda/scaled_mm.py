@@ -37,6 +37,7 @@ from xlaserve.kernels_cuda._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    grouped_mm_tile,
     interpret_mode,
     next_pow2,
 )
@@ -279,21 +280,10 @@ def _scaled_mm_kernel(
     # accumulator. WB_K > 0: bs [ceil(N / WB_N), ceil(K / WB_K)] block scales; BLOCK_K divides
     # WB_K, so each K tile lies in one weight block and its partial product is scaled before it
     # is added (the DeepSeek-V3 block-fp8 GEMM).
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, m_ok, n_ok, a_ptrs, b_ptrs = grouped_mm_tile(
+        a_ptr, b_ptr, M, N, stride_am, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+    )
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]  # [BLOCK_K, BLOCK_N]
     if INT_ACC:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:

@@ -39,9 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from xlaserve.config import LORA_IMPLS  # noqa: F401 - re-exported (KernelConfig.lora_impl)
 from xlaserve.kernels_pallas import compat
-
-LORA_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 
 
 @functools.partial(

@@ -150,6 +150,12 @@ def _worker_main(
         traceback.print_exc()
         os._exit(1)
     ps.destroy_tensor_parallel()
+    # Skip the interpreter's teardown (torch's atexit hooks, module GC): seconds on a loaded
+    # host, and rank 0 gives a worker only STOP_GRACE_S before it kills it.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _quiet_worker_signals() -> None:
@@ -169,6 +175,18 @@ def _peer_gone(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(
         m in text for m in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
     )
+
+
+# How long a worker gets to exit after the shutdown message before rank 0 kills it (a clean
+# exit takes well under a second: destroy the group, os._exit).
+STOP_GRACE_S = 5.0
+
+
+def _join_all(procs: list[Any], timeout_s: float) -> None:
+    """Join `procs` within one deadline of `timeout_s` for all of them (not one each)."""
+    end = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
 
 
 class MultiprocExecutor:
@@ -249,24 +267,38 @@ class MultiprocExecutor:
         return self._call("execute", scheduler_output)
 
     def shutdown(self) -> None:
+        """Stop the workers, bounded: the shutdown message and at most STOP_GRACE_S for them to
+        exit, then SIGKILL. A broken executor (a call failed or was interrupted, e.g. SIGTERM's
+        SystemExit in the middle of a forward) kills them at once: a worker then sits in a
+        collective that rank 0 abandoned, which only the group timeout (30 min) would end.
+        The kill runs even when this is interrupted, so the process never exits with live
+        workers (multiprocessing's exit handler joins its children without a timeout)."""
         if not self.workers and ps.get_tp_group() is None:
             return
-        if not self._broken and all(p.is_alive() for p in self.workers):
-            try:
-                dist.broadcast_object_list([("shutdown", ())], src=0, group=self.group.cpu_group)
-            except Exception:  # noqa: BLE001 - a worker went away meanwhile
-                logger.warning("tensor-parallel shutdown broadcast failed", exc_info=True)
-        for p in self.workers:
-            p.join(timeout=15)
-        self._kill_workers()
+        try:
+            # A dead worker leaves the others in a collective too: no clean stop then.
+            clean = not self._broken and all(p.is_alive() for p in self.workers)
+            if clean:
+                try:
+                    dist.broadcast_object_list(
+                        [("shutdown", ())], src=0, group=self.group.cpu_group
+                    )
+                except Exception:  # noqa: BLE001 - a worker went away meanwhile
+                    clean = False
+                    logger.warning("tensor-parallel shutdown broadcast failed", exc_info=True)
+            if clean:
+                _join_all(self.workers, STOP_GRACE_S)
+        finally:
+            self._kill_workers()
         self.runner.shutdown()
         ps.destroy_tensor_parallel()
 
     def _kill_workers(self) -> None:
+        """SIGKILL every live worker (they ignore SIGTERM, see _worker_main) and reap them."""
         for p in self.workers:
             if p.is_alive():
-                p.kill()  # workers ignore SIGTERM (see _worker_main)
-                p.join(timeout=5)
+                p.kill()
+        _join_all(self.workers, 5.0)
         self.workers = []
 
 

@@ -166,9 +166,7 @@ def bench_runner(
     tiny: bool, batch: int, steps: int, impls: list[str], prompt_len: int | None = None
 ) -> dict[str, Any]:
     """Decode rows of the runner without LoRA and with LoRA per implementation in `impls`
-    (XLASERVE_LORA_IMPL); a variant that fails is recorded with its error."""
-    import os
-
+    (KernelConfig.lora_impl); a variant that fails is recorded with its error."""
     from xlaserve.backends_xla.runner import XlaModelRunner
     from xlaserve.bench.gpu_bench import write_model_dir
     from xlaserve.config import EngineConfig
@@ -188,8 +186,7 @@ def bench_runner(
         if tiny:
             kw["compilation_cache_dir"] = tempfile.mkdtemp()
         if impl is not None:
-            kw.update(enable_lora=True, max_loras=SLOTS, max_lora_rank=RANK)
-            os.environ["XLASERVE_LORA_IMPL"] = impl
+            kw.update(enable_lora=True, max_loras=SLOTS, max_lora_rank=RANK, lora_impl=impl)
         runner = None
         try:
             t0 = time.perf_counter()
@@ -208,7 +205,6 @@ def bench_runner(
             res[f"{key}_error"] = f"{type(e).__name__}: {e}"[:500]
             print(res[f"{key}_error"], file=sys.stderr)
         finally:
-            os.environ.pop("XLASERVE_LORA_IMPL", None)
             if runner is not None:
                 runner.shutdown()
                 del runner

@@ -368,6 +368,8 @@ def fill_threads(configured: int, cpu_count: int | None) -> int:
 
 
 TRISTATE = ("auto", "on", "off")
+# KernelConfig.lora_impl values (kernels_pallas/lora.py re-exports them as its LORA_IMPLS).
+LORA_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 # KernelConfig fields that take TRISTATE values.
 TRISTATE_SWITCHES = (
     "triton_ops", "dense_gemv", "fused_greedy", "xla_triton_gemm", "xla_decode_gemv",
@@ -427,6 +429,12 @@ class KernelConfig:
     rpa_impl: str = "auto"
     # XLA MoE grouped matmul implementation (kernels_pallas.gmm): "auto" picks by platform.
     gmm_impl: str = "auto"
+    # XLA multi-LoRA shrink / expand implementation (kernels_pallas/lora.py, one of LORA_IMPLS):
+    # "auto" = the Mosaic grouped matmul on TPU, the Triton-lowered Pallas kernel on GPU, the
+    # one-hot einsum form ("xla") on CPU; "reference" / "xla" / "pallas_gpu" / "pallas_tpu" force
+    # one (A/B benchmarks). Under tensor parallelism "xla" always (GSPMD partitions einsums, not
+    # pallas_calls). Environment override: XLASERVE_LORA_IMPL.
+    lora_impl: str = "auto"
     # XLA on CUDA: command buffers (XLA's CUDA graphs) for these thunk kinds, a comma list of
     # XLA's names (FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, CONDITIONAL, WHILE); "auto" =
     # backends_xla.utils.XLA_GPU_COMMAND_BUFFER (measured), "off" = XLA's own default. Applied
@@ -471,6 +479,7 @@ class KernelConfig:
             ("act_quant", ("auto", "triton", "torch")),
             ("int8_w8a8_gemm", ("auto", "int_mm", "triton")),
             ("fp8_gemm", ("auto", "scaled_mm", "triton")),
+            ("lora_impl", LORA_IMPLS),
         ):
             value = getattr(self, name)
             _check(value in allowed, f"{name} must be one of {allowed}, got {value!r}")

@@ -93,6 +93,45 @@ def test_triton_kernel_path_in_the_runner(adapters, monkeypatch) -> None:  # noq
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def test_base_only_steps_launch_no_lora_kernel(adapters, monkeypatch) -> None:  # noqa: ANN001
+    """LoRA enabled, Triton path (CUDA's; here under the interpreter), eager: a batch with no
+    adapter request gives the base model's tokens and launches no shrink / expand at all (the
+    host decides from the step's slots); a mixed batch afterwards still applies its adapters."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter on the CPU")
+    import xlaserve.kernels_cuda.lora as klora
+
+    calls = {"lora_shrink": 0, "lora_expand": 0}
+    for name in calls:
+        real = getattr(klora, name)
+
+        def counted(*args, _real=real, _name=name, **kw):  # noqa: ANN002, ANN003, ANN202
+            calls[_name] += 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(klora, name, counted)  # the runner imports them at call time
+    monkeypatch.setenv("XLASERVE_LORA_TRITON", "1")
+    base, ads = adapters("llama")
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=base, backend="torch", enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_model_len=64, enforce_eager=True)  # fmt: skip
+    try:
+        assert llm.llm_engine.core.runner.lora.use_triton
+        base_outs = llm.generate(prompts, params, use_tqdm=False)
+        assert calls == {"lora_shrink": 0, "lora_expand": 0}
+        plan = [LoRARequest("a1", 1, ads[0][0]), None, None]
+        mixed = llm.generate(prompts, params, use_tqdm=False, lora_request=plan)
+        assert calls["lora_shrink"] > 0 and calls["lora_expand"] > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in base_outs] == hf_greedy(base, prompts, 4)
+    assert mixed[0].outputs[0].token_ids == hf_greedy(ads[0][1], prompts[:1], 4)[0]
+    assert [o.outputs[0].token_ids for o in mixed[1:]] == hf_greedy(base, prompts[1:], 4)
+
+
 def test_bad_adapter_is_a_clear_error_and_engine_keeps_going(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
     base = tiny_model_dir("llama")
     bad = write_peft(str(tmp_path / "big"), base, rank=32)

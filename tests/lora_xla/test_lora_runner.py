@@ -120,3 +120,33 @@ def test_qk_norm_family_mixed_batch_matches_merged_transformers(
     want = [hf_merged_greedy(path, by_slot[s], p) for s, p in zip(slots, PROMPTS, strict=True)]
     assert got == want
     assert got[1] != hf_merged_greedy(path, None, PROMPTS[1])
+
+
+def test_lora_impl_is_a_kernel_config_field(tiny_model_dir, jax_cache_dir, monkeypatch) -> None:  # noqa: ANN001
+    """KernelConfig.lora_impl (not a process-wide variable) picks the runner's shrink / expand
+    implementation; XLASERVE_LORA_IMPL is only KernelConfig.from_env's override; a bad name is a
+    clear error."""
+    from xlaserve.config import EngineConfig, KernelConfig
+
+    monkeypatch.delenv("XLASERVE_LORA_IMPL", raising=False)
+    path = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="lora_impl must be one of"):
+        EngineConfig.from_kwargs(model=path, lora_impl="gather")
+    env = {"XLASERVE_LORA_IMPL": "reference"}
+    assert KernelConfig.from_env({}).lora_impl == "auto"
+    assert KernelConfig.from_env(env).lora_impl == "reference"
+    assert KernelConfig.from_env(env, lora_impl="xla").lora_impl == "xla"  # explicit wins
+    runner = make_runner(
+        path, jax_cache_dir, max_num_batched_tokens=BUDGET, max_num_seqs=4,
+        enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, lora_impl="reference",
+    )  # fmt: skip
+    try:
+        assert runner.lora_tables.impl == "reference"  # "auto" would be "xla" on the CPU
+        ad = make_adapter(runner.spec, "a2", 2, MAX_RANK, LORA_MODULES, seed=2)
+        got = drive_lora(runner, PROMPTS[:2], [0, -1], [(0, ad)], "i")
+        assert got == [
+            hf_merged_greedy(path, ad, PROMPTS[0]),
+            hf_merged_greedy(path, None, PROMPTS[1]),
+        ]
+    finally:
+        runner.shutdown()

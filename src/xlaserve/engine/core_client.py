@@ -379,6 +379,12 @@ class MPAsyncLLM:
                     code = self.core.exitcode
                     if self._closing:
                         msg = "the engine was shut down"
+                    elif code == 0:
+                        # Exit 0 without our S: SIGTERM reached the core itself (a supervisor
+                        # stopping the whole process group, which stops this server too, maybe
+                        # only after its in-flight requests): a stop, not a crash.
+                        msg = "the engine core process was shut down by a signal (SIGTERM)"
+                        logger.info("%s; failing every request", msg)
                     else:
                         msg = f"the engine core process died (exit code {code})"
                         logger.error("%s; failing every request", msg)
