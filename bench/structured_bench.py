@@ -328,7 +328,7 @@ def _main_rows(
         print(json.dumps({f"batch{b}": report["rows"][f"batch{b}"]}), flush=True)
     if args.profile:
         b = max(args.batches)
-        prof = profile_row(llm, _prompts(b, args.input_len, vocab, args.seed + b),
+        prof = profile_row(llm, random_prompts(b, args.input_len, vocab, args.seed + b),
                            {"plain": plain, "constrained": cons}, args.profile)  # fmt: skip
         report["rows"][f"profile batch{b}"] = prof
         for name, p in prof.items():
