@@ -231,6 +231,27 @@ def test_split_kv_matches_reference(q_lens, seq_lens, window, splits, device, to
     assert torch.all(out[t:] == 3.0)  # padding rows untouched by the merge kernel too
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_causal", "plain"])
+@pytest.mark.parametrize(
+    "cap,splits,dtype",
+    [(None, None, torch.float32), (7.0, None, torch.float32), (None, 4, torch.float16)],
+)
+def test_long_prefill_chunk_over_cached_prefix(
+    fast, cap, splits, dtype, device, tolerances, monkeypatch
+):
+    """Prefill chunks far past the start of their context (many key tiles wholly before every
+    query of a tile: the unmasked loop of the causal fast path) next to a decode and a fresh
+    prompt, with the fast path (tiles last-first, mask on the diagonal tiles only) and without."""
+    from xlaserve.kernels_cuda import paged_attention
+
+    monkeypatch.setattr(paged_attention, "CAUSAL_FAST_PATH", fast)
+    batch = _batch([24, 1, 9], [70, 45, 9], 8, 2, 64, 8, dtype, device, seed=3)
+    out = _run(unified_attention, batch, soft_cap=cap, splits=splits)
+    ref = _run(unified_attention_ref, batch, soft_cap=cap)
+    atol, rtol = tolerances[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 
 
