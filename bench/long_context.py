@@ -22,7 +22,8 @@ and GPU memory is returned between them; the JSON is merged into ``--output-json
 - ``kernels``: the attention kernel alone (kernels_cuda.unified_attention, one layer's shape:
   32 q / 8 kv heads, head_dim 128, page 16): causal prefill of the whole ``--prefill-len`` prompt in
   one launch against torch SDPA (``is_causal``; K/V repeated to the q heads beforehand) on the
-  same tensors, TFLOP/s; decode of one token at 30k and 128k contexts for each split-KV factor
+  same tensors, TFLOP/s, with and without the kernel's causal fast path
+  (``paged_attention.CAUSAL_FAST_PATH``: the A/B of that change); decode of one token at 30k and 128k contexts for each split-KV factor
   (1..64; the batch-1 decode graph uses 16) bf16 and fp8, microseconds and GB/s of KV read.
 
 Rows (``rows`` in the JSON; each with its goal from the issue):
@@ -373,6 +374,7 @@ def _kernel_prefill(n: int, shape: tuple[int, int, int], reps: int, g: Any) -> d
     import torch
     import torch.nn.functional as F
 
+    from xlaserve.kernels_cuda import paged_attention
     from xlaserve.kernels_cuda.paged_attention import unified_attention
 
     hq, hkv, d = shape
@@ -384,12 +386,19 @@ def _kernel_prefill(n: int, shape: tuple[int, int, int], reps: int, g: Any) -> d
     scale = d**-0.5
     flops = 4 * hq * d * n * (n + 1) / 2  # QK^T and PV over the causal lower triangle
     res: dict[str, Any] = {"tokens": n, "causal_flops": flops}
-    try:
-        us = _timer_us(lambda: unified_attention(q, k, v, None, qsl, sl, bt, n, n, scale), reps)
-        res["triton_us"] = us
-        res["triton_tflops"] = flops / us / 1e6
-    except Exception as e:  # noqa: BLE001 - a failing variant is a result too
-        res["triton_error"] = f"{type(e).__name__}: {e}"[:300]
+    # "triton": the kernel as shipped; "triton_plain": without its causal fast path (tiles in
+    # order, the mask on every key tile), the kernel before it: the A/B of that change.
+    for label, fast in (("triton", True), ("triton_plain", False)):
+        before = paged_attention.CAUSAL_FAST_PATH
+        paged_attention.CAUSAL_FAST_PATH = fast
+        try:
+            us = _timer_us(lambda: unified_attention(q, k, v, None, qsl, sl, bt, n, n, scale), reps)
+            res[f"{label}_us"] = us
+            res[f"{label}_tflops"] = flops / us / 1e6
+        except Exception as e:  # noqa: BLE001 - a failing variant is a result too
+            res[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            paged_attention.CAUSAL_FAST_PATH = before
     order = bt[0].long()
     kc = k[order].reshape(-1, hkv, d)[:n].repeat_interleave(hq // hkv, 1).transpose(0, 1)[None]
     vc = v[order].reshape(-1, hkv, d)[:n].repeat_interleave(hq // hkv, 1).transpose(0, 1)[None]
@@ -397,8 +406,9 @@ def _kernel_prefill(n: int, shape: tuple[int, int, int], reps: int, g: Any) -> d
     us = _timer_us(lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True), reps)
     res["sdpa_us"] = us
     res["sdpa_tflops"] = flops / us / 1e6
-    if "triton_us" in res:
-        res["triton_vs_sdpa_time"] = res["triton_us"] / res["sdpa_us"]
+    for label in ("triton", "triton_plain"):
+        if f"{label}_us" in res:
+            res[f"{label}_vs_sdpa_time"] = res[f"{label}_us"] / res["sdpa_us"]
     return res
 
 
