@@ -40,6 +40,8 @@ def test_long_context_tiny_every_row(tmp_path: Path) -> None:
     assert isinstance(p["meets_goal"], bool)
     d = rows["decode30k"]
     assert _positive(d["decode_tokens_per_s"]) and _positive(d["fraction_of_roofline"])
+    assert _positive(d["graph_max_kv_splits_32"]["decode_tokens_per_s"])
+    assert _positive(d["graph_max_kv_splits_32"]["ratio_vs_default"])
     for bw in ("4800_gbs", "4300_gbs"):
         assert _positive(d["roofline"][bw]["roofline_tokens_per_s"]), bw
         assert _positive(d["roofline"][bw]["fraction"]), bw
