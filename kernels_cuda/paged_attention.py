@@ -146,7 +146,9 @@ def _attend_tile(
         n_ok = n < kv_end
     else:
         n_ok = n >= 0  # all true
-    blk = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
+    # int64 block ids: a layer's cache may hold more than 2^31 elements (fp8 codes of a small
+    # model on a large GPU); the KV write kernel addresses slots in int64 too.
+    blk = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
     slot = n % PAGE
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(

@@ -296,6 +296,40 @@ def test_gpu_long_decode_split_kv(splits, tolerances):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("q_len", [1, 37])
+def test_gpu_cache_past_2_31_elements(q_len, tolerances):
+    # An fp8 layer cache of more than 2^31 elements (a small model's KV on a large GPU): the
+    # sequence's blocks sit at the end, where element offsets need 64 bits. The same codes in a
+    # compact cache are the reference.
+    from xlaserve.kernels_cuda.kv_quant import quantize_kv
+
+    dev, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+    hq, hkv, d, page, used = 32, 8, 128, 16, 40
+    n_big = (1 << 31) // (page * hkv * d) + 64
+    g = torch.Generator().manual_seed(0)
+    kq, ks = quantize_kv(torch.randn(used, page, hkv, d, generator=g).to(dev), fp8)
+    vq, vs = quantize_kv(torch.randn(used, page, hkv, d, generator=g).to(dev), fp8)
+    kc = torch.empty(n_big, page, hkv, d, dtype=fp8, device=dev)
+    vc = torch.empty_like(kc)
+    ksc = torch.ones(n_big, page, hkv, device=dev)
+    vsc = torch.ones_like(ksc)
+    ids = torch.arange(n_big - used, n_big, device=dev)
+    kc[ids], vc[ids], ksc[ids], vsc[ids] = kq, vq, ks, vs
+    ctx = used * page - 3
+    q = torch.randn(q_len, hq, d, generator=g).to(dev, torch.bfloat16)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+    sl = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    big = unified_attention(q, kc, vc, None, qsl, sl, ids.to(torch.int32)[None], q_len, ctx,
+                            d**-0.5, k_scale=ksc, v_scale=vsc)  # fmt: skip
+    table = torch.arange(used, dtype=torch.int32, device=dev)[None]
+    ref = unified_attention_ref(q, kq, vq, None, qsl, sl, table, q_len, ctx, d**-0.5,
+                                k_scale=ks, v_scale=vs)  # fmt: skip
+    atol, rtol = tolerances[torch.bfloat16]
+    torch.testing.assert_close(big.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_decode_cuda_graph_replay(tolerances):
     # Capture a decode step once, then replay with new seq_lens/queries in the same buffers.
     # As the engine captures: block tables and max_seq_len sized for the longest replay; the
