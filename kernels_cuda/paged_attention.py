@@ -82,6 +82,10 @@ _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages":
 # Split-KV: each split must cover at least this many keys to be worth its merge cost.
 MIN_KEYS_PER_SPLIT = 512
 
+# Layer caches of at least this many elements take int64 block offsets (int32 would wrap); a
+# module constant so that a test can run that path on small shapes.
+OFFS64_MIN_ELEMENTS = 2**31
+
 # Causal fast path (on by default; False = the earlier kernel, for bench/long_context.py's A/B):
 # key tiles wholly before a query tile's first query skip the mask (only the diagonal tiles
 # build it, as FlashAttention splits its loop), and query tiles run last-first, so the longest
@@ -136,6 +140,7 @@ def _attend_tile(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     QUANT: tl.constexpr,
+    OFFS64: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """One BLOCK_N key tile starting at start_n: the online-softmax update of (m_i, l_i, acc).
@@ -146,9 +151,9 @@ def _attend_tile(
         n_ok = n < kv_end
     else:
         n_ok = n >= 0  # all true
-    # int64 block ids: a layer's cache may hold more than 2^31 elements (fp8 codes of a small
-    # model on a large GPU); the KV write kernel addresses slots in int64 too.
-    blk = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    blk = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
+    if OFFS64:  # a layer cache past 2^31 elements: int32 element offsets would wrap
+        blk = blk.to(tl.int64)
     slot = n % PAGE
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(
@@ -256,6 +261,7 @@ def _unified_attention_kernel(
     ZERO_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
     FAST_CAUSAL: tl.constexpr,
+    OFFS64: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -342,7 +348,7 @@ def _unified_attention_kernel(
             k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
             stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
             stride_bt, stride_sn, stride_ss, d, d_ok, sm_scale, soft_cap, window, chunk,
-            PAGE, BLOCK_N, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, UPCAST, DOT_PREC, QUANT,
+            PAGE, BLOCK_N, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, UPCAST, DOT_PREC, QUANT, OFFS64,
             MASKED=False,
         )  # fmt: skip
     for start_n in range(kv_mid, kv_end, BLOCK_N):
@@ -351,7 +357,7 @@ def _unified_attention_kernel(
             k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
             stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
             stride_bt, stride_sn, stride_ss, d, d_ok, sm_scale, soft_cap, window, chunk,
-            PAGE, BLOCK_N, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, UPCAST, DOT_PREC, QUANT,
+            PAGE, BLOCK_N, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, UPCAST, DOT_PREC, QUANT, OFFS64,
             MASKED=True,
         )  # fmt: skip
 
@@ -678,6 +684,9 @@ def unified_attention(
         num_stages=cfg["num_stages"],
         USE_PDL=(pdl := use_pdl(q, kernels)),
         FAST_CAUSAL=CAUSAL_FAST_PATH,
+        # int64 block offsets only where a layer cache needs them (the KV write kernel
+        # addresses slots in int64 always); int32 keeps the address math of the common case.
+        OFFS64=max(k_cache.numel(), v_cache.numel()) >= OFFS64_MIN_ELEMENTS,
         **pdl_kwargs(pdl),
     )  # fmt: skip
     if num_kv_splits > 1:

@@ -231,6 +231,28 @@ def test_split_kv_matches_reference(q_lens, seq_lens, window, splits, device, to
     assert torch.all(out[t:] == 3.0)  # padding rows untouched by the merge kernel too
 
 
+def test_int64_block_offsets_path(device, tolerances, monkeypatch):
+    """The int64 block-offset variant (taken by caches past 2^31 elements; forced here on a
+    small one) matches the reference, prefill and decode, float and fp8 codes."""
+    from xlaserve.kernels_cuda import paged_attention
+    from xlaserve.kernels_cuda.kv_quant import quantize_kv
+
+    monkeypatch.setattr(paged_attention, "OFFS64_MIN_ELEMENTS", 1)
+    batch = _batch([9, 1], [30, 21], 4, 2, 32, 4, torch.float32, device, seed=11)
+    out = _run(unified_attention, batch, splits=2)
+    ref = _run(unified_attention_ref, batch)
+    atol, rtol = tolerances[torch.float32]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    kq, ks = quantize_kv(batch["k_cache"], torch.float8_e4m3fn)
+    vq, vs = quantize_kv(batch["v_cache"], torch.float8_e4m3fn)
+    args = (batch["q"], kq, vq, None, batch["query_start_loc"], batch["seq_lens"],
+            batch["block_tables"], batch["max_query_len"], batch["max_seq_len"],
+            batch["sm_scale"])  # fmt: skip
+    out = unified_attention(*args, k_scale=ks, v_scale=vs)
+    ref = unified_attention_ref(*args, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_causal", "plain"])
 @pytest.mark.parametrize(
     "cap,splits,dtype",
