@@ -232,6 +232,7 @@ class TorchModelRunner(RunnerCore):
                 weights = ql.quantized_weight_stream(model, qs, weights)
             model.load_weights(weights)
         model.use_kernels(self.kernels)  # again: quantization swapped layers in
+        model.cover_positions(self.max_model_len)  # rope tables up to max_model_len
         self.model = model.eval()
         if self.config.lora.enable_lora:
             from xlaserve.backends_torch.lora import TorchLoRA

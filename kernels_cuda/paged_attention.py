@@ -82,6 +82,16 @@ _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages":
 # Split-KV: each split must cover at least this many keys to be worth its merge cost.
 MIN_KEYS_PER_SPLIT = 512
 
+# Layer caches of at least this many elements take int64 block offsets (int32 would wrap); a
+# module constant so that a test can run that path on small shapes.
+OFFS64_MIN_ELEMENTS = 2**31
+
+# Causal fast path (on by default; False = the earlier kernel, for bench/long_context.py's A/B):
+# key tiles wholly before a query tile's first query skip the mask (only the diagonal tiles
+# build it, as FlashAttention splits its loop), and query tiles run last-first, so the longest
+# (latest) tiles of a long prefill start first instead of forming the launch's tail.
+CAUSAL_FAST_PATH = True
+
 
 @triton.jit
 def _tanh(x):
@@ -89,6 +99,114 @@ def _tanh(x):
     t = tl.exp(-2.0 * tl.abs(x))
     y = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _attend_tile(
+    start_n,
+    q,
+    m_i,
+    l_i,
+    acc,
+    q_pos,
+    kv_end,
+    seq,
+    kvh,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    ks_ptr,
+    vs_ptr,
+    stride_kn,
+    stride_ks,
+    stride_kh,
+    stride_vn,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_sn,
+    stride_ss,
+    d,
+    d_ok,
+    sm_scale,
+    soft_cap,
+    window,
+    chunk,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    QUANT: tl.constexpr,
+    OFFS64: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One BLOCK_N key tile starting at start_n: the online-softmax update of (m_i, l_i, acc).
+    MASKED=False: every key of the tile is < kv_end and visible to every row (causal, no window
+    or chunk: the caller guarantees it), so no mask is built."""
+    n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = n < kv_end
+    else:
+        n_ok = n >= 0  # all true
+    blk = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
+    if OFFS64:  # a layer cache past 2^31 elements: int32 element offsets would wrap
+        blk = blk.to(tl.int64)
+    slot = n % PAGE
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(
+        k_ptr + blk[:, None] * stride_kn + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + blk[:, None] * stride_vn + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if QUANT:
+        # Scales [N, S, Hkv] of this tile's keys; codes -> compute dtype is exact.
+        s_offs = blk * stride_sn + slot * stride_ss + kvh
+        k_sc = tl.load(ks_ptr + s_offs, mask=n_ok, other=0.0)
+        v_sc = tl.load(vs_ptr + s_offs, mask=n_ok, other=0.0)
+        k = k.to(q.dtype)
+        v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+    elif UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+    # Scores in log2 space (exp2 is the fast path): one multiply by sm_scale * log2(e) unless
+    # the soft-cap needs the plain scaled score first.
+    if USE_SOFTCAP:
+        s = s * sm_scale
+        if QUANT:
+            s = s * k_sc[None, :]
+        s = soft_cap * _tanh(s / soft_cap) * 1.4426950408889634
+    else:
+        s = s * (sm_scale * 1.4426950408889634)
+        if QUANT:
+            s = s * k_sc[None, :]
+    if MASKED:
+        mask = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            mask = mask & (n[None, :] > q_pos[:, None] - window)
+        if USE_CHUNK:
+            mask = mask & (n[None, :] // chunk == q_pos[:, None] // chunk)
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Fully masked rows (padding) keep m = -inf; shift by 0 there to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new  # every score is finite
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
 
 
 # Per-step ints are not specialized (Triton would otherwise compile a variant per "== 1" /
@@ -142,6 +260,8 @@ def _unified_attention_kernel(
     QUANT: tl.constexpr,
     ZERO_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FAST_CAUSAL: tl.constexpr,
+    OFFS64: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -163,6 +283,8 @@ def _unified_attention_kernel(
             tl.store(out_ptr + z_offs, zeros, mask=z_ok[:, None] & (zd < HEAD_DIM)[None, :])
             return
 
+    if FAST_CAUSAL:  # last tile first: the longest tiles of a causal prefill lead
+        pid = num_tiles - 1 - pid
     # Binary search: the last sequence whose first program index <= pid.
     lo = pid * 0
     hi = lo + num_seqs
@@ -208,68 +330,36 @@ def _unified_attention_kernel(
         kv_begin = tl.maximum(kv_begin, (q_first // chunk) * chunk)
     kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:
-        # Split-KV (flash-decoding): this program covers one contiguous chunk of whole tiles.
+        # Split-KV (flash-decoding): this program covers one contiguous span of whole tiles.
+        # (`span`, not `chunk`: that is the attention chunk size of the chunk mask.)
         split = tl.program_id(2)
-        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), NUM_SPLITS) * BLOCK_N
-        kv_begin = kv_begin + split * chunk
-        kv_end = tl.minimum(kv_begin + chunk, kv_end)
+        span = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        kv_begin = kv_begin + split * span
+        kv_end = tl.minimum(kv_begin + span, kv_end)
 
-    for start_n in range(kv_begin, kv_end, BLOCK_N):
-        n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
-        blk = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
-        slot = n % PAGE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_ptr
-            + blk[:, None] * stride_kn
-            + slot[:, None] * stride_ks
-            + kvh * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr
-            + blk[:, None] * stride_vn
-            + slot[:, None] * stride_vs
-            + kvh * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if QUANT:
-            # Scales [N, S, Hkv] of this tile's keys; codes -> compute dtype is exact.
-            s_offs = blk * stride_sn + slot * stride_ss + kvh
-            k_sc = tl.load(ks_ptr + s_offs, mask=n_ok, other=0.0)
-            v_sc = tl.load(vs_ptr + s_offs, mask=n_ok, other=0.0)
-            k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
-        elif UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_M, BLOCK_N]
-        if QUANT:
-            s = s * k_sc[None, :]
-        if USE_SOFTCAP:
-            s = soft_cap * _tanh(s / soft_cap)
-        s = s * 1.4426950408889634  # work in log2 space: exp2 is the fast path
-        mask = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            mask = mask & (n[None, :] > q_pos[:, None] - window)
-        if USE_CHUNK:
-            mask = mask & (n[None, :] // chunk == q_pos[:, None] // chunk)
-        s = tl.where(mask, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Fully masked rows (padding) keep m = -inf; shift by 0 there to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    # Tiles wholly before the tile's first query (aligned down; kv_begin, span are aligned)
+    # are visible to every row: no mask there when only the causal rule applies.
+    kv_mid = kv_begin
+    if FAST_CAUSAL and not USE_WINDOW and not USE_CHUNK:
+        kv_mid = tl.maximum(tl.minimum((q_first // BLOCK_N) * BLOCK_N, kv_end), kv_begin)
+    for start_n in range(kv_begin, kv_mid, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            start_n, q, m_i, l_i, acc, q_pos, kv_end, seq, kvh,
+            k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
+            stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+            stride_bt, stride_sn, stride_ss, d, d_ok, sm_scale, soft_cap, window, chunk,
+            PAGE, BLOCK_N, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, UPCAST, DOT_PREC, QUANT, OFFS64,
+            MASKED=False,
+        )  # fmt: skip
+    for start_n in range(kv_mid, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            start_n, q, m_i, l_i, acc, q_pos, kv_end, seq, kvh,
+            k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr,
+            stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+            stride_bt, stride_sn, stride_ss, d, d_ok, sm_scale, soft_cap, window, chunk,
+            PAGE, BLOCK_N, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, UPCAST, DOT_PREC, QUANT, OFFS64,
+            MASKED=True,
+        )  # fmt: skip
 
     row_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS > 1:
@@ -593,6 +683,10 @@ def unified_attention(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         USE_PDL=(pdl := use_pdl(q, kernels)),
+        FAST_CAUSAL=CAUSAL_FAST_PATH,
+        # int64 block offsets only where a layer cache needs them (the KV write kernel
+        # addresses slots in int64 always); int32 keeps the address math of the common case.
+        OFFS64=max(k_cache.numel(), v_cache.numel()) >= OFFS64_MIN_ELEMENTS,
         **pdl_kwargs(pdl),
     )  # fmt: skip
     if num_kv_splits > 1:

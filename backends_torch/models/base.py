@@ -134,6 +134,22 @@ class CausalLMBase(nn.Module):
                 m.use_triton_ops = enabled
         self.triton_ops = enabled
 
+    def cover_positions(self, n: int) -> None:
+        """Make every rotary's Triton cos/sin table cover positions < n (the engine's
+        max_model_len): the table is sized from the model's rope (rope_table_len) and the kernel
+        does not bounds-check, while the engine allows max_model_len past max_position_embeddings
+        whenever the config declares rope scaling. Rows past the old length come from the same
+        inv_freq, as the torch path computes them. Tables shared before stay shared."""
+        from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
+
+        grown = False
+        for m in self.modules():
+            if isinstance(m, RotaryEmbedding) and m.table_len < n:
+                m.table_len = n
+                grown = True
+        if grown and self.triton_ops:
+            self.set_triton_ops(True)  # rebuild the (shared) tables at the new length
+
     def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Random normal(0, std) for matrices and biases; norm weights stay at their init (ones)."""
         g = torch.Generator(device="cpu").manual_seed(seed)

@@ -231,6 +231,49 @@ def test_split_kv_matches_reference(q_lens, seq_lens, window, splits, device, to
     assert torch.all(out[t:] == 3.0)  # padding rows untouched by the merge kernel too
 
 
+def test_int64_block_offsets_path(device, tolerances, monkeypatch):
+    """The int64 block-offset variant (taken by caches past 2^31 elements; forced here on a
+    small one) matches the reference, prefill and decode, float and fp8 codes."""
+    from xlaserve.kernels_cuda import paged_attention
+    from xlaserve.kernels_cuda.kv_quant import quantize_kv
+
+    monkeypatch.setattr(paged_attention, "OFFS64_MIN_ELEMENTS", 1)
+    batch = _batch([9, 1], [30, 21], 4, 2, 32, 4, torch.float32, device, seed=11)
+    out = _run(unified_attention, batch, splits=2)
+    ref = _run(unified_attention_ref, batch)
+    atol, rtol = tolerances[torch.float32]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    kq, ks = quantize_kv(batch["k_cache"], torch.float8_e4m3fn)
+    vq, vs = quantize_kv(batch["v_cache"], torch.float8_e4m3fn)
+    args = (batch["q"], kq, vq, None, batch["query_start_loc"], batch["seq_lens"],
+            batch["block_tables"], batch["max_query_len"], batch["max_seq_len"],
+            batch["sm_scale"])  # fmt: skip
+    out = unified_attention(*args, k_scale=ks, v_scale=vs)
+    ref = unified_attention_ref(*args, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_causal", "plain"])
+@pytest.mark.parametrize(
+    "cap,splits,dtype",
+    [(None, None, torch.float32), (7.0, None, torch.float32), (None, 4, torch.float16)],
+)
+def test_long_prefill_chunk_over_cached_prefix(
+    fast, cap, splits, dtype, device, tolerances, monkeypatch
+):
+    """Prefill chunks far past the start of their context (many key tiles wholly before every
+    query of a tile: the unmasked loop of the causal fast path) next to a decode and a fresh
+    prompt, with the fast path (tiles last-first, mask on the diagonal tiles only) and without."""
+    from xlaserve.kernels_cuda import paged_attention
+
+    monkeypatch.setattr(paged_attention, "CAUSAL_FAST_PATH", fast)
+    batch = _batch([24, 1, 9], [70, 45, 9], 8, 2, 64, 8, dtype, device, seed=3)
+    out = _run(unified_attention, batch, soft_cap=cap, splits=splits)
+    ref = _run(unified_attention_ref, batch, soft_cap=cap)
+    atol, rtol = tolerances[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 
 
@@ -271,6 +314,43 @@ def test_gpu_long_decode_split_kv(splits, tolerances):
     ref = _run(unified_attention_ref, batch)
     atol, rtol = tolerances[torch.bfloat16]
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("q_len", [1, 37])
+def test_gpu_cache_past_2_31_elements(q_len, tolerances):
+    # An fp8 layer cache of more than 2^31 elements (a small model's KV on a large GPU): the
+    # sequence's blocks sit at the end, where element offsets need 64 bits. The same codes in a
+    # compact cache are the reference.
+    from xlaserve.kernels_cuda.kv_quant import quantize_kv
+
+    dev, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+    hq, hkv, d, page, used = 32, 8, 128, 16, 40
+    n_big = (1 << 31) // (page * hkv * d) + 64
+    g = torch.Generator().manual_seed(0)
+    kq, ks = quantize_kv(torch.randn(used, page, hkv, d, generator=g).to(dev), fp8)
+    vq, vs = quantize_kv(torch.randn(used, page, hkv, d, generator=g).to(dev), fp8)
+    kc = torch.empty(n_big, page, hkv, d, dtype=fp8, device=dev)
+    vc = torch.empty_like(kc)
+    ksc = torch.ones(n_big, page, hkv, device=dev)
+    vsc = torch.ones_like(ksc)
+    ids = torch.arange(n_big - used, n_big, device=dev)
+    # Through uint8 views: index_put has no float8 kernel in every torch build.
+    kc.view(torch.uint8)[ids] = kq.view(torch.uint8)
+    vc.view(torch.uint8)[ids] = vq.view(torch.uint8)
+    ksc[ids], vsc[ids] = ks, vs
+    ctx = used * page - 3
+    q = torch.randn(q_len, hq, d, generator=g).to(dev, torch.bfloat16)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+    sl = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    big = unified_attention(q, kc, vc, None, qsl, sl, ids.to(torch.int32)[None], q_len, ctx,
+                            d**-0.5, k_scale=ksc, v_scale=vsc)  # fmt: skip
+    table = torch.arange(used, dtype=torch.int32, device=dev)[None]
+    ref = unified_attention_ref(q, kq, vq, None, qsl, sl, table, q_len, ctx, d**-0.5,
+                                k_scale=ks, v_scale=vs)  # fmt: skip
+    atol, rtol = tolerances[torch.bfloat16]
+    torch.testing.assert_close(big.float(), ref.float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.gpu

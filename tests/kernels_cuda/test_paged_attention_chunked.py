@@ -70,6 +70,18 @@ def test_split_kv_matches_reference(device, tolerances) -> None:  # noqa: ANN001
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_kv_with_a_chunk_unlike_the_split_span(splits, device, tolerances) -> None:  # noqa: ANN001
+    # Chunk 4, key tiles of 16 (interpreter) / 64 (GPU): the split-KV span (a multiple of the
+    # tile) is not the chunk. The kernel once reused the chunk's name for the span, so a decode
+    # at position 39 saw keys 32..39 instead of 36..39.
+    batch = _batch([1, 1, 1], [40, 3, 70], 4, 2, 64, 8, torch.float32, device, seed=5)
+    out = _run(unified_attention, batch, 4, splits=splits)
+    ref = _run(unified_attention_ref, batch, 4)
+    atol, rtol = tolerances[torch.float32]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
 def test_bad_chunk_size_is_a_clear_error(device) -> None:  # noqa: ANN001
     batch = _batch([1], [3], 2, 1, 16, 4, torch.float32, device)
     with pytest.raises(ValueError, match="chunk_size"):
