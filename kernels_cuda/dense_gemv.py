@@ -123,11 +123,16 @@ def _w_tile(rows, kw, n_ok, k_ok):
 @triton.jit
 def _x_tile(x_ptr, kw, k_ok, K, X_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr):  # fmt: skip
-    """x at columns kw as fp32, broadcastable against a weight tile."""
+    """x at columns kw as fp32, broadcastable against a weight tile. (One return after a static
+    if / else: Triton also generates the code after a return inside a constexpr branch, and
+    two returns of different shapes fail to compile: "Inconsistent return types" on the H200
+    for every X_TILE config, e.g. GemvTiles(8, 512, 1, 4).)"""
     if X_TILE:
         xk = tl.broadcast_to(kw[None, :], (BLOCK_N, BLOCK_K))
-        return tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
-    return tl.load(x_ptr + kw, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        xv = tl.load(x_ptr + xk, mask=xk < K, other=0.0).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + kw, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    return xv
 
 
 @triton.jit
