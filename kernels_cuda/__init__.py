@@ -43,6 +43,11 @@ _EXPORTS: dict[str, str] = {
     "conv_state_update_ref": "ssm",
     "ssm_state_update": "ssm",
     "ssm_state_update_ref": "ssm",
+    # State-space prefill (issue 25).
+    "causal_conv1d_prefill": "ssm_prefill",
+    "causal_conv1d_prefill_ref": "ssm_prefill",
+    "ssd_chunked_prefill": "ssm_prefill",
+    "ssd_chunked_prefill_ref": "ssm_prefill",
 }
 
 __all__ = ["triton_available", *_EXPORTS]

@@ -27,7 +27,7 @@ def test_import_is_lazy():
         "print('torch' in sys.modules, 'triton' in sys.modules, sorted(k.__all__)[0])",
         None,
     )
-    assert out == "False False compute_cos_sin_cache"
+    assert out == "False False causal_conv1d_prefill"
 
 
 def test_triton_available_follows_interpret_flag():

@@ -1,0 +1,235 @@
+"""Prefill kernels of state-space layers (Mamba, Mamba2), Triton, with torch references (issue 25).
+
+One request's T prompt tokens at a time, carrying the recurrent state in and out so that chunked
+prefill (two calls over consecutive token ranges) equals one call over all of them:
+
+- `causal_conv1d_prefill`: x [T, C], weight [C, K], bias [C] | None, state [C, K-1] (the last
+  K-1 conv INPUTS, oldest first) -> (y [T, C] float32 before the activation, new state
+  [C, K-1] float32). y[t] = sum_k w[:, k] * u[t - K + 1 + k] + bias where u is (state, x); the
+  new state is the last K-1 entries of u (so partly the old state when T < K-1). Grid:
+  (C blocks, T blocks); the first T block also writes the new state.
+- `ssd_chunked_prefill`: Mamba2 SSD. x [T, Hs, P], dt [T, Hs] (already softplus'ed), A [Hs]
+  (one scalar per head), B / C [T, G, N] (head h reads group h // (Hs / G)), D [Hs] | None,
+  h0 [Hs, P, N] -> (y [T, Hs, P] float32, h_T [Hs, P, N] float32), with
+  h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t, y_t = h_t . C_t + D x_t. Grid: (Hs, P blocks);
+  each program walks the chunks of CHUNK tokens in order: inside a chunk the output is the
+  decay-masked (C B^T) matrix times dt x, plus the carried state's contribution; h is carried in
+  registers to the next chunk. All math in float32 (dots with input_precision="ieee", no TF32).
+
+Both are a plain, correct design (not tuned): tuning needs the GPU. The references are the model's
+own ops (backends_torch/layers/ssm_ops.py), adapted to these argument shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_device, next_pow2
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, ns_ptr,
+    T, C, stride_xt,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    cb = tl.program_id(0)
+    tb = tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    cm = c < C
+    tm = t < T
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(K):
+        j = t - (K - 1) + k  # input index; < 0 reads the carried state at K-1+j
+        xin = tl.load(
+            x_ptr + j[:, None] * stride_xt + c[None, :],
+            mask=(tm & (j >= 0))[:, None] & cm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        sin = tl.load(
+            s_ptr + c[None, :] * (K - 1) + (K - 1 + j)[:, None],
+            mask=(tm & (j < 0))[:, None] & cm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w = tl.load(w_ptr + c * K + k, mask=cm, other=0.0).to(tl.float32)
+        acc += (xin + sin) * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + t[:, None] * C + c[None, :], acc, mask=tm[:, None] & cm[None, :])
+    if tb == 0:  # new state: the last K-1 inputs of (state, x)
+        for k in tl.static_range(K - 1):
+            j = T - (K - 1) + k + tl.zeros((BLOCK_C,), dtype=tl.int32)  # a vector: vector masks
+            xin = tl.load(x_ptr + j * stride_xt + c, mask=cm & (j >= 0), other=0.0)
+            sin = tl.load(s_ptr + c * (K - 1) + (K - 1 + j), mask=cm & (j < 0), other=0.0)
+            tl.store(ns_ptr + c * (K - 1) + k, xin.to(tl.float32) + sin.to(tl.float32), mask=cm)
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, C], weight [C, K], bias [C] | None, state [C, K-1] -> (y [T, C] float32 before the
+    activation, new state [C, K-1] float32). Same contract as ssm_ops.causal_conv1d."""
+    check_device("causal_conv1d_prefill", x, weight, state)
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"causal_conv1d_prefill: x [T, C], weight [C, K]; got {tuple(x.shape)}, "
+            f"{tuple(weight.shape)}"
+        )
+    t, c = x.shape
+    k = weight.shape[1]
+    if k < 2 or tuple(state.shape) != (c, k - 1):
+        raise ValueError(
+            f"causal_conv1d_prefill: K >= 2 and state [C, K-1] = ({c}, {k - 1}); "
+            f"got K={k}, state {tuple(state.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (c,):
+        raise ValueError(f"causal_conv1d_prefill: bias [C]; got {tuple(bias.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w, st = weight.contiguous(), state.contiguous()
+    y = torch.empty((t, c), dtype=torch.float32, device=x.device)
+    new_state = torch.empty((c, k - 1), dtype=torch.float32, device=x.device)
+    block_c = min(next_pow2(c), 64)
+    block_t = min(max(next_pow2(t), 1), 64)
+    grid = (triton.cdiv(c, block_c), max(triton.cdiv(t, block_t), 1))
+    _conv_prefill_kernel[grid](
+        x, w, bias if bias is not None else w, st, y, new_state,
+        t, c, x.stride(0),
+        K=k, HAS_BIAS=bias is not None, BLOCK_C=block_c, BLOCK_T=block_t,
+    )  # fmt: skip
+    return y, new_state
+
+
+def causal_conv1d_prefill_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `causal_conv1d_prefill` (the model's op)."""
+    from xlaserve.backends_torch.layers.ssm_ops import causal_conv1d
+
+    return causal_conv1d(x, weight, bias, state)
+
+
+@triton.jit
+def _ssd_prefill_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, h0_ptr, y_ptr, h_ptr,
+    T, Hs, P, N, G,
+    HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    hd = tl.program_id(0)
+    pb = tl.program_id(1)
+    g = hd // (Hs // G)
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    li = tl.arange(0, CHUNK)
+    pm, nm = p < P, n < N
+    hmask = pm[:, None] & nm[None, :]
+    hoff = hd * P * N + p[:, None] * N + n[None, :]
+    h = tl.load(h0_ptr + hoff, mask=hmask, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
+    a = tl.load(a_ptr + hd).to(tl.float32)
+    if HAS_D:
+        dd = tl.load(d_ptr + hd).to(tl.float32)
+    causal = li[:, None] >= li[None, :]
+    for s in range(0, T, CHUNK):
+        t = s + li
+        tm = t < T
+        # dt = 0 past T: those steps neither decay nor add, so la[-1] is the last real step's.
+        dt = tl.load(dt_ptr + t * Hs + hd, mask=tm, other=0.0).to(tl.float32)  # [L]
+        xc = tl.load(
+            x_ptr + (t[:, None] * Hs + hd) * P + p[None, :],
+            mask=tm[:, None] & pm[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [L, BLOCK_P]
+        bcoff = (t[:, None] * G + g) * N + n[None, :]
+        bcm = tm[:, None] & nm[None, :]
+        bc = tl.load(b_ptr + bcoff, mask=bcm, other=0.0).to(tl.float32)  # [L, BLOCK_N]
+        cc = tl.load(c_ptr + bcoff, mask=bcm, other=0.0).to(tl.float32)
+        la = tl.cumsum(dt * a, axis=0)  # [L] log decay from the chunk start (inclusive)
+        la_end = tl.sum(tl.where(li == CHUNK - 1, la, 0.0), axis=0)
+        # decay[i, j] = exp(la_i - la_j) for j <= i: the factor from step j to step i.
+        diff = tl.where(causal, la[:, None] - la[None, :], 0.0)
+        cb = tl.dot(cc, tl.trans(bc), input_precision="ieee")  # [L, L]
+        w = tl.where(causal, cb * tl.exp(diff) * dt[None, :], 0.0)
+        y = tl.dot(w, xc, input_precision="ieee")  # [L, BLOCK_P]
+        # The carried state: y_i += exp(la_i) * (h . C_i).
+        y += tl.exp(la)[:, None] * tl.dot(cc, tl.trans(h), input_precision="ieee")
+        if HAS_D:
+            y += dd * xc
+        tl.store(y_ptr + (t[:, None] * Hs + hd) * P + p[None, :], y, mask=tm[:, None] & pm[None, :])
+        # h at the chunk end = exp(la_end) h + sum_j exp(la_end - la_j) dt_j x_j (x) B_j.
+        wend = tl.exp(la_end - la) * dt  # [L]
+        h = tl.exp(la_end) * h + tl.dot(
+            tl.trans(xc * wend[:, None]), bc, input_precision="ieee"
+        )  # [BLOCK_P, BLOCK_N]
+    tl.store(h_ptr + hoff, h, mask=hmask)
+
+
+def ssd_chunked_prefill(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    h0: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, Hs, P], dt [T, Hs] (softplus'ed), A [Hs] (any shape of Hs elements, e.g. the
+    model's [Hs, 1, 1]), B / C [T, G, N] with G dividing Hs, D [Hs] | None, h0 [Hs, P, N]
+    -> (y [T, Hs, P] float32, h_T [Hs, P, N] float32). `chunk`: tokens per inner step, a power
+    of two >= 16 (tl.dot's minimum). Same maths as ssm_ops.ssd_chunked / selective_scan."""
+    check_device("ssd_chunked_prefill", x, dt, A, B, C, h0)
+    if x.dim() != 3 or B.dim() != 3 or C.shape != B.shape:
+        raise ValueError("ssd_chunked_prefill: x [T, Hs, P], B and C [T, G, N] of one shape")
+    t, hs, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    if tuple(dt.shape) != (t, hs) or A.numel() != hs or B.shape[0] != t:
+        raise ValueError(
+            f"ssd_chunked_prefill: dt [T, Hs] = ({t}, {hs}), A of {hs} scalars, B [T, G, N]; got "
+            f"dt {tuple(dt.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}"
+        )
+    if g < 1 or hs % g or tuple(h0.shape) != (hs, p, n):
+        raise ValueError(
+            f"ssd_chunked_prefill: G must divide Hs and h0 be [Hs, P, N] = ({hs}, {p}, {n}); "
+            f"got G={g}, h0 {tuple(h0.shape)}"
+        )
+    if D is not None and D.numel() != hs:
+        raise ValueError(f"ssd_chunked_prefill: D [Hs]; got {tuple(D.shape)}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"ssd_chunked_prefill: chunk must be a power of two >= 16, got {chunk}")
+    x, dt, B, C = x.contiguous(), dt.float().contiguous(), B.contiguous(), C.contiguous()
+    a = A.float().reshape(hs).contiguous()
+    h0 = h0.float().contiguous()
+    y = torch.empty((t, hs, p), dtype=torch.float32, device=x.device)
+    h = torch.empty((hs, p, n), dtype=torch.float32, device=x.device)
+    block_p = max(min(next_pow2(p), 64), 16)
+    block_n = max(next_pow2(n), 16)
+    d = D.float().reshape(hs).contiguous() if D is not None else a
+    _ssd_prefill_kernel[(hs, triton.cdiv(p, block_p))](
+        x, dt, a, B, C, d, h0, y, h,
+        t, hs, p, n, g,
+        HAS_D=D is not None, CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=block_n,
+    )  # fmt: skip
+    return y, h
+
+
+def ssd_chunked_prefill_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    h0: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `ssd_chunked_prefill`: the model's ssm_ops.ssd_chunked with the
+    groups expanded to heads."""
+    from xlaserve.backends_torch.layers.ssm_ops import ssd_chunked
+
+    hs = x.shape[1]
+    rep = hs // B.shape[1]
+    Bh = B.float().repeat_interleave(rep, dim=1)
+    Ch = C.float().repeat_interleave(rep, dim=1)
+    return ssd_chunked(x, dt, A.float().reshape(hs, 1, 1), Bh, Ch, D, h0, chunk=chunk)
