@@ -10,7 +10,9 @@ batch order; the runner sets them, backends_torch/state.py).
 
 A step whose requests all compute one token (decode) runs the single-step update over the batch
 (gather the slots' states, update, scatter back); any other step runs each request's chunk with
-the conv + scan reference (layers/ssm_ops.py), carrying the state across chunks exactly.
+the conv + scan reference (layers/ssm_ops.py), carrying the state across chunks exactly; with
+KernelConfig.ssm_prefill_triton on, the conv and Mamba2's chunked scan of that per-request loop
+run as the Triton kernels of kernels_cuda/ssm_prefill.py instead (same contract).
 """
 
 from __future__ import annotations
@@ -73,6 +75,16 @@ def use_ssm_kernels(device: str | torch.device, kernels: KernelConfig | None) ->
     return mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
 
 
+def use_ssm_prefill_kernels(device: str | torch.device, kernels: KernelConfig | None) -> bool:
+    """Prefill (the per-request loop) through kernels_cuda/ssm_prefill.py:
+    KernelConfig.ssm_prefill_triton "on" forces it (needs CUDA or TRITON_INTERPRET=1), "auto" =
+    on CUDA, "off" (the default until measured) = the torch references."""
+    from xlaserve.config import kernel_switch
+
+    mode = kernel_switch("ssm_prefill_triton", kernels)
+    return mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -91,6 +103,7 @@ class SSMMixer(nn.Module):
         s = spec.extra["ssm"]
         self.kind = s["kind"]
         self.triton = use_ssm_kernels(device, kernels)
+        self.prefill_triton = use_ssm_prefill_kernels(device, kernels)
         h, i, n, g = spec.hidden_size, s["d_inner"], s["state_size"], s["n_groups"]
         self.d_inner, self.n, self.groups = i, n, g
         self.hs, self.p, self.k = s["n_heads"], s["head_dim"], s["conv_kernel"]
@@ -204,16 +217,23 @@ class SSMMixer(nn.Module):
             conv_s[idx] = cs
             ssm_s[idx] = hs
             return self._finish(y, z, x.dtype)
+        conv_fn, ssd_fn = causal_conv1d, None
+        if self.prefill_triton:
+            from xlaserve.kernels_cuda.ssm_prefill import causal_conv1d_prefill, ssd_chunked_prefill
+
+            conv_fn, ssd_fn = causal_conv1d_prefill, ssd_chunked_prefill
         ys = []
         for r, slot in enumerate(slots):
             lo, hi = qsl[r], qsl[r + 1]
             cs, hs = conv_s[slot], ssm_s[slot]
             if fresh[r]:
                 cs, hs = torch.zeros_like(cs), torch.zeros_like(hs)
-            xc, cs = causal_conv1d(xbc[lo:hi], w, b, cs)
+            xc, cs = conv_fn(xbc[lo:hi], w, b, cs)
             dr = dt_raw[lo:hi] if dt_raw is not None else None
             xs, dt, B, C = self._ssm_inputs(F.silu(xc), dr)
-            if self.kind == "mamba2" and hi - lo > 1:
+            if self.kind == "mamba2" and ssd_fn is not None:  # B / C per head: G = Hs
+                y, hs = ssd_fn(xs, dt, A, B, C, self.D, hs, chunk=64)
+            elif self.kind == "mamba2" and hi - lo > 1:
                 y, hs = ssd_chunked(xs, dt, A, B, C, self.D, hs, chunk=min(self.chunk, 64))
             else:
                 y, hs = selective_scan(xs, dt, A, B, C, self.D, hs)

@@ -373,6 +373,7 @@ LORA_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 # KernelConfig fields that take TRISTATE values.
 TRISTATE_SWITCHES = (
     "triton_ops", "dense_gemv", "fused_greedy", "xla_triton_gemm", "xla_decode_gemv",
+    "ssm_prefill_triton",
 )  # fmt: skip
 
 
@@ -394,6 +395,12 @@ class KernelConfig:
     # Torch: rotary and the gated activation as Triton kernels; "auto" = on exactly with CUDA and
     # the Triton attention backend ("on" elsewhere needs TRITON_INTERPRET=1).
     triton_ops: str = "auto"
+    # Torch Mamba / Mamba2 prefill (each request's tokens of a step) through the Triton kernels
+    # of kernels_cuda/ssm_prefill.py (causal conv1d with state; Mamba2's chunked SSD scan, Mamba
+    # keeps the sequential scan) instead of the torch references. Default "off" until measured on
+    # the GPU; "auto" = on CUDA (to become the default once measured), "on" on the CPU needs
+    # TRITON_INTERPRET=1 (tests).
+    ssm_prefill_triton: str = "off"
     # Torch: rope + KV-cache write in one kernel where the Triton rotary runs and the cache holds
     # floats (a quantized cache keeps the two kernels).
     fused_rope_kv: bool = True
