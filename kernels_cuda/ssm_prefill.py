@@ -38,7 +38,8 @@ def _conv_prefill_kernel(
     cb = tl.program_id(0)
     tb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    # int64 token indices: T x row stride can pass 2^31 on long prompts.
+    t = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cm = c < C
     tm = t < T
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
@@ -61,7 +62,7 @@ def _conv_prefill_kernel(
     tl.store(y_ptr + t[:, None] * C + c[None, :], acc, mask=tm[:, None] & cm[None, :])
     if tb == 0:  # new state: the last K-1 inputs of (state, x)
         for k in tl.static_range(K - 1):
-            j = T - (K - 1) + k + tl.zeros((BLOCK_C,), dtype=tl.int32)  # a vector: vector masks
+            j = T - (K - 1) + k + tl.zeros((BLOCK_C,), dtype=tl.int64)  # a vector: vector masks
             xin = tl.load(x_ptr + j * stride_xt + c, mask=cm & (j >= 0), other=0.0)
             sin = tl.load(s_ptr + c * (K - 1) + (K - 1 + j), mask=cm & (j < 0), other=0.0)
             tl.store(ns_ptr + c * (K - 1) + k, xin.to(tl.float32) + sin.to(tl.float32), mask=cm)
@@ -132,7 +133,7 @@ def _ssd_prefill_kernel(
         dd = tl.load(d_ptr + hd).to(tl.float32)
     causal = li[:, None] >= li[None, :]
     for s in range(0, T, CHUNK):
-        t = s + li
+        t = (s + li).to(tl.int64)  # T x Hs x P can pass 2^31 on long prompts
         tm = t < T
         # dt = 0 past T: those steps neither decay nor add, so la[-1] is the last real step's.
         dt = tl.load(dt_ptr + t * Hs + hd, mask=tm, other=0.0).to(tl.float32)  # [L]
