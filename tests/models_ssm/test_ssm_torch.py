@@ -177,11 +177,12 @@ def test_triton_decode_kernels_in_engine(name: str, ssm_model_dir) -> None:  # n
     assert _generate(llm, PROMPTS[:2]) == want
 
 
-@pytest.mark.parametrize("name", ["mamba2", "mamba"])
+@pytest.mark.parametrize("name", ["mamba2", "mamba", "bamba", "falcon_h1"])
 def test_triton_prefill_kernels_in_engine(name: str, ssm_model_dir) -> None:  # noqa: ANN001
     """ssm_prefill_triton="on": prefill runs kernels_cuda/ssm_prefill.py (conv with state; the
-    Mamba2 SSD scan) under chunked prefill (token budget 5) and preemption; greedy tokens equal
-    the run with the switch off (the torch references)."""
+    Mamba2 SSD scan), also in hybrids (Bamba, Falcon-H1's parallel layers), under chunked prefill
+    (token budget 5) and preemption; greedy tokens equal the run with the switch off (the torch
+    references)."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
