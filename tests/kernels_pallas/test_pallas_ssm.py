@@ -208,3 +208,42 @@ def test_ssm_state_update_rejects_bad_groups() -> None:
             j["state"], jnp.asarray(SLOTS, jnp.int32), jnp.asarray(KEEP, jnp.float32),
             j["x"], j["dt"], j["A"], j["B"], j["C"], j["D"],
         )  # fmt: skip
+
+
+def test_kernels_under_jit_with_donated_state(tpu_interpret) -> None:  # noqa: ANN001
+    """Jitted with the state buffers donated (how a decode step would call them): the same
+    numbers as the references, two steps in a row (the second continuing the first)."""
+    from xlaserve.kernels_pallas import ssm
+
+    c, k = 12, 4
+    x, w, b, cstate = _conv_inputs(c, k, seed=5)
+    inp = _ssm_inputs(4, 8, 16, 2, True, True, seed=6)
+    j = {name: jnp.asarray(v) for name, v in inp.items()}
+    slots, keep = jnp.asarray(SLOTS, jnp.int32), jnp.asarray(KEEP, jnp.float32)
+
+    def step(conv, h, keep):  # noqa: ANN001, ANN202
+        yc, conv = ssm.conv_state_update(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), conv,
+                                         slots, keep)  # fmt: skip
+        ys, h = ssm.ssm_state_update(h, slots, keep, j["x"], j["dt"], j["A"], j["B"], j["C"],
+                                     j["D"])  # fmt: skip
+        return yc, ys, conv, h
+
+    def ref(conv, h, keep):  # noqa: ANN001, ANN202
+        yc, conv = ssm.conv_state_update_ref(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b),
+                                             conv, slots, keep)  # fmt: skip
+        ys, h = ssm.ssm_state_update_ref(h, slots, keep, j["x"], j["dt"], j["A"], j["B"],
+                                         j["C"], j["D"])  # fmt: skip
+        return yc, ys, conv, h
+
+    fast = jax.jit(step, donate_argnums=(0, 1))
+    got_c, got_h = jnp.asarray(cstate), jnp.asarray(inp["state"])
+    want_c, want_h = jnp.asarray(cstate), jnp.asarray(inp["state"])
+    for kp in (keep, jnp.ones_like(keep)):
+        yc, ys, got_c, got_h = fast(got_c, got_h, kp)
+        wyc, wys, want_c, want_h = ref(want_c, want_h, kp)
+        _close(yc, wyc)
+        _close(ys, wys)
+        _close(got_c, want_c)
+        _close(got_h, want_h)
+    for s in UNTOUCHED:
+        np.testing.assert_array_equal(np.asarray(got_h[s]), inp["state"][s])
