@@ -9,9 +9,13 @@ args.model_dir = resolve_model_dir(args, "lora-bench-")
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -62,3 +66,35 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str,
     rng = random.Random(seed)
     hi = min(vocab, 30000) - 1
     return [{"prompt_token_ids": [rng.randint(10, hi) for _ in range(length)]} for _ in range(n)]
+
+
+def run_stage(
+    in_process: Callable[[], dict[str, Any]] | None,
+    cmd: list[str],
+    out: str,
+    timeout: float,
+) -> dict[str, Any]:
+    """One benchmark stage: `in_process()` when given (an exception becomes the row's error),
+    else `cmd` in a subprocess that writes its JSON to `out` (a timeout or a non-zero exit
+    keeps what it wrote, with the error). Adds the stage's wall seconds."""
+    t = time.perf_counter()
+    if in_process is not None:
+        try:
+            res = in_process()
+        except Exception as e:  # noqa: BLE001 - recorded, the other stages go on
+            res = {"error": f"{type(e).__name__}: {e}"[:500]}
+    else:
+        if os.path.exists(out):
+            os.remove(out)
+        try:
+            rc: int | str = subprocess.run(cmd, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        res = {}
+        if os.path.exists(out):
+            with open(out) as f:
+                res = json.load(f)
+        if rc != 0:
+            res.setdefault("error", f"stage exit {rc}")
+    res["stage_wall_s"] = time.perf_counter() - t
+    return res

@@ -53,11 +53,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from xlaserve.bench.common import run_stage as run_bench_stage
 
 STAGES = ("bf16", "hf", "fp8kv", "ctx128k", "kernels", "splits32")
 ENGINE_STAGES: dict[str, dict[str, Any]] = {
@@ -540,29 +541,9 @@ def _stage_cmd(args: argparse.Namespace, stage: str, out: str) -> list[str]:
 
 def _stage(args: argparse.Namespace, stage: str) -> dict[str, Any]:
     """Run one stage in this process (--in-process) or in a subprocess (default)."""
-    t = time.perf_counter()
-    if args.in_process:
-        try:
-            res = run_stage(stage, args)
-        except Exception as e:  # noqa: BLE001 - recorded, the other stages go on
-            res = {"error": f"{type(e).__name__}: {e}"[:500]}
-    else:
-        out = os.path.join(args.work_dir, f"long-{stage}.json")
-        if os.path.exists(out):
-            os.remove(out)
-        try:
-            proc = subprocess.run(_stage_cmd(args, stage, out), timeout=args.stage_timeout)
-            rc: int | str = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        res = {}
-        if os.path.exists(out):
-            with open(out) as f:
-                res = json.load(f)
-        if rc != 0:
-            res.setdefault("error", f"stage exit {rc}")
-    res["stage_wall_s"] = time.perf_counter() - t
-    return res
+    out = os.path.join(args.work_dir, f"long-{stage}.json")
+    inner = (lambda: run_stage(stage, args)) if args.in_process else None
+    return run_bench_stage(inner, _stage_cmd(args, stage, out), out, args.stage_timeout)
 
 
 def _get(d: dict[str, Any], *keys: str) -> Any:
