@@ -93,7 +93,13 @@ _CHOICES = {
     ("scheduler", "async_scheduling"): cfg.ASYNC_SCHEDULING,
     **{
         ("kernels", n): (*cfg.TRISTATE, "1", "0")
-        for n in ("triton_ops", "dense_gemv", "fused_greedy", "xla_decode_gemv")
+        for n in (
+            "triton_ops",
+            "dense_gemv",
+            "fused_greedy",
+            "xla_decode_gemv",
+            "ssm_prefill_triton",
+        )
     },
 }
 # Sections whose environment variables only `KernelConfig.from_env` reads: their flags default to
