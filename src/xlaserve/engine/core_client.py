@@ -125,6 +125,8 @@ class CoreProcess:
         deadline = time.monotonic() + timeout
         while p.is_alive() and (left := deadline - time.monotonic()) > 0:
             p.join(min(left, 0.5))
+            if p.is_alive():
+                time.sleep(min(0.05, max(left, 0.0)))  # no busy loop if join returns at once
         if p.is_alive():
             logger.warning("engine core did not exit in %.0f s; terminating it", timeout)
             p.terminate()
