@@ -179,6 +179,16 @@ class PreparedGrammar:
     grammar: Any = None  # xgr.Grammar | None (None when already compiled and cached)
 
 
+def _verdict(m: Any, token: int, accepted: bool) -> tuple[bool, str | None] | None:  # noqa: ANN401
+    """After matcher m took `token` (accepted or not): (terminated, error) when the request's
+    grammar is done with — ended (a token past the end is ignored) or violated — else None."""
+    if m.is_terminated():
+        return True, None
+    if not accepted:
+        return False, f"token {token} violates the structured output grammar"
+    return None
+
+
 class StructuredOutputManager:
     """Compiled-grammar LRU cache + per-sequence GrammarMatchers. Not thread-safe: every method
     runs on the engine's thread; only `GrammarCompiler.compile_grammar` runs on the worker."""
@@ -482,12 +492,7 @@ class StructuredOutputManager:
         else:
             ok = [m.accept_token(t) for _, m, t in singles]
         for (rid, m, t), accepted in zip(singles, ok, strict=True):
-            if m.is_terminated():  # after its end token, or a token past the end (ignored)
-                res[rid] = (True, None)
-            elif not accepted:
-                res[rid] = (False, f"token {t} violates the structured output grammar")
-            else:
-                res[rid] = (False, None)
+            res[rid] = _verdict(m, t, accepted) or (False, None)
         return res
 
     def accept_tokens(self, req_id: str, tokens: list[int]) -> tuple[bool, str | None]:
@@ -498,12 +503,9 @@ class StructuredOutputManager:
             return False, None
         # Two matcher calls per token in the common case (accept, then is it over).
         for t in tokens:
-            if not m.accept_token(t):
-                if m.is_terminated():  # tokens after the grammar's end are ignored
-                    return True, None
-                return False, f"token {t} violates the structured output grammar"
-            if m.is_terminated():
-                return True, None
+            verdict = _verdict(m, t, m.accept_token(t))
+            if verdict is not None:
+                return verdict
         return False, None
 
     def shutdown(self) -> None:
