@@ -63,9 +63,12 @@ def _conv_prefill_kernel(
     if tb == 0:  # new state: the last K-1 inputs of (state, x)
         for k in tl.static_range(K - 1):
             j = T - (K - 1) + k + tl.zeros((BLOCK_C,), dtype=tl.int64)  # a vector: vector masks
-            xin = tl.load(x_ptr + j * stride_xt + c, mask=cm & (j >= 0), other=0.0)
-            sin = tl.load(s_ptr + c * (K - 1) + (K - 1 + j), mask=cm & (j < 0), other=0.0)
-            tl.store(ns_ptr + c * (K - 1) + k, xin.to(tl.float32) + sin.to(tl.float32), mask=cm)
+            # Own names: Triton types a name once per scope, and xin / sin above are 2-D fp32.
+            xlast = tl.load(x_ptr + j * stride_xt + c, mask=cm & (j >= 0), other=0.0)
+            slast = tl.load(s_ptr + c * (K - 1) + (K - 1 + j), mask=cm & (j < 0), other=0.0)
+            tl.store(
+                ns_ptr + c * (K - 1) + k, xlast.to(tl.float32) + slast.to(tl.float32), mask=cm
+            )
 
 
 def causal_conv1d_prefill(
