@@ -301,15 +301,21 @@ def run_transformers(path: str, a: argparse.Namespace) -> dict[str, Any]:
     one = _prompts(1, 128 if not a.tiny else 8, vocab, seed=1)
     gen(one, 4)
     rates = []
+    n1 = a.hf_batch1_output or a.batch1_output
     for _ in range(a.repeats):
-        t1, tn = gen(one, 1), gen(one, a.batch1_output)
-        rates.append((a.batch1_output - 1) / max(tn - t1, 1e-9))
+        t1, tn = gen(one, 1), gen(one, n1)
+        rates.append((n1 - 1) / max(tn - t1, 1e-9))
+        print(f"batch1 decode {rates[-1]:.1f} tok/s", file=sys.stderr, flush=True)
     prompts = _prompts(a.hf_prompts, a.input_len, vocab)
     wall = 0.0
     for i in range(0, len(prompts), a.hf_batch):
         wall += gen(prompts[i : i + a.hf_batch], a.output_len)
+        done = min(i + a.hf_batch, len(prompts))
+        print(f"offline {done} prompts: {done * a.output_len / wall:.1f} tok/s",
+              file=sys.stderr, flush=True)  # fmt: skip
     return {
         "batch1_decode_tokens_per_s": statistics.median(rates),
+        "batch1_output_tokens": n1,
         "offline_output_tokens_per_s": len(prompts) * a.output_len / wall,
         "offline_prompts": len(prompts),
         "offline_batch": a.hf_batch,
@@ -341,6 +347,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hf-prompts", type=int, default=256)
     p.add_argument("--hf-batch", type=int, default=64)
+    p.add_argument("--hf-batch1-output", type=int, default=0,
+                   help="transformers' batch-1 output tokens (0: --batch1-output)")  # fmt: skip
     p.add_argument("--bandwidth-gbs", type=float, default=4800.0)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--in-process", action="store_true", help="rows in this process (tests)")
@@ -348,6 +356,35 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-json", default="ssm_bench.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "shape:system:path"
     return p.parse_args(argv)
+
+
+class RowFailed(RuntimeError):
+    """A worker that failed or ran past its time; stderr_tail keeps its progress lines."""
+
+    def __init__(self, msg: str, stderr_tail: str) -> None:
+        super().__init__(msg)
+        self.stderr_tail = stderr_tail
+
+
+def _run_worker(cmd: list[str], timeout_s: float) -> dict[str, Any]:
+    """One row in a child process; its stderr goes to a file so a timed-out row still reports
+    how far it got (subprocess.run drops a killed child's pipes on POSIX)."""
+    with tempfile.TemporaryFile("w+") as err, tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+        err.seek(0)
+        out.seek(0)
+        tail, stdout = err.read()[-2000:], out.read()
+    if rc is None:
+        raise RowFailed(f"timed out after {timeout_s:.0f} s", tail)
+    if rc != 0:
+        raise RowFailed(f"exit status {rc}: {tail[-1000:]}", tail)
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -369,16 +406,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 else:
                     cmd = [sys.executable, "-m", "xlaserve.bench.ssm_bench", *(argv or sys.argv[1:]),
                            "--worker", f"{shape}:{system}:{path}"]  # fmt: skip
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s)
-                    if done.returncode != 0:
-                        raise RuntimeError(done.stderr[-2000:])
-                    row = json.loads(done.stdout.strip().splitlines()[-1])
+                    row = _run_worker(cmd, a.timeout_s)
                 dec = row["batch1_decode_tokens_per_s"]
                 row["batch1_ratio_to_roofline"] = dec / entry["roofline"]["roofline_tokens_per_s"]
             except Exception as e:  # noqa: BLE001 - a failed row is recorded, the others run
-                err = getattr(e, "stderr", None) or ""  # a timed-out row's progress so far
-                if isinstance(err, bytes):
-                    err = err.decode(errors="replace")
+                err = getattr(e, "stderr_tail", "")  # a timed-out row's progress so far
                 row = {"error": f"{type(e).__name__}: {e}"[-2000:], "stderr_tail": err[-1500:]}
             entry[system] = row
             with open(a.output_json, "w") as f:
