@@ -14,7 +14,8 @@ prefill (two calls over consecutive token ranges) equals one call over all of th
   h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t, y_t = h_t . C_t + D x_t. Grid: (Hs, P blocks);
   each program walks the chunks of CHUNK tokens in order: inside a chunk the output is the
   decay-masked (C B^T) matrix times dt x, plus the carried state's contribution; h is carried in
-  registers to the next chunk. All math in float32 (dots with input_precision="ieee", no TF32).
+  registers to the next chunk. All math in float32 (dots at input_precision=DOT_PREC: "ieee" by
+  default, "tf32" on request).
 
 Both are a plain, correct design (not tuned): tuning needs the GPU. The references are the model's
 own ops (backends_torch/layers/ssm_ops.py), adapted to these argument shapes.
@@ -61,13 +62,14 @@ def _conv_prefill_kernel(
         acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + t[:, None] * C + c[None, :], acc, mask=tm[:, None] & cm[None, :])
     if tb == 0:  # new state: the last K-1 inputs of (state, x)
-        for k in tl.static_range(K - 1):
-            j = T - (K - 1) + k + tl.zeros((BLOCK_C,), dtype=tl.int64)  # a vector: vector masks
-            # Own names: Triton types a name once per scope, and xin / sin above are 2-D fp32.
-            xlast = tl.load(x_ptr + j * stride_xt + c, mask=cm & (j >= 0), other=0.0)
-            slast = tl.load(s_ptr + c * (K - 1) + (K - 1 + j), mask=cm & (j < 0), other=0.0)
+        # Own names throughout: real Triton types a name once per scope (j / xin / sin above are
+        # [BLOCK_T] / [BLOCK_T, BLOCK_C]); the interpreter does not check this.
+        for kk in tl.static_range(K - 1):
+            jl = T - (K - 1) + kk + tl.zeros((BLOCK_C,), dtype=tl.int64)  # vector masks
+            xlast = tl.load(x_ptr + jl * stride_xt + c, mask=cm & (jl >= 0), other=0.0)
+            slast = tl.load(s_ptr + c * (K - 1) + (K - 1 + jl), mask=cm & (jl < 0), other=0.0)
             tl.store(
-                ns_ptr + c * (K - 1) + k, xlast.to(tl.float32) + slast.to(tl.float32), mask=cm
+                ns_ptr + c * (K - 1) + kk, xlast.to(tl.float32) + slast.to(tl.float32), mask=cm
             )
 
 
@@ -120,6 +122,7 @@ def _ssd_prefill_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, h0_ptr, y_ptr, h_ptr,
     T, Hs, P, N, G,
     HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     hd = tl.program_id(0)
     pb = tl.program_id(1)
@@ -153,18 +156,18 @@ def _ssd_prefill_kernel(
         la_end = tl.sum(tl.where(li == CHUNK - 1, la, 0.0), axis=0)
         # decay[i, j] = exp(la_i - la_j) for j <= i: the factor from step j to step i.
         diff = tl.where(causal, la[:, None] - la[None, :], 0.0)
-        cb = tl.dot(cc, tl.trans(bc), input_precision="ieee")  # [L, L]
+        cb = tl.dot(cc, tl.trans(bc), input_precision=DOT_PREC)  # [L, L]
         w = tl.where(causal, cb * tl.exp(diff) * dt[None, :], 0.0)
-        y = tl.dot(w, xc, input_precision="ieee")  # [L, BLOCK_P]
+        y = tl.dot(w, xc, input_precision=DOT_PREC)  # [L, BLOCK_P]
         # The carried state: y_i += exp(la_i) * (h . C_i).
-        y += tl.exp(la)[:, None] * tl.dot(cc, tl.trans(h), input_precision="ieee")
+        y += tl.exp(la)[:, None] * tl.dot(cc, tl.trans(h), input_precision=DOT_PREC)
         if HAS_D:
             y += dd * xc
         tl.store(y_ptr + (t[:, None] * Hs + hd) * P + p[None, :], y, mask=tm[:, None] & pm[None, :])
         # h at the chunk end = exp(la_end) h + sum_j exp(la_end - la_j) dt_j x_j (x) B_j.
         wend = tl.exp(la_end - la) * dt  # [L]
         h = tl.exp(la_end) * h + tl.dot(
-            tl.trans(xc * wend[:, None]), bc, input_precision="ieee"
+            tl.trans(xc * wend[:, None]), bc, input_precision=DOT_PREC
         )  # [BLOCK_P, BLOCK_N]
     tl.store(h_ptr + hoff, h, mask=hmask)
 
@@ -178,11 +181,17 @@ def ssd_chunked_prefill(
     D: torch.Tensor | None,
     h0: torch.Tensor,
     chunk: int = 64,
+    block_p: int | None = None,
+    num_warps: int = 4,
+    precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, Hs, P], dt [T, Hs] (softplus'ed), A [Hs] (any shape of Hs elements, e.g. the
     model's [Hs, 1, 1]), B / C [T, G, N] with G dividing Hs, D [Hs] | None, h0 [Hs, P, N]
     -> (y [T, Hs, P] float32, h_T [Hs, P, N] float32). `chunk`: tokens per inner step, a power
-    of two >= 16 (tl.dot's minimum). Same maths as ssm_ops.ssd_chunked / selective_scan."""
+    of two >= 16 (tl.dot's minimum). Same maths as ssm_ops.ssd_chunked / selective_scan.
+    Launch knobs (bench/gpu_probes/ssd_prefill_sweep.py): block_p (P rows per program, a power
+    of two >= 16; default min(P, 64)), num_warps, precision of the dots ("ieee" = exact fp32,
+    "tf32" = tensor cores)."""
     check_device("ssd_chunked_prefill", x, dt, A, B, C, h0)
     if x.dim() != 3 or B.dim() != 3 or C.shape != B.shape:
         raise ValueError("ssd_chunked_prefill: x [T, Hs, P], B and C [T, G, N] of one shape")
@@ -207,13 +216,18 @@ def ssd_chunked_prefill(
     h0 = h0.float().contiguous()
     y = torch.empty((t, hs, p), dtype=torch.float32, device=x.device)
     h = torch.empty((hs, p, n), dtype=torch.float32, device=x.device)
-    block_p = max(min(next_pow2(p), 64), 16)
+    if precision not in ("ieee", "tf32"):
+        raise ValueError(f"ssd_chunked_prefill: precision 'ieee' or 'tf32', got {precision!r}")
+    block_p = block_p or max(min(next_pow2(p), 64), 16)
+    if block_p < 16 or block_p & (block_p - 1):
+        raise ValueError(f"ssd_chunked_prefill: block_p a power of two >= 16, got {block_p}")
     block_n = max(next_pow2(n), 16)
     d = D.float().reshape(hs).contiguous() if D is not None else a
     _ssd_prefill_kernel[(hs, triton.cdiv(p, block_p))](
         x, dt, a, B, C, d, h0, y, h,
         t, hs, p, n, g,
-        HAS_D=D is not None, CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=block_n,
+        HAS_D=D is not None, CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=block_n, DOT_PREC=precision,
+        num_warps=num_warps,
     )  # fmt: skip
     return y, h
 
