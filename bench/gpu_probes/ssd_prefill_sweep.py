@@ -12,7 +12,6 @@ CPU smoke run: ``TRITON_INTERPRET=1 python -m xlaserve.bench.gpu_probes.ssd_pref
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 from typing import Any
 
@@ -28,14 +27,39 @@ VARIANTS = [
 ]  # fmt: skip
 
 
+def _sweep(
+    t: int, args: tuple, variants: list, iters: int, cuda: bool, force_bp: int
+) -> list[dict[str, Any]]:
+    """One row per variant at T = t tokens; args = (x, dt, A, B, C, D, h0)."""
+    from xlaserve.kernels_cuda.ssm_prefill import ssd_chunked_prefill, ssd_chunked_prefill_ref
+
+    y_ref, h_ref = ssd_chunked_prefill_ref(*args)
+    ref_ms = time_ms(lambda: ssd_chunked_prefill_ref(*args), iters, cuda)
+    rows = []
+    for bp, nw, prec, chunk in variants:
+        bp = force_bp or bp
+        row: dict[str, Any] = {"tokens": t, "block_p": bp, "num_warps": nw, "precision": prec,
+                               "chunk": chunk}  # fmt: skip
+        try:
+            kw = {"chunk": chunk, "block_p": bp, "num_warps": nw, "precision": prec}
+            y, h = ssd_chunked_prefill(*args, **kw)
+            err = max((y - y_ref).abs().max().item(), (h - h_ref).abs().max().item())
+            ms = time_ms(lambda kw=kw: ssd_chunked_prefill(*args, **kw), iters, cuda)
+            row.update(kernel_ms=round(ms, 4), reference_ms=round(ref_ms, 4),
+                       speedup=round(ref_ms / ms, 3), max_abs_err=err)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a row
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="256,1024")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args(argv)
-    from xlaserve.kernels_cuda.ssm_prefill import ssd_chunked_prefill, ssd_chunked_prefill_ref
-
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     hs, p, n = (4, 16, 16) if a.tiny else (80, 64, 128)
@@ -44,36 +68,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for t in tokens:
-        x = torch.randn(t, hs, p, device=dev, generator=g)
-        dt = torch.nn.functional.softplus(torch.randn(t, hs, device=dev, generator=g) - 2)
-        A = -torch.exp(torch.randn(hs, device=dev, generator=g))
-        B = torch.randn(t, hs, n, device=dev, generator=g)
-        C = torch.randn(t, hs, n, device=dev, generator=g)
-        D = torch.randn(hs, device=dev, generator=g)
-        h0 = torch.randn(hs, p, n, device=dev, generator=g)
-        y_ref, h_ref = ssd_chunked_prefill_ref(x, dt, A, B, C, D, h0)
-        ref_ms = time_ms(lambda: ssd_chunked_prefill_ref(x, dt, A, B, C, D, h0), a.iters, cuda)
-        for bp, nw, prec, chunk in itertools.chain(variants):
-            if a.tiny:
-                bp = 16
-
-            def fn(bp=bp, nw=nw, prec=prec, chunk=chunk) -> Any:  # noqa: ANN001
-                return ssd_chunked_prefill(
-                    x, dt, A, B, C, D, h0, chunk=chunk, block_p=bp, num_warps=nw, precision=prec
-                )
-
-            try:
-                y, h = fn()
-                err = max((y - y_ref).abs().max().item(), (h - h_ref).abs().max().item())
-                ms = time_ms(fn, a.iters, cuda)
-                row = {"tokens": t, "block_p": bp, "num_warps": nw, "precision": prec,
-                       "chunk": chunk, "kernel_ms": round(ms, 4), "reference_ms": round(ref_ms, 4),
-                       "speedup": round(ref_ms / ms, 3), "max_abs_err": err}  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a row
-                row = {"tokens": t, "block_p": bp, "num_warps": nw, "precision": prec,
-                       "chunk": chunk, "error": f"{type(e).__name__}: {e}"[:300]}  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        args = (
+            torch.randn(t, hs, p, device=dev, generator=g),  # x
+            torch.nn.functional.softplus(torch.randn(t, hs, device=dev, generator=g) - 2),  # dt
+            -torch.exp(torch.randn(hs, device=dev, generator=g)),  # A
+            torch.randn(t, hs, n, device=dev, generator=g),  # B
+            torch.randn(t, hs, n, device=dev, generator=g),  # C
+            torch.randn(hs, device=dev, generator=g),  # D
+            torch.randn(hs, p, n, device=dev, generator=g),  # h0
+        )
+        rows.extend(_sweep(t, args, variants, a.iters, cuda, 16 if a.tiny else 0))
     return rows
 
 
