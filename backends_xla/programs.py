@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
+from xlaserve.backends_xla.exec_cache import executable_cache
 from xlaserve.backends_xla.sampler import (
     GREEDY,
     SampleMode,
@@ -251,23 +252,47 @@ def lower_program(r: XlaModelRunner, kind: str, n: int) -> jax.stages.Lowered:
 
 
 def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None:
-    """Compile `programs` (default: every start-up program), lowering one by one (tracing
-    holds the GIL) and compiling in threads (XLA releases it), with a progress bar."""
+    """Compile `programs` (default: every start-up program): each one loaded from the executable
+    cache when there, else lowered (one by one: tracing holds the GIL) and compiled in a thread
+    (XLA releases it) while the next is lowered, with a progress bar."""
     todo = [p for p in programs if p not in r.programs]
-    lowered = {p: lower_program(r, *p) for p in todo}
+    cache = executable_cache(r)
+    if cache is not None:  # a warm start: serialized executables, no tracing
+        for p in todo:
+            compiled = cache.load(*p)
+            if compiled is not None:
+                r.programs[p] = compiled
+                if p[0] == FORWARD:  # what lowering the forward would have set
+                    r._hidden_dtype = compiled.out_info[1].dtype
+        loaded = len(todo) - len([p for p in todo if p not in r.programs])
+        r.exec_cache_loads += loaded
+        # Samplers are lowered after a forward (they read its hidden dtype): keep the order.
+        todo = [p for p in todo if p not in r.programs]
+        if loaded:
+            logger.info("loaded %d XLA programs from the executable cache", loaded)
+    if not todo:
+        return
     workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
     with (
         ThreadPoolExecutor(workers) as pool,
         tqdm(total=len(todo), desc="Compiling XLA programs", unit="program", leave=False) as bar,
     ):
-        futures = {pool.submit(low.compile): p for p, low in lowered.items()}
+        # Each program compiles while the next one is traced (cold start-up: the compiles of
+        # the first programs overlap the tracing of the rest instead of waiting for all of it).
+        futures = {pool.submit(lower_program(r, *p).compile): p for p in todo}
         for fut in as_completed(futures):
             r.programs[futures[fut]] = fut.result()
+            if cache is not None:
+                cache.store(*futures[fut], r.programs[futures[fut]])
             bar.update()
     logger.info(
         "compiled %d XLA programs (%d token buckets %s, %d request buckets %s)",
         len(todo), len(r.token_buckets), r.token_buckets, len(r.seq_buckets), r.seq_buckets,
     )  # fmt: skip
+
+
+# Executable-cache kind of the forward that peak_activation_bytes compiles (never served).
+PEAK_FORWARD = "peak_forward"
 
 
 def peak_activation_bytes(r: XlaModelRunner) -> int:
@@ -277,7 +302,13 @@ def peak_activation_bytes(r: XlaModelRunner) -> int:
     kv = [kv_layer_structs(r, 1)] * r.spec.num_layers
     args = r._device_inputs(r._dummy_batch(t))
     try:
-        stats = r._jitted[FORWARD].lower(r.weights, kv, *args).compile().memory_analysis()
+        cache = executable_cache(r)  # the largest forward over a 1-block cache, for its stats
+        compiled = cache.load(PEAK_FORWARD, t) if cache is not None else None
+        if compiled is None:
+            compiled = r._jitted[FORWARD].lower(r.weights, kv, *args).compile()
+            if cache is not None:
+                cache.store(PEAK_FORWARD, t, compiled)
+        stats = compiled.memory_analysis()
         return int(stats.temp_size_in_bytes + stats.output_size_in_bytes) + sampler_bytes
     except Exception:  # noqa: BLE001 - memory analysis is optional on some backends
         h, i = r.spec.hidden_size, r.spec.intermediate_size

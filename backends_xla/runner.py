@@ -219,6 +219,7 @@ class XlaModelRunner(RunnerCore):
         # (kind, bucket) -> compiled executable; kinds FORWARD (T), SAMPLE (B), PROMPT_LOGPROBS (T).
         self.programs: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.lazy_compiles: list[tuple[str, int]] = []  # programs compiled after start-up
+        self.exec_cache_loads = 0  # programs loaded from the executable cache (exec_cache.py)
         # Sampler specializations compiled in the background the first time a step needs one
         # (`_sample_program`); the general SAMPLE program serves those steps meanwhile.
         self.sample_variants: dict[tuple[str, int], jax.stages.Compiled] = {}

@@ -60,9 +60,14 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]), ("model",))
 
 
+def compilation_cache_path(path: str | None) -> str:
+    """EngineConfig.compilation_cache_dir, or its default ~/.cache/xlaserve/jax, expanded."""
+    return os.path.expanduser(path or os.path.join("~", ".cache", "xlaserve", "jax"))
+
+
 def setup_compilation_cache(path: str | None) -> str:
     """Turn on JAX's persistent compilation cache (every program, however small or fast)."""
-    path = os.path.expanduser(path or os.path.join("~", ".cache", "xlaserve", "jax"))
+    path = compilation_cache_path(path)
     os.makedirs(path, exist_ok=True)
     current = jax.config.jax_compilation_cache_dir
     if current and current != path:

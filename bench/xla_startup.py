@@ -3,8 +3,9 @@
 Cold: a fresh JAX persistent compilation cache; warm: a new process with the cache the cold run
 filled (what a restarted server sees). Each run is its own subprocess (a process's in-memory
 caches would flatter the warm figure). Per run: seconds from `LLM(...)` to ready, the number of
-XLA backend compilations and their summed seconds (JAX's compile-duration events; cache hits are
-counted apart), the token / request buckets, and the seconds to the first generated token of
+XLA backend compilations and their summed seconds (JAX's compile-duration events; persistent-cache
+hits are counted apart, and so are programs loaded from xlaserve's executable cache, which skip
+tracing too: backends_xla/exec_cache.py), the token / request buckets, and the seconds to the first generated token of
 one request after start-up (a compile missed at start-up shows there).
 
     # H200, the Llama-3.1-8B shape with dummy bf16 weights (the goal: cold <= 30 s,
@@ -51,11 +52,26 @@ def one_start(args: argparse.Namespace) -> dict[str, Any]:
     kw = model_engine_kwargs(args)
     kw["backend"] = "xla"
     max_len = args.max_model_len or (2048 if args.llama8b else None)
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     llm = LLM(args.model_dir, max_num_batched_tokens=args.tokens, max_num_seqs=args.seqs,
               max_model_len=max_len, compilation_cache_dir=args.cache_dir,
               **kw)  # fmt: skip
     ready = time.perf_counter() - t0
+    top: list[str] = []
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(args.profile)
+        top = [ln for ln in buf.getvalue().splitlines() if ln.strip()][-args.profile :]
     n_start, s_start, n_hits = len(compiles), sum(compiles), len(hits)
     runner = llm.llm_engine.runner
     t1 = time.perf_counter()
@@ -70,12 +86,15 @@ def one_start(args: argparse.Namespace) -> dict[str, Any]:
         "programs": n_start,
         "persistent_cache_hits": n_hits,
         "xla_compiles": n_start - n_hits,
+        "executable_cache_loads": getattr(runner, "exec_cache_loads", 0),
         "compile_seconds": round(s_start, 2),
         "first_token_s": round(first, 3),
         "compiles_during_first_request": len(compiles) - n_start,
         "token_buckets": getattr(runner, "token_buckets", None),
         "seq_buckets": getattr(runner, "seq_buckets", None),
     }
+    if top:
+        out["profile_top_cumulative"] = top
     llm.llm_engine.shutdown()
     return out
 
@@ -89,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON path: one start
     ap.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile's top N rows per run")
     ap.add_argument("--in-process", action="store_true", help="runs in this process (tests)")
     ap.add_argument("--output-json", default="xla_startup.json")
     a = ap.parse_args(argv)
@@ -104,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = os.path.join(cache, f"{name}.json")
         cmd = [sys.executable, "-m", "xlaserve.bench.xla_startup", "--model-dir", a.model_dir,
                "--tokens", str(a.tokens), "--seqs", str(a.seqs), "--max-model-len",
-               str(a.max_model_len), "--cache-dir", cache, "--worker", out]  # fmt: skip
+               str(a.max_model_len), "--cache-dir", cache, "--worker", out,
+               "--profile", str(a.profile)]  # fmt: skip
         if a.llama8b:  # the dummy-weight keywords (the model dir is already written)
             cmd += ["--llama8b"] + (["--tiny"] if a.tiny else [])
 

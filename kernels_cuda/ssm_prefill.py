@@ -117,6 +117,9 @@ def causal_conv1d_prefill_ref(
     return causal_conv1d(x, weight, bias, state)
 
 
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
+
+
 @triton.jit
 def _ssd_prefill_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, h0_ptr, y_ptr, h_ptr,
@@ -190,8 +193,8 @@ def ssd_chunked_prefill(
     -> (y [T, Hs, P] float32, h_T [Hs, P, N] float32). `chunk`: tokens per inner step, a power
     of two >= 16 (tl.dot's minimum). Same maths as ssm_ops.ssd_chunked / selective_scan.
     Launch knobs (bench/gpu_probes/ssd_prefill_sweep.py): block_p (P rows per program, a power
-    of two >= 16; default min(P, 64)), num_warps, precision of the dots ("ieee" = exact fp32,
-    "tf32" = tensor cores)."""
+    of two >= 16; default min(P, 64)), num_warps, precision of the dots ("ieee" = exact fp32 on
+    CUDA cores, "tf32x3" = three tf32 tensor-core products, ~fp32 accuracy, "tf32" = one)."""
     check_device("ssd_chunked_prefill", x, dt, A, B, C, h0)
     if x.dim() != 3 or B.dim() != 3 or C.shape != B.shape:
         raise ValueError("ssd_chunked_prefill: x [T, Hs, P], B and C [T, G, N] of one shape")
@@ -216,8 +219,10 @@ def ssd_chunked_prefill(
     h0 = h0.float().contiguous()
     y = torch.empty((t, hs, p), dtype=torch.float32, device=x.device)
     h = torch.empty((hs, p, n), dtype=torch.float32, device=x.device)
-    if precision not in ("ieee", "tf32"):
-        raise ValueError(f"ssd_chunked_prefill: precision 'ieee' or 'tf32', got {precision!r}")
+    if precision not in DOT_PRECISIONS:
+        raise ValueError(
+            f"ssd_chunked_prefill: precision one of {DOT_PRECISIONS}, got {precision!r}"
+        )
     block_p = block_p or max(min(next_pow2(p), 64), 16)
     if block_p < 16 or block_p & (block_p - 1):
         raise ValueError(f"ssd_chunked_prefill: block_p a power of two >= 16, got {block_p}")

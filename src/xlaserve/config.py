@@ -767,6 +767,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # XLA persistent compilation cache directory (None = ~/.cache/xlaserve/jax).
     compilation_cache_dir: str | None = None
+    # XLA: start-up programs also stored as serialized executables under the compilation cache
+    # directory (backends_xla/exec_cache.py), so a warm start loads them without tracing.
+    xla_executable_cache: bool = True
 
     def __post_init__(self) -> None:
         from xlaserve.runner import registered_backends  # no torch/jax: names only
@@ -798,7 +801,7 @@ class EngineConfig:
         }
         parts: dict[str, dict[str, Any]] = {g: {} for g in groups}
         top: dict[str, Any] = {}
-        top_names = {"backend", "enforce_eager", "compilation_cache_dir"}
+        top_names = {"backend", "enforce_eager", "compilation_cache_dir", "xla_executable_cache"}
         owners = {f.name: g for g, c in groups.items() for f in fields(c)}
         unknown = []
         for key, value in kwargs.items():
