@@ -14,8 +14,8 @@ prefill (two calls over consecutive token ranges) equals one call over all of th
   h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t, y_t = h_t . C_t + D x_t. Grid: (Hs, P blocks);
   each program walks the chunks of CHUNK tokens in order: inside a chunk the output is the
   decay-masked (C B^T) matrix times dt x, plus the carried state's contribution; h is carried in
-  registers to the next chunk. All math in float32 (dots at input_precision=DOT_PREC: "ieee" by
-  default, "tf32" on request).
+  registers to the next chunk. All math in float32; the dots at input_precision=DOT_PREC
+  ("tf32x3" by default: tensor cores at ~fp32 accuracy).
 
 Both are a plain, correct design (not tuned): tuning needs the GPU. The references are the model's
 own ops (backends_torch/layers/ssm_ops.py), adapted to these argument shapes.
@@ -186,15 +186,17 @@ def ssd_chunked_prefill(
     chunk: int = 64,
     block_p: int | None = None,
     num_warps: int = 4,
-    precision: str = "ieee",
+    precision: str = "tf32x3",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, Hs, P], dt [T, Hs] (softplus'ed), A [Hs] (any shape of Hs elements, e.g. the
     model's [Hs, 1, 1]), B / C [T, G, N] with G dividing Hs, D [Hs] | None, h0 [Hs, P, N]
     -> (y [T, Hs, P] float32, h_T [Hs, P, N] float32). `chunk`: tokens per inner step, a power
     of two >= 16 (tl.dot's minimum). Same maths as ssm_ops.ssd_chunked / selective_scan.
     Launch knobs (bench/gpu_probes/ssd_prefill_sweep.py): block_p (P rows per program, a power
-    of two >= 16; default min(P, 64)), num_warps, precision of the dots ("ieee" = exact fp32 on
-    CUDA cores, "tf32x3" = three tf32 tensor-core products, ~fp32 accuracy, "tf32" = one)."""
+    of two >= 16; default min(P, 32)), num_warps, precision of the dots ("ieee" = exact fp32 on
+    CUDA cores, "tf32x3" = three tf32 tensor-core products, ~fp32 accuracy, "tf32" = one). H200,
+    Mamba2-2.7B layer, T = 256: ieee 5.24 ms (64, 4 warps) / 2.35 ms (32, 8 warps), tf32 0.11-0.14
+    ms against the torch reference's 4.28 ms: the exact fp32 dots ran on CUDA cores and spilled."""
     check_device("ssd_chunked_prefill", x, dt, A, B, C, h0)
     if x.dim() != 3 or B.dim() != 3 or C.shape != B.shape:
         raise ValueError("ssd_chunked_prefill: x [T, Hs, P], B and C [T, G, N] of one shape")
@@ -223,7 +225,7 @@ def ssd_chunked_prefill(
         raise ValueError(
             f"ssd_chunked_prefill: precision one of {DOT_PRECISIONS}, got {precision!r}"
         )
-    block_p = block_p or max(min(next_pow2(p), 64), 16)
+    block_p = block_p or max(min(next_pow2(p), 32), 16)
     if block_p < 16 or block_p & (block_p - 1):
         raise ValueError(f"ssd_chunked_prefill: block_p a power of two >= 16, got {block_p}")
     block_n = max(next_pow2(n), 16)
