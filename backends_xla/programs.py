@@ -282,9 +282,10 @@ def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None
         futures = {pool.submit(lower_program(r, *p).compile): p for p in todo}
         for fut in as_completed(futures):
             r.programs[futures[fut]] = fut.result()
-            if cache is not None:
-                cache.store(*futures[fut], r.programs[futures[fut]])
             bar.update()
+    if cache is not None:  # serialized off the start-up path; shutdown waits for the writes
+        cache.store_later([(*p, r.programs[p]) for p in todo])
+        r.exec_cache_writers.append(cache)
     logger.info(
         "compiled %d XLA programs (%d token buckets %s, %d request buckets %s)",
         len(todo), len(r.token_buckets), r.token_buckets, len(r.seq_buckets), r.seq_buckets,
@@ -307,7 +308,8 @@ def peak_activation_bytes(r: XlaModelRunner) -> int:
         if compiled is None:
             compiled = r._jitted[FORWARD].lower(r.weights, kv, *args).compile()
             if cache is not None:
-                cache.store(PEAK_FORWARD, t, compiled)
+                cache.store_later([(PEAK_FORWARD, t, compiled)])
+                r.exec_cache_writers.append(cache)
         stats = compiled.memory_analysis()
         return int(stats.temp_size_in_bytes + stats.output_size_in_bytes) + sampler_bytes
     except Exception:  # noqa: BLE001 - memory analysis is optional on some backends

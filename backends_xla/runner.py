@@ -125,6 +125,10 @@ class _Launched(LaunchedStep):
     resume: Any = None
 
 
+# Longest a shutdown waits for the executable cache's background writes (exec_cache.py).
+EXEC_CACHE_JOIN_S = 120.0
+
+
 class XlaModelRunner(RunnerCore):
     """See the module docstring. Constructed as `XlaModelRunner(config, spec)`."""
 
@@ -220,6 +224,7 @@ class XlaModelRunner(RunnerCore):
         self.programs: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.lazy_compiles: list[tuple[str, int]] = []  # programs compiled after start-up
         self.exec_cache_loads = 0  # programs loaded from the executable cache (exec_cache.py)
+        self.exec_cache_writers: list = []  # ExecutableCaches writing in the background
         # Sampler specializations compiled in the background the first time a step needs one
         # (`_sample_program`); the general SAMPLE program serves those steps meanwhile.
         self.sample_variants: dict[tuple[str, int], jax.stages.Compiled] = {}
@@ -407,6 +412,9 @@ class XlaModelRunner(RunnerCore):
                 pass
 
     def shutdown(self) -> None:
+        for cache in self.exec_cache_writers:  # finish writing this start-up's executables
+            cache.join(timeout=EXEC_CACHE_JOIN_S)
+        self.exec_cache_writers.clear()
         if self.multihost is not None:
             self.multihost.stop()
         self.requests.clear()

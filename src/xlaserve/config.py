@@ -141,6 +141,8 @@ def default_batch_limits(platform: Any, offline: bool, backend: str = "auto") ->
     torch backend on CUDA / ROCm (GPU_BATCH_LIMITS), HOST_BATCH_LIMITS elsewhere (and for the
     XLA backend, which compiles a bucket per size). `platform`: an xlaserve.platforms.Platform
     (or its proxy); offline: the `LLM` class, else the server; backend: EngineConfig.backend."""
+    if backend not in ("auto", "torch"):  # asks nothing of the platform: on an NVIDIA host
+        return HOST_BATCH_LIMITS  # that means importing torch and a CUDA context (XLA start-up)
     if backend == "auto":
         backend = platform.default_backend
     if not platform.is_gpu() or backend != "torch":

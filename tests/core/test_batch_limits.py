@@ -69,3 +69,16 @@ def test_llm_takes_the_offline_limits(monkeypatch):
     monkeypatch.setattr(llm_mod, "default_batch_limits", cfg.default_batch_limits)
     sc = LLM().llm_engine.config.scheduler
     assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (3, 96) and seen == [True]
+
+
+class _Untouchable:
+    """A platform that must not be asked (asking it imports torch on an NVIDIA host)."""
+
+    def __getattr__(self, item: str) -> None:
+        raise AssertionError(f"platform.{item} read for an explicit non-torch backend")
+
+
+def test_explicit_xla_backend_asks_nothing_of_the_platform() -> None:
+    assert cfg.default_batch_limits(_Untouchable(), True, "xla") == cfg.HOST_BATCH_LIMITS
+    with pytest.raises(AssertionError):
+        cfg.default_batch_limits(_Untouchable(), True, "auto")
