@@ -347,8 +347,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch1-output", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hf-prompts", type=int, default=256)
-    # transformers without mamba_ssm: its torch chunk scan needs ~2.5 GiB a prompt-token-chunk
-    # product; 64 prompts of 256 tokens asked for 160-256 GiB on the H200.
+    # transformers without mamba_ssm runs a torch chunk scan whose memory grows with the batch:
+    # 64 prompts of 256 tokens asked for 160 GiB (Mamba2-2.7B) / 256 GiB (Bamba-9B) on the H200.
     p.add_argument("--hf-batch", type=int, default=8)
     p.add_argument("--hf-batch1-output", type=int, default=0,
                    help="transformers' batch-1 output tokens (0: --batch1-output)")  # fmt: skip
