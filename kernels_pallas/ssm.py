@@ -1,4 +1,4 @@
-"""Decode-step kernels of state-space layers (Mamba, Mamba2) in Pallas (TPU; tested in TPU
+"""Decode-step and prefill kernels of state-space layers (Mamba, Mamba2) in Pallas (TPU; tested in TPU
 interpret mode on the CPU), with plain jnp references. The Pallas twins of kernels_cuda/ssm.py,
 with the same contracts and the same float32 maths:
 
@@ -15,6 +15,13 @@ Both read and write each request's state IN PLACE in the slot cache: the cache i
 output (input_output_aliases) and the slots come in as a scalar prefetch, so each program DMAs only
 its own slot's rows; rows of other slots are never touched. Slots must be distinct and < S (padding
 rows are the caller's to drop). y is float32.
+
+Prefill, one request's T tokens (the twins of kernels_cuda/ssm_prefill.py, same contracts):
+- `causal_conv1d_prefill`: x [T, C] from state [C, K-1] -> (y [T, C], the last K-1 inputs of
+  (state, x[:length])); C blocks on the lanes.
+- `ssd_chunked_prefill`: Mamba2's chunked scan, one program per head, chunks of matmuls (the
+  cumulative log decay as a lower-triangular matmul, as in gdn.py), the state carried across
+  chunks in a fori_loop.
 """
 
 from __future__ import annotations
@@ -225,3 +232,196 @@ def ssm_state_update_ref(
     if D is not None:
         y = y + D.astype(_F32)[None, :, None] * xf
     return y, state.at[slots].set(h)
+
+
+# --- prefill: causal conv1d over one request's tokens -------------------------------------------
+
+
+def _conv_prefill_kernel(n_ref, x_ref, w_ref, b_ref, st_ref, y_ref, so_ref, *, k: int, t: int):  # noqa: ANN001, ANN202
+    # C on lanes: x [T, BC], state [K-1, BC] (the oldest input first), weight [K, BC].
+    xp = jnp.concatenate([st_ref[...], x_ref[...]], axis=0)  # [K-1+T, BC]: (state, x)
+    w = w_ref[...]
+    acc = xp[0:t] * w[0:1]
+    for j in range(1, k):  # tap j reads input t - (K-1) + j = xp[t + j]
+        acc = acc + xp[j : j + t] * w[j : j + 1]
+    y_ref[...] = acc + b_ref[...]
+    # The new state: the last K-1 inputs of (state, x[:n]) = xp[n : n + K-1].
+    so_ref[...] = jax.lax.dynamic_slice_in_dim(xp, n_ref[0], k - 1, axis=0)
+
+
+def causal_conv1d_prefill(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    state: jax.Array,
+    length: jax.Array | int | None = None,
+    block_c: int = 128,
+) -> tuple[jax.Array, jax.Array]:
+    """One request's prefill through the causal depthwise conv: x [T, C], weight [C, K] (K >= 2),
+    bias [C] | None, state [C, K-1] (the K-1 inputs before x, oldest first) -> (y [T, C] float32
+    before the activation, new state [C, K-1] float32 = the last K-1 inputs of (state,
+    x[:length])). length (a traced int32 scalar is fine; default T): the real tokens of a padded
+    x; rows past it give garbage y and never enter the state. Grid: C blocks of block_c lanes (the
+    whole C when it does not divide). The twin of kernels_cuda.ssm_prefill.causal_conv1d_prefill."""
+    t, c = x.shape
+    k = weight.shape[1]
+    if k < 2 or weight.shape[0] != c or state.shape != (c, k - 1):
+        raise ValueError(
+            f"causal_conv1d_prefill: x [T, C], weight [C, K >= 2], state [C, K-1]; got "
+            f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(state.shape)}"
+        )
+    bc = block_c if c % block_c == 0 else c
+    n = jnp.asarray(t if length is None else length, jnp.int32).reshape(1)
+    b2 = jnp.zeros((1, c), _F32) if bias is None else bias.astype(_F32).reshape(1, c)
+    lanes = lambda rows: pl.BlockSpec((rows, bc), lambda i, n: (0, i))  # noqa: E731
+    y, new = pl.pallas_call(
+        lambda *refs: _conv_prefill_kernel(*refs, k=k, t=t),
+        grid_spec=PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(c // bc,),
+            in_specs=[lanes(t), lanes(k), lanes(1), lanes(k - 1)],
+            out_specs=[lanes(t), lanes(k - 1)],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((t, c), _F32),
+            jax.ShapeDtypeStruct((k - 1, c), _F32),
+        ],  # fmt: skip
+    )(n, x.astype(_F32), weight.astype(_F32).T, b2, state.astype(_F32).T)
+    return y, new.T
+
+
+def causal_conv1d_prefill_ref(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    state: jax.Array,
+    length: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The jnp reference of `causal_conv1d_prefill`: the model's ragged conv
+    (models_flax.ssm_ops.ragged_causal_conv1d) with one request row."""
+    from xlaserve.models_flax.ssm_ops import ragged_causal_conv1d, row_layout
+
+    t = x.shape[0]
+    n = t if length is None else length
+    cu = jnp.asarray([0, n], jnp.int32)
+    lay = row_layout(cu, jnp.asarray([n + 1], jnp.int32), t)  # not fresh: the state counts
+    y, new = ragged_causal_conv1d(x, weight, bias, state.astype(_F32)[None], lay, cu)
+    return y, new[0]
+
+
+# --- prefill: Mamba2 chunked SSD scan over one request's tokens ---------------------------------
+
+
+def _tri(n: int) -> jax.Array:
+    """[n, n] float32 lower-triangular ones (diagonal included)."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    return jnp.where(r >= c, 1.0, 0.0).astype(_F32)
+
+
+def _mm(a: jax.Array, b: jax.Array, dims: tuple) -> jax.Array:
+    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=_F32,
+                               precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+
+
+def _ssd_prefill_kernel(x_ref, dc_ref, dr_ref, a_ref, b_ref, c_ref, d_ref, h0_ref, y_ref, h_ref,
+                        *, bt: int, n: int):  # fmt: skip  # noqa: ANN001, ANN202
+    lower = _tri(bt)
+    a = a_ref[0]  # [1, 1]
+    dd = d_ref[0]  # [1, 1]
+
+    def body(ci, h):  # noqa: ANN001, ANN202
+        rows = pl.ds(pl.multiple_of(ci * bt, bt), bt)
+        x = x_ref[0, rows, :]  # [L, P]
+        dtc, dtr = dc_ref[0, rows, :], dr_ref[0, :, rows]  # [L, 1], [1, L]
+        bb, cc = b_ref[0, rows, :], c_ref[0, rows, :]  # [L, N]
+        la_c = _mm(lower, dtc * a, ((1,), (0,)))  # [L, 1] log decay from the chunk start
+        la_r = _mm(dtr * a, lower, ((1,), (1,)))  # [1, L] the same as a row
+        decay = jnp.exp(jnp.minimum(la_c - la_r, 0.0)) * lower  # exp(la_i - la_j), j <= i
+        w = _mm(cc, bb, ((1,), (1,))) * decay * dtr  # (C B^T) masked, times dt_j
+        y = _mm(w, x, ((1,), (0,))) + jnp.exp(la_c) * _mm(cc, h, ((1,), (1,)))  # + carried h
+        y_ref[0, rows, :] = y + dd * x
+        la_end = la_c[bt - 1 : bt, :]  # [1, 1]
+        xw = x * (jnp.exp(la_end - la_c) * dtc)  # [L, P]
+        return jnp.exp(la_end) * h + _mm(xw, bb, ((0,), (0,)))  # [P, N]
+
+    h_ref[0] = jax.lax.fori_loop(0, n, body, h0_ref[0].astype(_F32))
+
+
+def ssd_chunked_prefill(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    D: jax.Array | None,
+    h0: jax.Array,
+    chunk: int = 64,
+) -> tuple[jax.Array, jax.Array]:
+    """One request's Mamba2 prefill: x [T, Hs, P], dt [T, Hs] (softplus'ed; 0 on padding tokens,
+    which then change nothing), A [Hs] (any shape of Hs scalars), B / C [T, G, N] (head h reads
+    group h // (Hs / G)), D [Hs] | None, h0 [Hs, P, N] -> (y [T, Hs, P] float32, h_T [Hs, P, N]
+    float32). One program per head walks the chunks of `chunk` tokens (T padded with dt = 0):
+    inside a chunk y = ((C B^T) * decay * dt) x + exp(la) (C h^T) + D x, then h carried to the
+    chunk end. The twin of kernels_cuda.ssm_prefill.ssd_chunked_prefill (same maths)."""
+    t, hs, p = x.shape
+    g, nst = B.shape[1], B.shape[2]
+    if dt.shape != (t, hs) or A.size != hs or B.shape[0] != t or C.shape != B.shape:
+        raise ValueError("ssd_chunked_prefill: dt [T, Hs], A of Hs scalars, B = C [T, G, N]")
+    if g < 1 or hs % g or h0.shape != (hs, p, nst):
+        raise ValueError(f"ssd_chunked_prefill: G must divide Hs and h0 be [Hs, P, N]; got G={g}")
+    if chunk < 8 or chunk % 8:
+        raise ValueError(f"ssd_chunked_prefill: chunk must be a multiple of 8, got {chunk}")
+    pad = (-t) % chunk
+    tp = t + pad
+    rep = hs // g
+
+    def hm(a: jax.Array) -> jax.Array:  # [T, H, ...] -> [H, Tp, ...] float32, zero padded
+        a = jnp.pad(a.astype(_F32), [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return jnp.moveaxis(a, 1, 0)
+
+    dtc = hm(dt)[..., None]  # [Hs, Tp, 1]
+    d3 = (jnp.zeros(hs, _F32) if D is None else D.astype(_F32).reshape(hs)).reshape(hs, 1, 1)
+    per_head = lambda d: pl.BlockSpec((1, tp, d), lambda i: (i, 0, 0))  # noqa: E731
+    per_group = pl.BlockSpec((1, tp, nst), lambda i: (i // rep, 0, 0))
+    scalar = pl.BlockSpec((1, 1, 1), lambda i: (i, 0, 0))
+    state = pl.BlockSpec((1, p, nst), lambda i: (i, 0, 0))
+    y, h = pl.pallas_call(
+        lambda *refs: _ssd_prefill_kernel(*refs, bt=chunk, n=tp // chunk),
+        grid=(hs,),
+        in_specs=[
+            per_head(p), per_head(1), pl.BlockSpec((1, 1, tp), lambda i: (i, 0, 0)), scalar,
+            per_group, per_group, scalar, state,
+        ],  # fmt: skip
+        out_specs=[per_head(p), state],
+        out_shape=[
+            jax.ShapeDtypeStruct((hs, tp, p), _F32),
+            jax.ShapeDtypeStruct((hs, p, nst), _F32),
+        ],  # fmt: skip
+    )(hm(x), dtc, jnp.swapaxes(dtc, 1, 2), A.astype(_F32).reshape(hs, 1, 1), hm(B), hm(C), d3,
+      h0.astype(_F32))  # fmt: skip
+    return jnp.moveaxis(y, 0, 1)[:t], h
+
+
+def ssd_chunked_prefill_ref(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    D: jax.Array | None,
+    h0: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The jnp reference of `ssd_chunked_prefill`: the model's sequential recurrence
+    (models_flax.ssm_ops.ragged_selective_scan) with one request row, groups expanded."""
+    from xlaserve.models_flax.ssm_ops import ragged_selective_scan, row_layout
+
+    t, hs = dt.shape
+    rep = hs // B.shape[1]
+    cu = jnp.asarray([0, t], jnp.int32)
+    lay = row_layout(cu, jnp.asarray([t + 1], jnp.int32), t)
+    bh, ch = jnp.repeat(B, rep, axis=1), jnp.repeat(C, rep, axis=1)
+    y, h = ragged_selective_scan(
+        x, dt, A.astype(_F32).reshape(hs, 1, 1), bh, ch, D, h0.astype(_F32)[None], lay, cu
+    )
+    return y, h[0]
