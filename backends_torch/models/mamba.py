@@ -217,6 +217,8 @@ class SSMMixer(nn.Module):
             conv_s[idx] = cs
             ssm_s[idx] = hs
             return self._finish(y, z, x.dtype)
+        if self.prefill_triton and self.kind == "mamba2":  # every request in one launch each
+            return self._prefill_varlen(z, xbc, dt_raw, conv_s, ssm_s, md)
         conv_fn, ssd_fn = causal_conv1d, None
         if self.prefill_triton:
             from xlaserve.kernels_cuda.ssm_prefill import causal_conv1d_prefill, ssd_chunked_prefill
@@ -241,6 +243,34 @@ class SSMMixer(nn.Module):
             ssm_s[slot] = hs
             ys.append(y)
         return self._finish(torch.cat(ys), z, x.dtype)
+
+    def _prefill_varlen(
+        self,
+        z: torch.Tensor,
+        xbc: torch.Tensor,
+        dt_raw: torch.Tensor,
+        conv_s: torch.Tensor,
+        ssm_s: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Mamba2 prefill (any mix of request lengths) through the varlen Triton kernels: one
+        conv launch and one SSD launch for the whole step, then the new states written to
+        their slots in one index_copy each."""
+        from xlaserve.kernels_cuda.ssm_prefill import causal_conv1d_varlen, ssd_varlen
+
+        idx, keep = _step_state(md, xbc.device)
+        cu = md.derived.get("state_cu")
+        if cu is None:  # once per step, shared by the layers
+            host = md.query_start_loc_host[: idx.shape[0] + 1]
+            cu = md.derived["state_cu"] = torch.tensor(host, dtype=torch.int32).to(xbc.device)
+        w, b = self.conv1d.weight, self.conv1d.bias
+        xc, conv_new = causal_conv1d_varlen(xbc, w, b, conv_s, cu, idx, keep)
+        xs, dt, B, C = self._ssm_inputs(F.silu(xc), dt_raw)
+        # B / C per head (G = Hs), as the other paths pass them.
+        y, ssm_new = ssd_varlen(xs, dt, self._A(), B, C, self.D, ssm_s, cu, idx, keep, chunk=64)
+        conv_s.index_copy_(0, idx, conv_new.to(conv_s.dtype))
+        ssm_s.index_copy_(0, idx, ssm_new.to(ssm_s.dtype))
+        return self._finish(y, z, xbc.dtype)
 
 
 class SSMLayer(nn.Module):
