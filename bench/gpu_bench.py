@@ -78,15 +78,20 @@ TINY = {
 }
 
 
-def write_model_dir(path: str, num_layers: int = 32, tiny: bool = False) -> str:
+def write_model_dir(
+    path: str, num_layers: int = 32, tiny: bool = False, vocab_size: int | None = None
+) -> str:
     """config.json (Llama-3.1-8B shape, `num_layers` layers) + a small BPE tokenizer.json whose
-    vocab covers the model's (added tokens past the trained merges)."""
+    vocab covers the model's (added tokens past the trained merges). vocab_size: overrides
+    the shape's (e.g. tiny layers with the real 128,256-token vocab)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     os.makedirs(path, exist_ok=True)
     cfg = dict(LLAMA_8B, num_hidden_layers=num_layers)
     if tiny:  # smoke-test shape for machines without a GPU
         cfg.update(TINY)
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     tok = Tokenizer(models.BPE())

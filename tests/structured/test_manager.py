@@ -162,6 +162,37 @@ def test_fill_bitmasks_batch_equals_single(mgr: StructuredOutputManager, tok: To
         mgr.remove(rid)
 
 
+def test_accept_step_batch_equals_one_by_one(mgr: StructuredOutputManager, tok: Tokenizer) -> None:
+    """A step's batch accept (one token per request) gives the verdicts that accepting the
+    tokens one request at a time gives: a grammar's stop token ends it, a token past the end
+    is ignored, a token the grammar rejects is an error, the others go on."""
+    text = "dark-42"
+    ids = tok.encode(text, add_special_tokens=False)
+    bad = tok.encode("{", add_special_tokens=False)[0]
+    # rid -> (tokens accepted before the step, the step's token)
+    plan = {
+        "go": ([], ids[0]),  # accepted, grammar goes on
+        "stop": (ids, EOS),  # accepted stop token: terminated
+        "past": (ids + [EOS], ids[0]),  # already terminated: ignored
+        "bad": ([], bad),  # rejected: error
+        "go2": (ids[:1], ids[1]),
+    }
+    for tag in ("a", "b"):  # a: accept_step, b: accept_tokens one by one
+        for rid, (pre, _) in plan.items():
+            mgr.add_request(tag + rid, mgr.prepare(SO(regex=r"[a-z]{2,4}-\d\d")))
+            _ready(mgr, tag + rid)
+            mgr.accept_tokens(tag + rid, pre)
+    got = mgr.accept_step([("a" + rid, [t]) for rid, (_, t) in plan.items()] + [("plain", [5])])
+    want = {rid: mgr.accept_tokens("b" + rid, [t]) for rid, (_, t) in plan.items()}
+    assert {rid[1:]: v for rid, v in got.items()} == want
+    assert want["go"] == want["go2"] == (False, None)
+    assert want["stop"] == want["past"] == (True, None)
+    assert want["bad"][0] is False and "violates" in (want["bad"][1] or "")
+    for tag in ("a", "b"):
+        for rid in plan:
+            mgr.remove(tag + rid)
+
+
 def test_async_compile_and_lru(tok: Tokenizer) -> None:
     m = StructuredOutputManager(tok, MODEL_VOCAB, [EOS], StructuredOutputConfig(cache_size=2))
     try:

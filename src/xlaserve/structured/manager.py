@@ -203,6 +203,9 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         self._xgr = xgr
+        from xgrammar.base import _core
+
+        self._core = _core  # the C++ bindings (accept_step calls the batch accept directly)
         self.config = config or StructuredOutputConfig()
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32  # W
@@ -210,6 +213,10 @@ class StructuredOutputManager:
         if not stops and getattr(tokenizer, "eos_token_id", None) is not None:
             stops = [tokenizer.eos_token_id]
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stops)
+        # The matchers' stop tokens (terminate_without_stop_token=False): a matcher can only
+        # become terminated by accepting one of these, so accept_step asks is_terminated only
+        # for them (and for rejected tokens), not for every request every step.
+        self._stop_ids = frozenset(int(t) for t in self.tokenizer_info.stop_token_ids)
         # Our own LRU replaces xgrammar's cache (bounded by count and bytes, as configured).
         self._cache: OrderedDict[GrammarKey, Any] = OrderedDict()  # key -> CompiledGrammar
         self._cache_sizes: dict[GrammarKey, int] = {}
@@ -484,15 +491,24 @@ class StructuredOutputManager:
             else:
                 res[rid] = self.accept_tokens(rid, tokens)
         if len(singles) > 1:
-            import xgrammar as xgr
-
-            ok = xgr.BatchGrammarMatcher.batch_accept_token(
-                [m for _, m, _ in singles], [t for _, _, t in singles]
+            # xgrammar's batch_accept_token wrapper, minus its per-item Python: the C++ call
+            # takes the handles directly, and its result (a tvm_ffi Array of 0/1) converts in
+            # one list() instead of one getitem per request.
+            ok = list(
+                self._core.BatchGrammarMatcher.batch_accept_token(
+                    [m._handle for _, m, _ in singles], [t for _, _, t in singles], False
+                )
             )
         else:
             ok = [m.accept_token(t) for _, m, t in singles]
+        stops = self._stop_ids
         for (rid, m, t), accepted in zip(singles, ok, strict=True):
-            res[rid] = _verdict(m, t, accepted) or (False, None)
+            # Accepted and not a stop token: the matcher cannot have terminated (it only ends
+            # on accepting a stop token, and a terminated matcher rejects every token).
+            if accepted and t not in stops:
+                res[rid] = (False, None)
+            else:
+                res[rid] = _verdict(m, t, bool(accepted)) or (False, None)
         return res
 
     def accept_tokens(self, req_id: str, tokens: list[int]) -> tuple[bool, str | None]:
