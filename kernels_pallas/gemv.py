@@ -355,3 +355,26 @@ def gemv_gated_ref(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, act) -> jax
     g = lax.dot_general(x, w_gate, dims, preferred_element_type=jnp.float32)
     u = lax.dot_general(x, w_up, dims, preferred_element_type=jnp.float32)
     return (act(g) * u).astype(x.dtype)
+
+
+def multi_gemv_config(
+    policy: str, m: int, ns: tuple[int, ...], k: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype
+) -> GemvConfig | None:
+    """The config `gemv_multi` runs sibling weights [n_i, k] with under `policy`, or None (each
+    its own path): every weight alone must take the GEMV (`decode_gemv_config`), then the merged
+    pick (TUNED_MULTI, else `default_config` of the smallest n) must tile every n."""
+    if any(decode_gemv_config(policy, m, n, k, x_dtype, w_dtype) is None for n in ns):
+        return None
+    cfg = TUNED_MULTI.get((sum(ns), k)) or default_config(min(ns), k)
+    return cfg if all(gemv_supported(m, n, k, cfg) for n in ns) else None
+
+
+def gated_gemv_config(
+    policy: str, m: int, n: int, k: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype
+) -> GemvConfig | None:
+    """The config `gemv_gated` runs gate / up [n, k] with under `policy`, or None: the weight
+    alone must take the GEMV, then TUNED_GATED's pick (else `default_config`, split-K 1)."""
+    if decode_gemv_config(policy, m, n, k, x_dtype, w_dtype) is None:
+        return None
+    cfg = TUNED_GATED.get((n, k)) or dataclasses.replace(default_config(n, k), split_k=1)
+    return cfg if cfg.split_k == 1 and gemv_supported(m, n, k, cfg) else None
