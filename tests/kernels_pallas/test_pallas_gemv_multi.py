@@ -79,3 +79,22 @@ def test_multi_weight_gemvs_refuse_what_they_cannot_tile() -> None:
         gemv_gated(x, w, w, jax.nn.silu, GemvConfig(32, 128, 2), interpret=True)
     with pytest.raises(ValueError, match="disagree"):
         gemv_gated(x, jnp.zeros((64, 256)), jnp.zeros((32, 256)), jax.nn.silu)
+
+
+def test_merged_capped_sweep_fits_and_runs_on_the_cpu() -> None:
+    """bench/gpu_probes/pallas_gemv.py --merged: <= 6 configs a shape, the tuned pick first, each
+    accepted by its kernel; the tiny shapes run end to end (interpreter) with a correct best."""
+    from xlaserve.bench.gpu_probes.pallas_gemv import MERGED, MERGED_CAPPED, sweep_merged
+    from xlaserve.kernels_pallas.gemv import TUNED_GATED, TUNED_MULTI, gemv_supported
+
+    for name, cfgs in MERGED_CAPPED.items():
+        ns, k = MERGED[name]
+        assert 1 <= len(cfgs) <= 6 and all(
+            gemv_supported(16, n, k, GemvConfig(*c)) for c in cfgs for n in ns
+        ), name
+        pick = (TUNED_GATED if name.endswith("_gated") else TUNED_MULTI).get((sum(ns), k))
+        if pick is not None:
+            assert tuple(cfgs[0]) == (pick.block_n, pick.block_k, pick.split_k,
+                                      pick.num_warps, pick.num_stages), name  # fmt: skip
+    res = sweep_merged(["tiny_multi", "tiny_gated"], m=1, iters=1)
+    assert all(r["best"] is not None and r["best"]["rel_err"] < 1e-4 for r in res.values())
