@@ -201,3 +201,180 @@ def decode_gemv_config(
         return None
     cfg = default_config(n, k)
     return cfg if gemv_supported(m, n, k, cfg) else None
+
+
+# ---- multi-weight GEMVs: sibling projections that share x in ONE launch (issue 33) -------------
+
+# Merged shapes (sum of N, K) -> config. NOT measured: picked from the single-weight table (the
+# qkv merge 4096 + 2 x 1024 = 6144 columns at K 4096 is torch's fused qkv shape, measured at
+# BN 32 / BK 256 / 3 stages; gate + up: 14336's measured pick, both accumulators in one program).
+# bench/gpu_probes/pallas_gemv.py should sweep them (<= 6 configs each) before "auto" uses them.
+TUNED_MULTI: dict[tuple[int, int], GemvConfig] = {
+    (6144, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3),
+}
+TUNED_GATED: dict[tuple[int, int], GemvConfig] = {
+    (14336, 4096): GemvConfig(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
+}
+
+
+def _gemv_multi_kernel(*refs, block_n: int, block_k: int, steps: int, m: int, starts: tuple):  # noqa: ANN002, ANN202
+    """Program (b, s): global column block b of the concatenated N range; the weight it falls in
+    is chosen by `pl.when` on static block offsets (one branch per weight, each its own refs)."""
+    nw = len(starts) - 1
+    x_ref, w_refs, o_refs = refs[0], refs[1 : 1 + nw], refs[1 + nw :]
+    b, s = pl.program_id(0), pl.program_id(1)
+    k0 = s * steps * block_k
+    for j in range(nw):
+
+        @pl.when((b >= starts[j]) & (b < starts[j + 1]))
+        def _(j=j):  # noqa: ANN202
+            n0 = (b - starts[j]) * block_n
+
+            def body(t, acc):  # noqa: ANN001, ANN202
+                kk = pl.multiple_of(k0 + t * block_k, block_k)
+                xk = x_ref[:, pl.ds(kk, block_k)]
+                wk = w_refs[j][pl.ds(n0, block_n), pl.ds(kk, block_k)]
+                dims = (((1,), (1,)), ((), ()))
+                return acc + lax.dot_general(xk, wk, dims, preferred_element_type=jnp.float32)
+
+            acc = lax.fori_loop(0, steps, body, jnp.zeros((m, block_n), jnp.float32))
+            o_refs[j][s, :, pl.ds(n0, block_n)] = acc.astype(o_refs[j].dtype)
+
+
+def gemv_multi(
+    x: jax.Array,
+    ws: tuple[jax.Array, ...],
+    cfg: GemvConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, ...]:
+    """x [M, K], ws (w_i [N_i, K]) -> (x @ w_i^T [M, N_i], ...) in ONE pallas_call: the grid
+    covers sum(N_i) / BN column blocks (x's tiles shared; XLA merges such sibling dots into one
+    fusion, separate GEMVs lost to it). Every N_i must be a multiple of BN (no masks).
+    cfg None: TUNED_MULTI[(sum N_i, K)], else `default_config` of the smallest N_i."""
+    m, k = x.shape
+    if not ws:
+        raise ValueError("gemv_multi: no weights")
+    ns = [w.shape[0] for w in ws]
+    for w in ws:
+        if w.ndim != 2 or w.shape[1] != k:
+            raise ValueError(f"gemv_multi: x [{m}, {k}] and w {tuple(w.shape)} disagree on K")
+    cfg = cfg or TUNED_MULTI.get((sum(ns), k)) or default_config(min(ns), k)
+    if not all(gemv_supported(m, n, k, cfg) for n in ns):
+        raise ValueError(f"gemv_multi: M={m}, N={ns}, K={k} not covered by {cfg}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    mp = max(16, -(-m // 16) * 16)
+    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
+    split = cfg.split_k
+    starts = [0]
+    for n in ns:
+        starts.append(starts[-1] + n // cfg.block_n)
+    out_dtype = x.dtype if split == 1 else jnp.float32
+    kernel = functools.partial(
+        _gemv_multi_kernel, block_n=cfg.block_n, block_k=cfg.block_k,
+        steps=k // split // cfg.block_k, m=mp, starts=tuple(starts),
+    )  # fmt: skip
+    outs = pl.pallas_call(
+        kernel,
+        grid=(starts[-1], split),
+        out_shape=tuple(jax.ShapeDtypeStruct((split, mp, n), out_dtype) for n in ns),
+        compiler_params=compat.gpu_compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name=f"xlaserve_gemv_multi{len(ns)}_n{cfg.block_n}_k{cfg.block_k}_s{split}",
+    )(xp, *ws)  # fmt: skip
+    ys = [o[0] if split == 1 else jnp.sum(o, axis=0).astype(x.dtype) for o in outs]
+    return tuple(y[:m] for y in ys)
+
+
+def _gemv_gated_kernel(
+    x_ref, g_ref, u_ref, o_ref, *, block_n: int, block_k: int, steps: int, m: int, act
+):  # noqa: ANN001, ANN202, E501
+    n0 = pl.program_id(0) * block_n
+
+    def body(t, accs):  # noqa: ANN001, ANN202
+        ga, ua = accs
+        kk = pl.multiple_of(t * block_k, block_k)
+        xk = x_ref[:, pl.ds(kk, block_k)]
+        dims = (((1,), (1,)), ((), ()))
+        gk = g_ref[pl.ds(n0, block_n), pl.ds(kk, block_k)]
+        uk = u_ref[pl.ds(n0, block_n), pl.ds(kk, block_k)]
+        ga = ga + lax.dot_general(xk, gk, dims, preferred_element_type=jnp.float32)
+        ua = ua + lax.dot_general(xk, uk, dims, preferred_element_type=jnp.float32)
+        return ga, ua
+
+    zero = jnp.zeros((m, block_n), jnp.float32)
+    ga, ua = lax.fori_loop(0, steps, body, (zero, zero))
+    # Epilogue in float32: the activation of the exact gate sum (why split-K is refused here).
+    o_ref[:, pl.ds(n0, block_n)] = (act(ga) * ua).astype(o_ref.dtype)
+
+
+def gemv_gated(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    act,  # noqa: ANN001 - an elementwise jnp function (jax.nn.silu, gelu, ...)
+    cfg: GemvConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """x [M, K], w_gate / w_up [N, K] -> act(x @ w_gate^T) * (x @ w_up^T) [M, N] in x's dtype:
+    one program computes the same N block of gate and up (x tile read once), the activation and
+    product in the epilogue. Split-K is refused (the activation needs the full gate sum).
+    cfg None: TUNED_GATED[(N, K)], else `default_config(N, K)` with split_k 1."""
+    m, k = x.shape
+    if w_gate.shape != w_up.shape or w_gate.ndim != 2 or w_gate.shape[1] != k:
+        raise ValueError(
+            f"gemv_gated: x [{m}, {k}], w_gate {tuple(w_gate.shape)} and w_up "
+            f"{tuple(w_up.shape)} disagree"
+        )
+    n = w_gate.shape[0]
+    cfg = cfg or TUNED_GATED.get((n, k)) or dataclasses.replace(default_config(n, k), split_k=1)
+    if cfg.split_k != 1 or not gemv_supported(m, n, k, cfg):
+        raise ValueError(f"gemv_gated: M={m}, N={n}, K={k} not covered by {cfg} (split_k 1)")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    mp = max(16, -(-m // 16) * 16)
+    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
+    kernel = functools.partial(
+        _gemv_gated_kernel, block_n=cfg.block_n, block_k=cfg.block_k,
+        steps=k // cfg.block_k, m=mp, act=act,
+    )  # fmt: skip
+    out = pl.pallas_call(
+        kernel,
+        grid=(n // cfg.block_n,),
+        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+        compiler_params=compat.gpu_compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name=f"xlaserve_gemv_gated_n{cfg.block_n}_k{cfg.block_k}",
+    )(xp, w_gate, w_up)  # fmt: skip
+    return out[:m]
+
+
+def gemv_gated_ref(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, act) -> jax.Array:  # noqa: ANN001
+    """The plain reference of `gemv_gated` (float32 dots and epilogue, x's dtype out)."""
+    dims = (((1,), (1,)), ((), ()))
+    g = lax.dot_general(x, w_gate, dims, preferred_element_type=jnp.float32)
+    u = lax.dot_general(x, w_up, dims, preferred_element_type=jnp.float32)
+    return (act(g) * u).astype(x.dtype)
+
+
+def multi_gemv_config(
+    policy: str, m: int, ns: tuple[int, ...], k: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype
+) -> GemvConfig | None:
+    """The config `gemv_multi` runs sibling weights [n_i, k] with under `policy`, or None (each
+    its own path): every weight alone must take the GEMV (`decode_gemv_config`), then the merged
+    pick (TUNED_MULTI, else `default_config` of the smallest n) must tile every n."""
+    if any(decode_gemv_config(policy, m, n, k, x_dtype, w_dtype) is None for n in ns):
+        return None
+    cfg = TUNED_MULTI.get((sum(ns), k)) or default_config(min(ns), k)
+    return cfg if all(gemv_supported(m, n, k, cfg) for n in ns) else None
+
+
+def gated_gemv_config(
+    policy: str, m: int, n: int, k: int, x_dtype: jnp.dtype, w_dtype: jnp.dtype
+) -> GemvConfig | None:
+    """The config `gemv_gated` runs gate / up [n, k] with under `policy`, or None: the weight
+    alone must take the GEMV, then TUNED_GATED's pick (else `default_config`, split-K 1)."""
+    if decode_gemv_config(policy, m, n, k, x_dtype, w_dtype) is None:
+        return None
+    cfg = TUNED_GATED.get((n, k)) or dataclasses.replace(default_config(n, k), split_k=1)
+    return cfg if cfg.split_k == 1 and gemv_supported(m, n, k, cfg) else None

@@ -30,7 +30,14 @@ from xlaserve.kernels_pallas.ragged_paged_attention import (
     write_kv_quant,
 )
 from xlaserve.model_loader.spec import ModelSpec
-from xlaserve.models_flax.layers import Linear, _param, apply_rotary, lora_linear, make_norm
+from xlaserve.models_flax.layers import (
+    Linear,
+    _param,
+    apply_rotary,
+    lora_linear,
+    make_norm,
+    sibling_linears,
+)
 
 # (k, v), each [N, S, Hkv, D]; quantized cache: (k codes, v codes, k scales, v scales), codes
 # [N, S, Hkv, D] int8 / float8_e4m3fn, scales float32 [N, S, Hkv].
@@ -211,7 +218,7 @@ class Attention(nnx.Module):
         q_scale: float32 [T] multiplying q (Llama 4 NoPE-layer temperature), or None."""
         t = x.shape[0]
         lo = md.lora
-        q, k, v = (lora_linear(p, x, lo) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = sibling_linears((self.q_proj, self.k_proj, self.v_proj), x, lo)
         if self.full_qk_norm:  # OLMo2: normalise before the head split
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]

@@ -81,6 +81,52 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+def _gemv_plain(mods: tuple[nnx.Module, ...], x: jax.Array, lora: LoRAStep | None) -> bool:
+    """Sibling projections may share one GEMV launch: all plain float `Linear`s with one policy
+    other than "off", no bias, no LoRA delta this step, x [T, in]."""
+    return (
+        x.ndim == 2
+        and all(type(mod) is Linear and mod.bias is None for mod in mods)
+        and len({mod.decode_gemv for mod in mods}) == 1
+        and mods[0].decode_gemv != "off"
+        and (lora is None or all(getattr(mod, "lora_a", None) is None for mod in mods))
+    )
+
+
+def sibling_linears(
+    mods: tuple[nnx.Module, ...], x: jax.Array, lora: LoRAStep | None = None
+) -> tuple[jax.Array, ...]:
+    """(lora_linear(mod, x, lora) for mod in mods), the weights read by ONE Pallas launch
+    (`gemv.gemv_multi`) where the decode-GEMV policy takes every shape (q / k / v: XLA merges
+    such sibling dots into one fusion; separate GEMVs lost to it). Same trace-time decision as
+    `Linear`; else each projection on its own path. x [T, in] -> ([T, out_i], ...)."""
+    if _gemv_plain(mods, x, lora):
+        from xlaserve.kernels_pallas import gemv as g
+
+        ws = tuple(mod.weight[...] for mod in mods)
+        (m, k), ns = x.shape, tuple(w.shape[0] for w in ws)
+        cfg = g.multi_gemv_config(mods[0].decode_gemv, m, ns, k, x.dtype, ws[0].dtype)
+        if cfg is not None and len({w.dtype for w in ws}) == 1:
+            return g.gemv_multi(x, ws, cfg)
+    return tuple(lora_linear(mod, x, lora) for mod in mods)
+
+
+def gated_linears(
+    gate: nnx.Module, up: nnx.Module, act: Any, x: jax.Array, lora: LoRAStep | None = None
+) -> jax.Array:
+    """act(gate(x)) * up(x) [T, inter], both weights and the activation in ONE Pallas launch
+    (`gemv.gemv_gated`) where the decode-GEMV policy takes the shape; else the plain path."""
+    if _gemv_plain((gate, up), x, lora):
+        from xlaserve.kernels_pallas import gemv as g
+
+        wg, wu = gate.weight[...], up.weight[...]
+        (m, k), n = x.shape, wg.shape[0]
+        cfg = g.gated_gemv_config(gate.decode_gemv, m, n, k, x.dtype, wg.dtype)
+        if cfg is not None and wu.shape == wg.shape and wu.dtype == wg.dtype:
+            return g.gemv_gated(x, wg, wu, act, cfg)
+    return act(lora_linear(gate, x, lora)) * lora_linear(up, x, lora)
+
+
 def set_decode_gemv(model: nnx.Module, policy: str) -> int:
     """Set every float `Linear` of `model` (in place) to decode-GEMV `policy` ("off" | "tuned" |
     "all": `kernels_pallas.gemv.resolve_decode_gemv`). QuantLinears keep their own matmuls.
@@ -242,7 +288,7 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array, lora: LoRAStep | None = None) -> jax.Array:
         act = _ACTIVATIONS[self.activation]
-        h = act(lora_linear(self.gate_proj, x, lora)) * lora_linear(self.up_proj, x, lora)
+        h = gated_linears(self.gate_proj, self.up_proj, act, x, lora)
         return lora_linear(self.down_proj, h, lora)
 
 
