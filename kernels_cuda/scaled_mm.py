@@ -25,7 +25,6 @@ winner of `bench/quant_bench.py --gemm` on the target GPU can be written back he
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -42,28 +41,11 @@ from xlaserve.kernels_cuda._common import (
     interpret_mode,
     next_pow2,
 )
+from xlaserve.kernels_cuda.quant_act import QuantAct
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
 QUANT_FORMATS = ("int8", "fp8")
-
-
-@dataclass(frozen=True)
-class QuantAct:
-    """A pre-quantized activation, handed to a w8a8 matmul in place of its float input (the
-    producer, e.g. `fused_act_quant.rms_norm_quant`, already ran `quant_rows`' math).
-
-    q [M, K] int8 or float8_e4m3fn; scale float32 [M, 1] (per token); dtype: the float dtype of
-    the activation it stands for (the matmul's output dtype).
-    """
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-    @property
-    def fmt(self) -> str:
-        return "int8" if self.q.dtype == torch.int8 else "fp8"
 
 
 class DotTiles(NamedTuple):
