@@ -41,6 +41,7 @@ from xlaserve.kernels_cuda._common import (
     interpret_mode,
     next_pow2,
 )
+from xlaserve.kernels_cuda.quant_act import QuantAct
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
@@ -433,8 +434,16 @@ def _choice(name: str, kernels: KernelConfig | None, allowed: tuple[str, ...]) -
     return v
 
 
-def _quant(x: torch.Tensor, fmt: str, kernels: KernelConfig | None) -> tuple:
-    """Per-token quantization: the Triton kernel unless KernelConfig.act_quant is "torch"."""
+def _quant(x: torch.Tensor | QuantAct, fmt: str, kernels: KernelConfig | None) -> tuple:
+    """Per-token quantization: the Triton kernel unless KernelConfig.act_quant is "torch"; a
+    `QuantAct` is taken as is (its format must be fmt)."""
+    if isinstance(x, QuantAct):
+        if x.fmt != fmt or x.q.dim() != 2 or x.scale.shape != (x.q.shape[0], 1):
+            raise ValueError(
+                f"expected a {fmt} QuantAct with q [M, K] and scale [M, 1], got {x.fmt} "
+                f"q {tuple(x.q.shape)} scale {tuple(x.scale.shape)}"
+            )
+        return x.q, x.scale
     if _choice("act_quant", kernels, ("auto", "triton", "torch")) == "torch":
         return quant_rows_ref(x, fmt)
     return quant_rows(x, fmt)
@@ -446,7 +455,7 @@ def int_mm_ok(m: int, n: int, k: int) -> bool:
 
 
 def int8_w8a8_matmul(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantAct,
     wq: torch.Tensor,
     ws: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -456,9 +465,10 @@ def int8_w8a8_matmul(
 ) -> torch.Tensor:
     """int8 w8a8 on CUDA (or the interpreter): x [M, K] float -> y [M, N] x.dtype, per-token
     int8 activations (`quant_rows`), wq int8 [N, K], ws float32 [N]. The GEMM is
-    KernelConfig.int8_w8a8_gemm (module docstring); tiles forces the Triton GEMM."""
+    KernelConfig.int8_w8a8_gemm (module docstring); tiles forces the Triton GEMM. x may be an
+    int8 `QuantAct` (already quantized by its producer)."""
     check_dtype("int8_w8a8_matmul w", wq, (torch.int8,))
-    xq, xs = _quant(x, "int8", kernels)
+    xq, xs = _quant(x, "int8", kernels)  # x.dtype below: a QuantAct carries its float dtype
     m, k = xq.shape
     n = wq.shape[0]
     how = _choice("int8_w8a8_gemm", kernels, ("auto", "int_mm", "triton"))
@@ -470,7 +480,7 @@ def int8_w8a8_matmul(
 
 
 def fp8_w8a8_matmul(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantAct,
     wq: torch.Tensor,
     ws: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -482,7 +492,8 @@ def fp8_w8a8_matmul(
     """fp8 w8a8 on CUDA cc >= 8.9 (or the interpreter): x [M, K] float -> y [M, N] x.dtype with
     per-token fp8 activations (`quant_rows`), wq float8_e4m3fn [N, K] (or its uint8 bits), ws
     float32 [N] or block scales (`block`). The GEMM is KernelConfig.fp8_gemm (module
-    docstring); block scales and a tiles override take the Triton GEMM."""
+    docstring); block scales and a tiles override take the Triton GEMM. x may be a fp8
+    `QuantAct` (already quantized by its producer)."""
     xq, xs = _quant(x, "fp8", kernels)
     m, k = xq.shape
     n = wq.shape[0]

@@ -97,6 +97,18 @@ class MLP(nn.Module):
             and use_dense_gemv(1, *gu.weight.shape, x.dtype, x.device, self.kernels)
         )
 
+    def _down_quant_fmt(self, gu: torch.Tensor, kernel: str) -> str | None:
+        """The format ("int8" / "fp8") in which the SiLU-and-mul kernel should hand down_proj its
+        input already quantized per token (KernelConfig.fuse_act_quant), or None: not SiLU, not
+        a w8a8 down_proj that would quantize [T, I] with the Triton kernel, or LoRA attached
+        (its down_proj delta needs the float input)."""
+        if kernel != "silu_and_mul" or getattr(self, "lora_attached", False):
+            return None
+        fmt_of = getattr(self.down_proj, "quant_act_fmt", None)  # QuantLinear only
+        if fmt_of is None:
+            return None
+        return fmt_of(gu[:, : gu.shape[1] // 2])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             if self._gate_act_gemv(x):
@@ -114,6 +126,11 @@ class MLP(nn.Module):
             if kernel is not None and gu.dim() == 2:
                 from xlaserve import kernels_cuda
 
+                fmt = self._down_quant_fmt(gu, kernel)
+                if fmt is not None:  # w8a8 down_proj: the gate kernel quantizes its output
+                    from xlaserve.kernels_cuda.fused_act_quant import silu_and_mul_quant
+
+                    return self.down_proj(silu_and_mul_quant(gu, fmt))
                 return self.down_proj(getattr(kernels_cuda, kernel)(gu, kernels=self.kernels))
             gate, up = gu.chunk(2, dim=-1)
             return self.down_proj(act_and_mul(gate, up, self.activation))

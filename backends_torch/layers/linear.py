@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xlaserve.config import KernelConfig, kernel_switch
+from xlaserve.kernels_cuda.quant_act import QuantAct
 from xlaserve.quantization import QuantScheme, quantize_weight, resolve_scheme
 from xlaserve.quantization.numpy_quant import FP8_E4M3, FP8_MAX
 from xlaserve.quantization.scheme import check_fp8_support
@@ -427,7 +428,30 @@ class QuantLinear(nn.Module):
         w = self.qweight.view(torch.float8_e4m3fn).float()
         return (w * self.scales[:, None]).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quant_act_fmt(self, x: torch.Tensor) -> str | None:
+        """ "int8" / "fp8" when forward(x) (x [M, in]) would quantize x per token with the Triton
+        `quant_rows` kernel and KernelConfig.fuse_act_quant is on: the producer of x may then
+        hand a `QuantAct` of that format instead (same bits). None otherwise (CPU, the decode
+        GEMV that keeps x float, act-order perm, act_quant="torch", fusion off)."""
+        if not x.is_cuda or self.perm is not None or x.dim() != 2:
+            return None
+        if not kernel_switch("fuse_act_quant", self.kernels):
+            return None
+        if kernel_switch("act_quant", self.kernels) == "torch":
+            return None
+        from xlaserve.kernels_cuda import quant_matmul as qm
+
+        if self.method == "int8_w8a8":
+            return None if qm.use_gemv("int8", x.shape[0]) else "int8"
+        if self.method == "fp8" and fp8_supported(x.device):
+            if self.block is None and qm.use_gemv("fp8", x.shape[0]):
+                return None
+            return "fp8"
+        return None
+
+    def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
+        if isinstance(x, QuantAct):  # pre-quantized by its producer (see quant_act_fmt)
+            return self._forward_quant_act(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
@@ -436,6 +460,21 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _forward_quant_act(self, a: QuantAct) -> torch.Tensor:
+        """x already quantized per token (a.q [M, in]): the w8a8 GEMM only -> [M, out]."""
+        from xlaserve.kernels_cuda.scaled_mm import fp8_w8a8_matmul, int8_w8a8_matmul
+
+        if a.q.shape[-1] != self.in_features:
+            raise ValueError(f"QuantAct q {tuple(a.q.shape)} != [M, {self.in_features}]")
+        if self.method == "int8_w8a8":
+            y = int8_w8a8_matmul(a, self.qweight, self.scales, kernels=self.kernels)
+        elif self.method == "fp8":
+            w8 = self.qweight.view(torch.float8_e4m3fn)
+            y = fp8_w8a8_matmul(a, w8, self.scales, block=self.block, kernels=self.kernels)
+        else:
+            raise ValueError(f"a QuantAct input needs a w8a8 layer, not method {self.method!r}")
+        return y + self.bias if self.bias is not None else y
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         on_cuda = x.is_cuda

@@ -464,6 +464,11 @@ class KernelConfig:
     # Torch w8a8 (kernels_cuda/scaled_mm.py): per-token activation quantization by the fused
     # Triton kernel ("auto" / "triton") or by torch ops ("torch"; A/B measurements).
     act_quant: str = "auto"
+    # Torch w8a8 (int8 / fp8) with act_quant on the Triton kernel: the gated MLP's SiLU-and-mul
+    # kernel emits the down projection's per-token quantized input itself
+    # (kernels_cuda/fused_act_quant.py; same bits, one launch and one activation pass fewer per
+    # layer). Off: the separate quant_rows kernel (A/B: XLASERVE_FUSE_ACT_QUANT=0).
+    fuse_act_quant: bool = True
     # Torch int8 w8a8 GEMM: "int_mm" = torch._int_mm (cuBLASLt) + a Triton scale epilogue,
     # "triton" = the Triton int8 tl.dot GEMM with the scales in its epilogue; "auto" = int_mm
     # where its shape rules hold (M > 16, K and N multiples of 8), else triton.
