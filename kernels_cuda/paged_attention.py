@@ -76,6 +76,23 @@ ATTENTION_CONFIGS: dict[str, dict[int, dict[str, int]]] = {
     },
 }
 
+# Long-context decode (issue 24): a decode launch with at least LONG_DECODE_MIN_SPLITS splits
+# (host-known and fixed per CUDA-graph bucket, so the pick is graph safe; >= 16 splits implies
+# >= 16 * MIN_KEYS_PER_SPLIT keys when auto-picked) takes wider key tiles and a deeper pipeline:
+# at batch 1 each program walks many tiles serially, and more bytes in flight per program hide
+# HBM latency. Keyed by head-dim bucket; a bucket absent here keeps ATTENTION_CONFIGS["decode"]
+# (D=256: shared memory). Tune from bench/gpu_probes/long_decode_sweep.py's "best" lines.
+LONG_DECODE_MIN_SPLITS = 16
+LONG_DECODE_CONFIGS: dict[int, dict[str, int]] = {
+    64: {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
+    128: {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
+}
+
+# Auto split-KV (eager decode): programs per SM to aim at. Batch-1 decode is latency bound, so
+# more programs in flight per SM beat fewer longer ones (H200, 8 kv heads: 32 splits best at
+# 30k, 64 at 131k; 4 per SM picks those where 2 picked 32 at both).
+TARGET_PROGRAMS_PER_SM = 4
+
 # Small tiles under the CPU interpreter: it runs every lane in numpy, so smaller is faster.
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
 
@@ -501,14 +518,34 @@ def _check_attention_args(
 
 
 def attention_launch_config(
-    max_query_len: int, num_queries_per_kv: int, head_dim: int, interpret: bool
+    max_query_len: int,
+    num_queries_per_kv: int,
+    head_dim: int,
+    interpret: bool,
+    num_kv_splits: int = 1,
+    override: dict[str, int] | None = None,
 ) -> dict[str, int]:
-    """Pick BLOCK_M/BLOCK_N/num_warps/num_stages (+ derived BLOCK_Q) for one launch."""
-    if interpret:
+    """Pick BLOCK_M/BLOCK_N/num_warps/num_stages (+ derived BLOCK_Q) for one launch.
+
+    Decode launches with >= LONG_DECODE_MIN_SPLITS splits take LONG_DECODE_CONFIGS; override
+    (tests, bench sweeps) replaces the table pick, keys BLOCK_M/BLOCK_N/num_warps/num_stages.
+    """
+    kind = "decode" if max_query_len <= 1 else "prefill"
+    bucket = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
+    if override is not None:
+        missing = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} - set(override)
+        if missing:
+            raise ValueError(f"attention_launch_config: override lacks {sorted(missing)}")
+        cfg = dict(override)
+    elif interpret:
         cfg = dict(_INTERPRET_CONFIG)
+    elif (
+        kind == "decode"
+        and num_kv_splits >= LONG_DECODE_MIN_SPLITS
+        and bucket in LONG_DECODE_CONFIGS
+    ):
+        cfg = dict(LONG_DECODE_CONFIGS[bucket])
     else:
-        kind = "decode" if max_query_len <= 1 else "prefill"
-        bucket = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
         cfg = dict(ATTENTION_CONFIGS[kind][bucket])
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], next_pow2(num_queries_per_kv))
     cfg["BLOCK_Q"] = cfg["BLOCK_M"] // num_queries_per_kv
@@ -574,6 +611,7 @@ def unified_attention(
     *,
     kernels: KernelConfig | None = None,
     chunk_size: int | None = None,
+    launch_config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Paged causal attention over a ragged batch of prefill chunks and decodes, one launch.
 
@@ -600,6 +638,8 @@ def unified_attention(
             float8_e4m3fn codes (quantized KV cache; dequantized on read).
         zero_padding: whether the kernels write zeros into the padding rows of out; None (the
             default): iff out is None (so an allocated out is zeros there, a given one untouched).
+        launch_config: None (the tuned tables), or BLOCK_M/BLOCK_N/num_warps/num_stages to
+            launch with (tests and bench sweeps; BLOCK_N a power of 2 >= 16).
 
     Returns:
         out: [T, Hq, D].
@@ -632,9 +672,10 @@ def unified_attention(
 
     g = hq // hkv
     interpret = q.device.type == "cpu"
-    cfg = attention_launch_config(max(max_query_len, 1), g, d, interpret=interpret)
-    block_q = cfg["BLOCK_Q"]
-    num_tiles = t // block_q + b
+    # BLOCK_Q (hence the tile count the split heuristic sees) depends only on G and BLOCK_M,
+    # which no table changes by split count: size the grid first, then pick the tiles.
+    cfg = attention_launch_config(max(max_query_len, 1), g, d, interpret, 1, launch_config)
+    num_tiles = t // cfg["BLOCK_Q"] + b
     if num_kv_splits is None:
         num_kv_splits = 1 if interpret else _auto_kv_splits(num_tiles * hkv, max_query_len,
                                                              max_seq_len, q.device)  # fmt: skip
@@ -642,6 +683,12 @@ def unified_attention(
         raise ValueError(
             f"unified_attention: num_kv_splits must be a power of 2 in [1, 64], got {num_kv_splits}"
         )
+    cfg = attention_launch_config(
+        max(max_query_len, 1), g, d, interpret, num_kv_splits, launch_config
+    )
+    block_q = cfg["BLOCK_Q"]
+    if num_tiles != t // block_q + b:
+        raise ValueError("unified_attention: launch_config changed BLOCK_Q with the split count")
     block_d = max(16, next_pow2(d))
     if num_kv_splits > 1:
         part_acc = torch.empty(
@@ -707,13 +754,15 @@ def _auto_kv_splits(
     programs: int, max_query_len: int, max_seq_len: int, device: torch.device
 ) -> int:
     """Splits for decode-only batches whose (tiles x kv heads) grid leaves SMs idle: aim at
-    ~2 programs per SM, each split covering at least MIN_KEYS_PER_SPLIT keys."""
+    ~TARGET_PROGRAMS_PER_SM programs per SM, each split covering >= MIN_KEYS_PER_SPLIT keys."""
     if max_query_len > 1 or max_seq_len < 2 * MIN_KEYS_PER_SPLIT:
         return 1
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
-    want = min(2 * sms // max(programs, 1), max_seq_len // MIN_KEYS_PER_SPLIT, 64)
+    want = min(
+        TARGET_PROGRAMS_PER_SM * sms // max(programs, 1), max_seq_len // MIN_KEYS_PER_SPLIT, 64
+    )
     return 1 << (max(want, 1).bit_length() - 1)  # floor to a power of 2
 
 

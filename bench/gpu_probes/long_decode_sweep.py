@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""Capped sweep of the long-context decode attention tiles (issue 24): batch-1 decode attention
+at 30k and 131k contexts and batch 32 at 8k, Llama-3.1-8B shape (32 q / 8 kv heads, head 128,
+bf16 paged KV, 16-token pages), for <= 12 (BLOCK_N, num_warps, num_stages, splits) configs, each
+CUDA-graph captured and replayed (host launch gaps do not count). Reports microseconds, GB/s of
+K+V read and the fraction of HBM bandwidth, and prints the best config per shape (the rows to
+copy into kernels_cuda/paged_attention.py's LONG_DECODE_CONFIGS / split choice).
+
+    OUT=dir python bench/gpu_probes/long_decode_sweep.py          # H200: ~40-60 s
+    python bench/gpu_probes/long_decode_sweep.py --tiny --out x.json  # CPU interpreter smoke
+
+Each row also carries max_diff_vs_first: its output against the first config's (same inputs),
+so a config that computes something else shows at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# (BLOCK_N, num_warps, num_stages, splits): the current table (64, 4, 3) at the graph's 16
+# splits and the measured optima 32 / 64, the long-decode table (128, 4, 4), and neighbours.
+CONFIGS: list[tuple[int, int, int, int]] = [
+    (64, 4, 3, 16),
+    (64, 4, 3, 32),
+    (64, 4, 3, 64),
+    (128, 4, 4, 16),
+    (128, 4, 4, 32),
+    (128, 4, 4, 64),
+    (128, 4, 3, 32),
+    (128, 8, 4, 32),
+    (128, 8, 4, 64),
+    (128, 4, 5, 64),
+    (64, 4, 4, 32),
+    (32, 4, 4, 64),
+]
+
+
+@dataclass
+class Shape:
+    """One decode launch: batch sequences of ctx keys each, hq / hkv heads of head_dim."""
+
+    name: str
+    batch: int
+    ctx: int
+    hq: int = 32
+    hkv: int = 8
+    head_dim: int = 128
+    page: int = 16
+
+
+def _shapes(tiny: bool) -> list[Shape]:
+    if tiny:  # interpreter: a few hundred keys, 4 / 2 heads of 32
+        return [Shape("ctx700_b1", 1, 700, 4, 2, 32), Shape("ctx200_b2", 2, 200, 4, 2, 32)]
+    return [Shape("ctx30k_b1", 1, 30_000), Shape("ctx131k_b1", 1, 131_072),
+            Shape("ctx8k_b32", 32, 8192)]  # fmt: skip
+
+
+def _inputs(s: Shape, dev: str, dtype: Any) -> dict[str, Any]:
+    """Random q [B, Hq, D] and caches [N, page, Hkv, D] with shuffled block tables [B, M]."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    m = -(-s.ctx // s.page)
+    n = s.batch * m
+    return dict(
+        q=torch.randn(s.batch, s.hq, s.head_dim, generator=g).to(dev, dtype),
+        k_cache=torch.randn(n, s.page, s.hkv, s.head_dim, generator=g).to(dev, dtype),
+        v_cache=torch.randn(n, s.page, s.hkv, s.head_dim, generator=g).to(dev, dtype),
+        query_start_loc=torch.arange(s.batch + 1, dtype=torch.int32).to(dev),
+        seq_lens=torch.full((s.batch,), s.ctx, dtype=torch.int32).to(dev),
+        block_tables=torch.randperm(n, generator=g).to(torch.int32).reshape(s.batch, m).to(dev),
+    )
+
+
+def _time_us(fn: Any, reps: int, cuda: bool) -> float:
+    """Median microseconds of one CUDA-graph replay of fn (wall time of fn on the CPU)."""
+    import torch
+
+    fn()  # compile outside the capture
+    if not cuda:
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e6)
+        return statistics.median(ts)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def run(tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS)) -> dict[str, Any]:
+    """Every config on every shape; rows plus the best config per shape."""
+    import torch
+
+    from xlaserve.kernels_cuda.paged_attention import unified_attention
+
+    cuda = torch.cuda.is_available() and not tiny
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    rows: list[dict[str, Any]] = []
+    best: dict[str, dict[str, Any]] = {}
+    for s in _shapes(tiny):
+        x = _inputs(s, dev, dtype)
+        out = torch.empty_like(x["q"])
+        kv_bytes = 2 * s.batch * s.ctx * s.hkv * s.head_dim * x["k_cache"].element_size()
+        first = None
+        for block_n, warps, stages, splits in CONFIGS[:num_configs]:
+            cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+            def fn(
+                cfg: dict[str, int] = cfg,
+                splits: int = splits,
+                x: dict = x,
+                out: Any = out,
+                s: Shape = s,
+            ) -> Any:
+                return unified_attention(
+                    x["q"], x["k_cache"], x["v_cache"], out, x["query_start_loc"],
+                    x["seq_lens"], x["block_tables"], 1, s.ctx, s.head_dim**-0.5,
+                    num_kv_splits=splits, launch_config=cfg,
+                )  # fmt: skip
+
+            us = _time_us(fn, reps, cuda)
+            fn()
+            res = out.float().clone()
+            first = res if first is None else first
+            gbps = kv_bytes / (us * 1e-6) / 1e9
+            row = dict(shape=asdict(s), block_n=block_n, num_warps=warps, num_stages=stages,
+                       splits=splits, us=round(us, 2), gbps=round(gbps, 1),
+                       hbm_fraction=round(gbps / hbm_gbps, 3),
+                       max_diff_vs_first=float((res - first).abs().max()))  # fmt: skip
+            rows.append(row)
+            print(f"{s.name} BLOCK_N={block_n} warps={warps} stages={stages} splits={splits}: "
+                  f"{us:.1f} us {gbps:.0f} GB/s ({gbps / hbm_gbps:.0%} HBM)", flush=True)  # fmt: skip
+            if s.name not in best or us < best[s.name]["us"]:
+                best[s.name] = row
+        del x, out
+    for name, row in best.items():
+        print(f"best {name}: BLOCK_N={row['block_n']} num_warps={row['num_warps']} "
+              f"num_stages={row['num_stages']} splits={row['splits']} {row['us']} us "
+              f"{row['gbps']} GB/s ({row['hbm_fraction']:.0%} HBM)", flush=True)  # fmt: skip
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
+            "hbm_gbps": hbm_gbps, "reps": reps, "rows": rows, "best": best}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "long_decode.json"))
+    ap.add_argument("--tiny", action="store_true", help="small shapes (CPU interpreter smoke)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N configs")
+    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    res = run(args.tiny, 1 if args.tiny else args.reps, args.hbm_gbps, args.configs)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

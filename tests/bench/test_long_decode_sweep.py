@@ -1,0 +1,20 @@
+"""bench/gpu_probes/long_decode_sweep.py runs on the CPU (interpreter, tiny shapes, the first
+two configs) and writes its JSON: rows with GB/s fields, a best row per shape, and every config's
+output equal to the first's."""
+
+from __future__ import annotations
+
+import json
+
+from bench.gpu_probes import long_decode_sweep
+
+
+def test_sweep_runs_on_cpu(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "ld.json"
+    assert long_decode_sweep.main(["--tiny", "--configs", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["rows"]) == 2 * len(long_decode_sweep._shapes(tiny=True))
+    assert set(res["best"]) == {s.name for s in long_decode_sweep._shapes(tiny=True)}
+    for row in res["rows"]:
+        assert row["us"] > 0 and row["gbps"] >= 0 and "hbm_fraction" in row
+        assert row["max_diff_vs_first"] < 1e-4  # 16 vs 32 splits: the same attention

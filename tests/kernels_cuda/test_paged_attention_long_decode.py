@@ -1,0 +1,104 @@
+"""Long-context decode path (issue 24): the wide-tile configs that decode launches with many
+splits take, against unified_attention_ref in the Triton interpreter on small shapes (the
+override forces the tile shape the GPU tables pick), plus the table pick and the split heuristic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xlaserve.kernels_cuda import paged_attention as pa
+from xlaserve.kernels_cuda.kv_quant import quantize_kv
+from xlaserve.kernels_cuda.paged_attention import unified_attention, unified_attention_ref
+
+from .test_paged_attention import _batch
+
+# The long-decode tile shape (BLOCK_N 128) and a narrower one wider than the page, both with
+# pipelining on; head 32 keeps the interpreter fast.
+WIDE = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
+MID = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+
+
+def _call(fn, batch: dict, splits: int, cfg: dict | None, **kw) -> torch.Tensor:  # noqa: ANN001
+    extra = {} if fn is unified_attention_ref else {"launch_config": cfg}
+    return fn(
+        batch["q"], batch["k_cache"], batch["v_cache"], None, batch["query_start_loc"],
+        batch["seq_lens"], batch["block_tables"], batch["max_query_len"], batch["max_seq_len"],
+        batch["sm_scale"], kw.pop("window", None), None, num_kv_splits=splits, **kw, **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cfg,splits,seq_lens",
+    [
+        # 300 keys over 64 splits of 128-key tiles: 3 tiles, 61 empty splits; 300 % 128 != 0
+        (WIDE, 64, [300, 45]),
+        (WIDE, 16, [1000, 129, 1]),  # a 1-key context and one just past a tile
+        (MID, 32, [517, 77]),
+        (WIDE, 1, [390]),  # no split-KV: the single-program path with wide tiles
+    ],
+    ids=["wide-64-empty-splits", "wide-16", "mid-32", "wide-1"],
+)
+def test_long_decode_configs_match_reference(device, tolerances, cfg, splits, seq_lens) -> None:
+    """GQA (8 q / 2 kv heads), pages of 16 scattered, contexts not multiples of page/BLOCK_N."""
+    batch = _batch([1] * len(seq_lens), seq_lens, 8, 2, 32, 16, torch.float32, device, seed=3)
+    out = _call(unified_attention, batch, splits, cfg)
+    ref = _call(unified_attention_ref, batch, splits, None)
+    atol, rtol = tolerances[torch.float32]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("window,chunk", [(100, None), (None, 96), (200, 128)])
+def test_long_decode_window_and_chunk(device, tolerances, window, chunk) -> None:
+    """Sliding window and chunked attention start the key range mid-context: with 128-key tiles
+    and 16 splits most splits are empty and the first tile is partly masked."""
+    batch = _batch([1, 1], [700, 260], 8, 2, 32, 16, torch.float32, device, seed=5)
+    out = _call(unified_attention, batch, 16, WIDE, window=window, chunk_size=chunk)
+    ref = _call(unified_attention_ref, batch, 16, None, window=window, chunk_size=chunk)
+    atol, rtol = tolerances[torch.float32]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def test_long_decode_fp8_kv(device, tolerances) -> None:
+    """fp8 codes dequantized in the inner loop of the wide-tile path."""
+    batch = _batch([1, 1], [600, 33], 8, 2, 32, 16, torch.float32, device, seed=7)
+    kq, ks = quantize_kv(batch["k_cache"], torch.float8_e4m3fn)
+    vq, vs = quantize_kv(batch["v_cache"], torch.float8_e4m3fn)
+    batch = dict(batch, k_cache=kq, v_cache=vq)
+    out = _call(unified_attention, batch, 32, WIDE, k_scale=ks, v_scale=vs)
+    ref = _call(unified_attention_ref, batch, 32, None, k_scale=ks, v_scale=vs)
+    atol, rtol = tolerances[torch.float32]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def test_table_pick_by_splits() -> None:
+    """Decode launches with >= LONG_DECODE_MIN_SPLITS splits take LONG_DECODE_CONFIGS; fewer
+    splits, prefill, and head 256 keep the earlier tables."""
+    few = pa.LONG_DECODE_MIN_SPLITS // 2
+    many = pa.LONG_DECODE_MIN_SPLITS
+    long_cfg = pa.attention_launch_config(1, 4, 128, False, many)
+    assert long_cfg["BLOCK_N"] == pa.LONG_DECODE_CONFIGS[128]["BLOCK_N"]
+    assert long_cfg["num_stages"] == pa.LONG_DECODE_CONFIGS[128]["num_stages"]
+    short = pa.attention_launch_config(1, 4, 128, False, few)
+    assert short["BLOCK_N"] == pa.ATTENTION_CONFIGS["decode"][128]["BLOCK_N"]
+    prefill = pa.attention_launch_config(64, 4, 128, False, many)
+    assert prefill["BLOCK_M"] == pa.ATTENTION_CONFIGS["prefill"][128]["BLOCK_M"]
+    big = pa.attention_launch_config(1, 4, 256, False, many)
+    assert big["BLOCK_N"] == pa.ATTENTION_CONFIGS["decode"][256]["BLOCK_N"]
+    # BLOCK_Q, which sizes the grid before the split count is known, does not move with it.
+    assert long_cfg["BLOCK_Q"] == short["BLOCK_Q"]
+    with pytest.raises(ValueError, match="override lacks"):
+        pa.attention_launch_config(1, 4, 128, False, 1, {"BLOCK_N": 64})
+
+
+def test_auto_splits_fill_the_sms(monkeypatch) -> None:
+    """Batch-1 decode, 8 kv heads, 132 SMs: 32 splits at 30k, 64 at 131k (the H200 optimum);
+    short contexts stay bounded by MIN_KEYS_PER_SPLIT; a full grid takes none."""
+    monkeypatch.setattr(pa, "_num_sms", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    assert pa._auto_kv_splits(8, 1, 30_000, dev) == 32
+    assert pa._auto_kv_splits(8, 1, 131_072, dev) == 64
+    assert pa._auto_kv_splits(8, 1, 4096, dev) == 4096 // pa.MIN_KEYS_PER_SPLIT
+    assert pa._auto_kv_splits(8 * 64, 1, 131_072, dev) == 1
+    assert pa._auto_kv_splits(8, 7, 131_072, dev) == 1
