@@ -11,7 +11,11 @@ model spec, the KV / state cache geometry, the weights' shapes / dtypes / shardi
 program's (kind, bucket). Anything a trace can read is in the fingerprint or is an input of the
 program; a change anywhere gives new keys (old files are left for the user to clear). A file
 that cannot be read or loaded is a miss (logged, recompiled, rewritten), never an error.
-Off with multi-host runs (each host must compile the same programs itself) and enforce_eager.
+Off with multi-host runs (each host must compile the same programs itself), enforce_eager, and by
+default on the CPU (EngineConfig.xla_executable_cache None: XLA:CPU start-up takes seconds, and
+an XLA:CPU executable loaded into a process that had run other programs failed once with a JIT'd
+function missing: "Function wrapped_iota not found"; in a fresh process, as a restarted server
+loads them, they ran).
 
 Layout: <compilation_cache_dir>/xlaserve-executables/<key>.bin (pickle of the serialized
 executable and its in / out trees; written to a temp file and renamed, so readers never see half
@@ -80,7 +84,8 @@ def runner_fingerprint(r: XlaModelRunner) -> str:
         repr(r.config), repr(r.spec), r.num_kv_blocks, r.num_state_slots(),
         str(r.dtype), str(r.kv_dtype), r.token_buckets, r.seq_buckets,
         [(tuple(w.shape), str(w.dtype), str(w.sharding)) for w in r.weights],
-        [[(tuple(a.shape), str(a.dtype)) for a in layer] for layer in (r.kv_caches or [])],
+        # Per layer (K, V), (conv, ssm), or both nested (hybrid parallel layers): every leaf.
+        [(tuple(a.shape), str(a.dtype)) for a in jax.tree_util.tree_leaves(r.kv_caches or [])],
     ]  # fmt: skip
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
@@ -156,9 +161,12 @@ class ExecutableCache:
 
 
 def executable_cache(r: XlaModelRunner) -> ExecutableCache | None:
-    """The runner's cache, or None where it is off (config.xla_executable_cache False,
-    enforce_eager, multi-host)."""
-    if not r.config.xla_executable_cache or r.config.enforce_eager or r.multihost is not None:
+    """The runner's cache, or None where it is off (config.xla_executable_cache False, or None
+    on the CPU; enforce_eager; multi-host)."""
+    on = r.config.xla_executable_cache
+    if on is None:
+        on = r.platform != "cpu"
+    if not on or r.config.enforce_eager or r.multihost is not None:
         return None
     # The directory this engine asked for (JAX keeps the first one a process set up).
     root = os.path.join(compilation_cache_path(r.config.compilation_cache_dir), SUBDIR)

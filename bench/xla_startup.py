@@ -59,9 +59,10 @@ def one_start(args: argparse.Namespace) -> dict[str, Any]:
         prof = cProfile.Profile()
         prof.enable()
     t0 = time.perf_counter()
+    exe = {"auto": None, "on": True, "off": False}[args.executable_cache]
     llm = LLM(args.model_dir, max_num_batched_tokens=args.tokens, max_num_seqs=args.seqs,
               max_model_len=max_len, compilation_cache_dir=args.cache_dir,
-              **kw)  # fmt: skip
+              xla_executable_cache=exe, **kw)  # fmt: skip
     ready = time.perf_counter() - t0
     top: list[str] = []
     if prof is not None:
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON path: one start
     ap.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
+    ap.add_argument("--executable-cache", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.xla_executable_cache (auto: on except on the CPU)")  # fmt: skip
     ap.add_argument("--profile", type=int, default=0, help="cProfile's top N rows per run")
     ap.add_argument("--in-process", action="store_true", help="runs in this process (tests)")
     ap.add_argument("--output-json", default="xla_startup.json")
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "xlaserve.bench.xla_startup", "--model-dir", a.model_dir,
                "--tokens", str(a.tokens), "--seqs", str(a.seqs), "--max-model-len",
                str(a.max_model_len), "--cache-dir", cache, "--worker", out,
-               "--profile", str(a.profile)]  # fmt: skip
+               "--profile", str(a.profile), "--executable-cache", a.executable_cache]  # fmt: skip
         if a.llama8b:  # the dummy-weight keywords (the model dir is already written)
             cmd += ["--llama8b"] + (["--tiny"] if a.tiny else [])
 

@@ -82,6 +82,9 @@ ATTENTION_CONFIGS: dict[str, dict[int, dict[str, int]]] = {
 # at batch 1 each program walks many tiles serially, and more bytes in flight per program hide
 # HBM latency. Keyed by head-dim bucket; a bucket absent here keeps ATTENTION_CONFIGS["decode"]
 # (D=256: shared memory). Tune from bench/gpu_probes/long_decode_sweep.py's "best" lines.
+# Off until bench/gpu_probes/long_decode_sweep.py has run on a GPU (the tiles are untested by
+# real Triton and unmeasured); tests switch it on to check the pick and the kernel's results.
+LONG_DECODE_ENABLED = False
 LONG_DECODE_MIN_SPLITS = 16
 LONG_DECODE_CONFIGS: dict[int, dict[str, int]] = {
     64: {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
@@ -540,7 +543,8 @@ def attention_launch_config(
     elif interpret:
         cfg = dict(_INTERPRET_CONFIG)
     elif (
-        kind == "decode"
+        LONG_DECODE_ENABLED
+        and kind == "decode"
         and num_kv_splits >= LONG_DECODE_MIN_SPLITS
         and bucket in LONG_DECODE_CONFIGS
     ):

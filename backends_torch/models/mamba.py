@@ -76,9 +76,9 @@ def use_ssm_kernels(device: str | torch.device, kernels: KernelConfig | None) ->
 
 
 def use_ssm_prefill_kernels(device: str | torch.device, kernels: KernelConfig | None) -> bool:
-    """Prefill (the per-request loop) through kernels_cuda/ssm_prefill.py:
-    KernelConfig.ssm_prefill_triton "on" forces it (needs CUDA or TRITON_INTERPRET=1), "auto" =
-    on CUDA, "off" (the default until measured) = the torch references."""
+    """Prefill through kernels_cuda/ssm_prefill.py: KernelConfig.ssm_prefill_triton "on" forces
+    it (needs CUDA or TRITON_INTERPRET=1), "auto" (the default) = on CUDA, "off" = the torch
+    references."""
     from xlaserve.config import kernel_switch
 
     mode = kernel_switch("ssm_prefill_triton", kernels)

@@ -11,7 +11,18 @@ from xlaserve.bench import xla_startup
 def test_cold_then_warm_start_up(tmp_path) -> None:
     out = tmp_path / "startup.json"
     res = xla_startup.main(
-        ["--tokens", "64", "--seqs", "4", "--timeout", "240", "--output-json", str(out)]
+        [
+            "--tokens",
+            "64",
+            "--seqs",
+            "4",
+            "--timeout",
+            "240",
+            "--executable-cache",
+            "on",
+            "--output-json",
+            str(out),
+        ]  # fmt: skip
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
     cold, warm = res["cold"], res["warm"]

@@ -72,11 +72,15 @@ def test_long_decode_fp8_kv(device, tolerances) -> None:
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
 
-def test_table_pick_by_splits() -> None:
-    """Decode launches with >= LONG_DECODE_MIN_SPLITS splits take LONG_DECODE_CONFIGS; fewer
-    splits, prefill, and head 256 keep the earlier tables."""
+def test_table_pick_by_splits(monkeypatch) -> None:  # noqa: ANN001
+    """With LONG_DECODE_ENABLED, decode launches with >= LONG_DECODE_MIN_SPLITS splits take
+    LONG_DECODE_CONFIGS; fewer splits, prefill, and head 256 keep the earlier tables; disabled
+    (the default until measured), every launch keeps them."""
     few = pa.LONG_DECODE_MIN_SPLITS // 2
     many = pa.LONG_DECODE_MIN_SPLITS
+    off = pa.attention_launch_config(1, 4, 128, False, many)
+    assert off["BLOCK_N"] == pa.ATTENTION_CONFIGS["decode"][128]["BLOCK_N"]
+    monkeypatch.setattr(pa, "LONG_DECODE_ENABLED", True)
     long_cfg = pa.attention_launch_config(1, 4, 128, False, many)
     assert long_cfg["BLOCK_N"] == pa.LONG_DECODE_CONFIGS[128]["BLOCK_N"]
     assert long_cfg["num_stages"] == pa.LONG_DECODE_CONFIGS[128]["num_stages"]
