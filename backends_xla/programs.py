@@ -264,10 +264,11 @@ def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None
                 r.programs[p] = compiled
                 if p[0] == FORWARD:  # what lowering the forward would have set
                     r._hidden_dtype = compiled.out_info[1].dtype
-        loaded = len(todo) - len([p for p in todo if p not in r.programs])
-        r.exec_cache_loads += loaded
         # Samplers are lowered after a forward (they read its hidden dtype): keep the order.
-        todo = [p for p in todo if p not in r.programs]
+        missed = [p for p in todo if p not in r.programs]
+        loaded = len(todo) - len(missed)
+        r.exec_cache_loads += loaded
+        todo = missed
         if loaded:
             logger.info("loaded %d XLA programs from the executable cache", loaded)
     if not todo:
