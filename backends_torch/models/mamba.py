@@ -47,6 +47,11 @@ class SimpleRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype:
+            from xlaserve.kernels_cuda.norm import rms_norm
+
+            # One launch instead of six (rounds once where HF rounds twice: <= 1 ulp apart).
+            return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(self.weight.dtype)
@@ -172,7 +177,11 @@ class SSMMixer(nn.Module):
     def _finish(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Scan output y [R, Hs, P] float32 + gate [R, I] -> [R, H]."""
         y = y.reshape(y.shape[0], self.d_inner)
-        if self.kind == "mamba2" and self.gate_norm == "gated":
+        if self.kind == "mamba2" and self.gate_norm == "gated" and self.triton:
+            from xlaserve.kernels_cuda.ssm import gated_rms_norm as gated_rms_norm_kernel
+
+            y = gated_rms_norm_kernel(y, gate, self.norm.weight, self.groups, self.eps)
+        elif self.kind == "mamba2" and self.gate_norm == "gated":
             y = gated_rms_norm(y, gate, self.norm.weight, self.groups, self.eps)
         elif self.gate_norm == "norm_gate":  # Falcon-H1 mamba_norm_before_gate
             yg = y.float().reshape(y.shape[0], self.groups, -1)
@@ -202,6 +211,14 @@ class SSMMixer(nn.Module):
 
             idx, keep = _step_state(md, x.device)
             xc = conv_state_update(xbc, w, b, conv_s, idx, keep)
+            if self.kind == "mamba2":  # SiLU, dt, A and the update in one launch
+                from xlaserve.kernels_cuda.ssm import mamba2_state_update
+
+                y = mamba2_state_update(
+                    ssm_s, idx, keep, xc, dt_raw, self.dt_bias, self.A_log, self.D,
+                    self.groups, self.dt_limit,
+                )  # fmt: skip
+                return self._finish(y, z, x.dtype)
             xs, dt, B, C = self._ssm_inputs(F.silu(xc), dt_raw)
             a = A.expand(self.hs, 1, self.n).reshape(self.hs, self.n)
             B, C = B.expand(-1, self.hs, -1), C.expand(-1, self.hs, -1)  # one group per head
