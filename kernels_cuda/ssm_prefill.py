@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, next_pow2
+from ._common import check_device, interpret_mode, next_pow2
 
 
 @triton.jit
@@ -160,13 +160,26 @@ def causal_conv1d_prefill_ref(
     return causal_conv1d(x, weight, bias, state)
 
 
-DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b with float32 accumulation; PREC "bf16" rounds both operands to bfloat16 first (as
+    mamba_ssm's kernels, whose operands are the model's bf16 activations), else tl.dot's
+    input_precision."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16_emulated":  # the interpreter's bf16 dot is wrong: round, then fp32
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
 def _ssd_prefill_kernel(
     x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, h0_ptr, y_ptr, h_ptr, cu_ptr, slot_ptr, keep_ptr,
-    Hs, P, N, G,
+    Hs, P, N, G, stride_xt, stride_bt,
     HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):  # fmt: skip
@@ -198,11 +211,11 @@ def _ssd_prefill_kernel(
         # dt = 0 past the end: no decay, nothing added, so la[-1] is the last real step's.
         dt = tl.load(dt_ptr + t * Hs + hd, mask=tm, other=0.0).to(tl.float32)  # [L]
         xc = tl.load(
-            x_ptr + (t[:, None] * Hs + hd) * P + p[None, :],
+            x_ptr + t[:, None] * stride_xt + hd * P + p[None, :],
             mask=tm[:, None] & pm[None, :],
             other=0.0,
         ).to(tl.float32)  # [L, BLOCK_P]
-        bcoff = (t[:, None] * G + g) * N + n[None, :]
+        bcoff = t[:, None] * stride_bt + g * N + n[None, :]
         bcm = tm[:, None] & nm[None, :]
         bc = tl.load(b_ptr + bcoff, mask=bcm, other=0.0).to(tl.float32)  # [L, BLOCK_N]
         cc = tl.load(c_ptr + bcoff, mask=bcm, other=0.0).to(tl.float32)
@@ -210,19 +223,17 @@ def _ssd_prefill_kernel(
         la_end = tl.sum(tl.where(li == CHUNK - 1, la, 0.0), axis=0)
         # decay[i, j] = exp(la_i - la_j) for j <= i: the factor from step j to step i.
         diff = tl.where(causal, la[:, None] - la[None, :], 0.0)
-        cb = tl.dot(cc, tl.trans(bc), input_precision=DOT_PREC)  # [L, L]
+        cb = _dot(cc, tl.trans(bc), DOT_PREC)  # [L, L]
         w = tl.where(causal, cb * tl.exp(diff) * dt[None, :], 0.0)
-        y = tl.dot(w, xc, input_precision=DOT_PREC)  # [L, BLOCK_P]
+        y = _dot(w, xc, DOT_PREC)  # [L, BLOCK_P]
         # The carried state: y_i += exp(la_i) * (h . C_i).
-        y += tl.exp(la)[:, None] * tl.dot(cc, tl.trans(h), input_precision=DOT_PREC)
+        y += tl.exp(la)[:, None] * _dot(cc, tl.trans(h), DOT_PREC)
         if HAS_D:
             y += dd * xc
         tl.store(y_ptr + (t[:, None] * Hs + hd) * P + p[None, :], y, mask=tm[:, None] & pm[None, :])
         # h at the chunk end = exp(la_end) h + sum_j exp(la_end - la_j) dt_j x_j (x) B_j.
         wend = tl.exp(la_end - la) * dt  # [L]
-        h = tl.exp(la_end) * h + tl.dot(
-            tl.trans(xc * wend[:, None]), bc, input_precision=DOT_PREC
-        )  # [BLOCK_P, BLOCK_N]
+        h = tl.exp(la_end) * h + _dot(tl.trans(xc * wend[:, None]), bc, DOT_PREC)  # [BLOCK_P, N]
     tl.store(h_ptr + seq * state_size + hoff, h, mask=hmask)
 
 
@@ -251,7 +262,9 @@ def ssd_varlen(
     a power of two >= 16 (tl.dot's minimum). Launch knobs (bench/gpu_probes/ssd_prefill_sweep.py):
     block_p (P rows per program, a power of two >= 16; default min(P, 32)), num_warps, precision
     of the dots ("ieee" = exact fp32 on CUDA cores, "tf32x3" = three tf32 tensor-core products,
-    ~fp32 accuracy, "tf32" = one). H200, Mamba2-2.7B layer, T = 256: ieee 5.24 ms (64, 4 warps) /
+    ~fp32 accuracy, "tf32" = one, "bf16" = operands rounded to bf16). x may be a token-strided
+    view (stride(1) = P, stride(2) = 1) and B / C views of one stride (stride(1) = N): read in
+    place, no copy. H200, Mamba2-2.7B layer, T = 256: ieee 5.24 ms (64, 4 warps) /
     2.35 ms (32, 8 warps), tf32x3 0.23 ms, tf32 0.11-0.14 ms against the torch reference's 2.6-4.3
     ms: the exact fp32 dots ran on CUDA cores and spilled."""
     check_device("ssd_varlen", x, dt, A, B, C, states, cu_seqlens, slots, keep)
@@ -281,7 +294,12 @@ def ssd_varlen(
     block_p = block_p or max(min(next_pow2(p), 32), 16)
     if block_p < 16 or block_p & (block_p - 1):
         raise ValueError(f"ssd_varlen: block_p a power of two >= 16, got {block_p}")
-    x, dt, B, C = x.contiguous(), dt.float().contiguous(), B.contiguous(), C.contiguous()
+    # Token-strided views (the model's slices of one conv-output row) are read in place.
+    if x.stride(2) != 1 or x.stride(1) != p:
+        x = x.contiguous()
+    if B.stride(2) != 1 or B.stride(1) != n or C.stride() != B.stride():
+        B, C = B.contiguous(), C.contiguous()
+    dt = dt.float().contiguous()
     a = A.float().reshape(hs).contiguous()
     y = torch.empty((t, hs, p), dtype=torch.float32, device=x.device)
     h = torch.empty((nseq, hs, p, n), dtype=torch.float32, device=x.device)
@@ -290,8 +308,9 @@ def ssd_varlen(
     _ssd_prefill_kernel[(hs, triton.cdiv(p, block_p), nseq)](
         x, dt, a, B, C, d, states.contiguous(), y, h,
         cu_seqlens.to(torch.int32).contiguous(), slots.contiguous(), keep.float().contiguous(),
-        hs, p, n, g,
-        HAS_D=D is not None, CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=block_n, DOT_PREC=precision,
+        hs, p, n, g, x.stride(0), B.stride(0),
+        HAS_D=D is not None, CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=block_n,
+        DOT_PREC="bf16_emulated" if precision == "bf16" and interpret_mode() else precision,
         num_warps=num_warps,
     )  # fmt: skip
     return y, h

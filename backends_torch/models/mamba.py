@@ -137,6 +137,10 @@ class SSMMixer(nn.Module):
                 self.b_layernorm = SimpleRMSNorm(n, self.eps, dtype, device)
                 self.c_layernorm = SimpleRMSNorm(n, self.eps, dtype, device)
         self.bc_norms = bool(s.get("bc_norms"))
+        # Operand precision of the varlen SSD kernel's dots (kernels_cuda/ssm_prefill.py).
+        from xlaserve.config import kernel_switch
+
+        self.ssd_precision = kernel_switch("ssd_precision", kernels)
         self.conv1d = nn.Module()
         self.conv1d.weight = _param((self.conv_dim, self.k), dtype, device)
         self.conv1d.bias = _param((self.conv_dim,), dtype, device) if s["conv_bias"] else None
@@ -205,7 +209,7 @@ class SSMMixer(nn.Module):
         fresh: list[bool] = md.derived["state_fresh"]
         qsl = md.query_start_loc_host
         z, xbc, dt_raw = self._split(self.in_proj(x))
-        w, b, A = self.conv1d.weight, self.conv1d.bias, self._A()
+        w, b = self.conv1d.weight, self.conv1d.bias
         if x.shape[0] == len(slots) and self.triton:  # decode, in place in the slot caches
             from xlaserve.kernels_cuda.ssm import conv_state_update, ssm_state_update
 
@@ -220,10 +224,13 @@ class SSMMixer(nn.Module):
                 )  # fmt: skip
                 return self._finish(y, z, x.dtype)
             xs, dt, B, C = self._ssm_inputs(F.silu(xc), dt_raw)
-            a = A.expand(self.hs, 1, self.n).reshape(self.hs, self.n)
+            a = self._A().expand(self.hs, 1, self.n).reshape(self.hs, self.n)
             B, C = B.expand(-1, self.hs, -1), C.expand(-1, self.hs, -1)  # one group per head
             y = ssm_state_update(ssm_s, idx, keep, xs, dt, a, B, C, self.D)
             return self._finish(y, z, x.dtype)
+        if self.prefill_triton and self.kind == "mamba2" and x.shape[0] != len(slots):
+            return self._prefill_varlen(z, xbc, dt_raw, conv_s, ssm_s, md)  # one launch each
+        A = self._A()
         if x.shape[0] == len(slots):  # decode: one token per request, batched single step
             idx, keep = _step_state(md, x.device)
             cs = conv_s[idx] * keep[:, None, None]
@@ -234,8 +241,6 @@ class SSMMixer(nn.Module):
             conv_s[idx] = cs
             ssm_s[idx] = hs
             return self._finish(y, z, x.dtype)
-        if self.prefill_triton and self.kind == "mamba2":  # every request in one launch each
-            return self._prefill_varlen(z, xbc, dt_raw, conv_s, ssm_s, md)
         conv_fn, ssd_fn = causal_conv1d, None
         if self.prefill_triton:
             from xlaserve.kernels_cuda.ssm_prefill import causal_conv1d_prefill, ssd_chunked_prefill
@@ -279,9 +284,20 @@ class SSMMixer(nn.Module):
         cu = md.query_start_loc[: idx.shape[0] + 1]  # the step's int32 offsets, on the device
         w, b = self.conv1d.weight, self.conv1d.bias
         xc, conv_new = causal_conv1d_varlen(xbc, w, b, conv_s, cu, idx, keep)
-        xs, dt, B, C = self._ssm_inputs(F.silu(xc), dt_raw)
-        # B / C per head (G = Hs), as the other paths pass them.
-        y, ssm_new = ssd_varlen(xs, dt, self._A(), B, C, self.D, ssm_s, cu, idx, keep, chunk=64)
+        # x / B / C as views of the activated conv row (no per-head copies of B and C: every
+        # head of a group reads its group's rows, which stay in L2).
+        t, i, gn = xc.shape[0], self.d_inner, self.groups * self.n
+        act = F.silu(xc)
+        xs = act[:, :i].view(t, self.hs, self.p)
+        B = act[:, i : i + gn].view(t, self.groups, self.n)
+        C = act[:, i + gn :].view(t, self.groups, self.n)
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        if self.dt_limit[0] > 0.0 or self.dt_limit[1] != float("inf"):
+            dt = dt.clamp(*self.dt_limit)
+        y, ssm_new = ssd_varlen(
+            xs, dt, self._A(), B, C, self.D, ssm_s, cu, idx, keep, chunk=64,
+            precision=self.ssd_precision,
+        )  # fmt: skip
         conv_s.index_copy_(0, idx, conv_new.to(conv_s.dtype))
         ssm_s.index_copy_(0, idx, ssm_new.to(ssm_s.dtype))
         return self._finish(y, z, xbc.dtype)

@@ -6,7 +6,9 @@ This times (block_p, num_warps, precision, chunk) variants on one request's pref
 Mamba2-2.7B layer shape, with the max abs error against the torch reference, JSON lines out:
 
     python -m xlaserve.bench.gpu_probes.ssd_prefill_sweep --tokens 256,1024
-CPU smoke run: ``TRITON_INTERPRET=1 python -m xlaserve.bench.gpu_probes.ssd_prefill_sweep --tiny``
+The engine's whole varlen prefill step (64 requests of 256 tokens, B / C shared by all heads):
+``--varlen 64x256``. CPU smoke run: ``TRITON_INTERPRET=1 python -m
+xlaserve.bench.gpu_probes.ssd_prefill_sweep --tiny [--varlen 3x40]``
 """
 
 from __future__ import annotations
@@ -56,13 +58,78 @@ def _sweep(
     return rows
 
 
+# The varlen step the engine runs: (block_p, num_warps, precision, chunk).
+VARLEN_VARIANTS = [
+    (32, 4, "tf32x3", 64), (32, 4, "tf32", 64), (32, 4, "bf16", 64), (64, 4, "bf16", 64),
+    (64, 8, "bf16", 64), (16, 4, "bf16", 64), (32, 4, "bf16", 32), (64, 4, "bf16", 32),
+    (32, 8, "tf32", 32), (64, 8, "tf32", 64),
+]  # fmt: skip
+
+
+def _varlen(seqs: int, length: int, tiny: bool, iters: int, cuda: bool) -> list[dict[str, Any]]:
+    """A whole prefill step as the engine's Mamba2 layer runs it: `seqs` fresh requests of
+    `length` tokens, x / B / C as views of one activated conv row (G = 1), one ssd_varlen launch
+    per variant; errors against the torch reference on the first two requests."""
+    from xlaserve.kernels_cuda.ssm_prefill import ssd_chunked_prefill_ref, ssd_varlen
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    hs, p, n, grp = (4, 16, 16, 1) if tiny else (80, 64, 128, 1)
+    t = seqs * length
+    g = torch.Generator(device=dev).manual_seed(1)
+    act = torch.nn.functional.silu(torch.randn(t, hs * p + 2 * grp * n, device=dev, generator=g))
+    x = act[:, : hs * p].view(t, hs, p)
+    B = act[:, hs * p : hs * p + grp * n].view(t, grp, n)
+    C = act[:, hs * p + grp * n :].view(t, grp, n)
+    dt = torch.nn.functional.softplus(torch.randn(t, hs, device=dev, generator=g) - 2)
+    A = -torch.exp(torch.randn(hs, device=dev, generator=g))
+    D = torch.randn(hs, device=dev, generator=g)
+    states = torch.zeros(seqs + 1, hs, p, n, device=dev)
+    cu = torch.arange(0, t + 1, length, dtype=torch.int32, device=dev)
+    slots = torch.arange(seqs, device=dev)
+    keep = torch.zeros(seqs, device=dev)
+    refs = [
+        ssd_chunked_prefill_ref(x[r * length : (r + 1) * length], dt[r * length : (r + 1) * length],
+                                A, B[r * length : (r + 1) * length],
+                                C[r * length : (r + 1) * length], D, states[0])
+        for r in range(2)
+    ]  # fmt: skip
+    rows = []
+    for bp, nw, prec, chunk in VARLEN_VARIANTS[:2] if tiny else VARLEN_VARIANTS:
+        bp = 16 if tiny else bp
+        row: dict[str, Any] = {"seqs": seqs, "length": length, "block_p": bp, "num_warps": nw,
+                               "precision": prec, "chunk": chunk}  # fmt: skip
+        kw = {"chunk": chunk, "block_p": bp, "num_warps": nw, "precision": prec}
+        try:
+            y, h = ssd_varlen(x, dt, A, B, C, D, states, cu, slots, keep, **kw)
+            err, scale = 0.0, 0.0
+            for r, (y_ref, h_ref) in enumerate(refs):
+                yr = y[r * length : (r + 1) * length]
+                err = max(err, (yr - y_ref).abs().max().item(), (h[r] - h_ref).abs().max().item())
+                scale = max(scale, y_ref.abs().max().item(), h_ref.abs().max().item())
+            ms = time_ms(
+                lambda kw=kw: ssd_varlen(x, dt, A, B, C, D, states, cu, slots, keep, **kw),
+                iters, cuda,
+            )  # fmt: skip
+            row.update(kernel_ms=round(ms, 4), tokens_per_ms=round(t / ms, 1),
+                       rel_err=err / max(scale, 1e-30))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a row
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="256,1024")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--varlen", default="", help="SEQSxLEN: time the engine's varlen step")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
+    if a.varlen:
+        seqs, length = (int(v) for v in a.varlen.split("x"))
+        return _varlen(seqs, length, a.tiny, a.iters, cuda)
     dev = torch.device("cuda" if cuda else "cpu")
     hs, p, n = (4, 16, 16) if a.tiny else (80, 64, 128)
     variants = VARIANTS[:2] if a.tiny else VARIANTS

@@ -57,25 +57,44 @@ def test_conv_varlen_matches_per_request_reference(with_bias: bool, device) -> N
         torch.testing.assert_close(new[i], want_new, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_ssd_varlen_matches_per_request_reference(groups: int, device) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    ("groups", "views", "precision"),
+    [(1, False, "tf32x3"), (2, False, "tf32x3"), (2, True, "tf32x3"), (1, True, "bf16")],
+)
+def test_ssd_varlen_matches_per_request_reference(
+    groups: int,
+    views: bool,
+    precision: str,
+    device,  # noqa: ANN001
+) -> None:
+    """views: x / B / C are slices of one [T, Hs*P + 2*G*N] row, as the model passes them (read
+    through their token stride, not copied)."""
     g = torch.Generator().manual_seed(1)
     hs, p, n = 4, 16, 16
     t = sum(LENS)
-    x = torch.randn(t, hs, p, generator=g).to(device)
+    if views:
+        row = torch.randn(t, hs * p + 2 * groups * n, generator=g).to(device)
+        x = row[:, : hs * p].view(t, hs, p)
+        B = row[:, hs * p : hs * p + groups * n].view(t, groups, n)
+        C = row[:, hs * p + groups * n :].view(t, groups, n)
+    else:
+        x = torch.randn(t, hs, p, generator=g).to(device)
+        B = torch.randn(t, groups, n, generator=g).to(device)
+        C = torch.randn(t, groups, n, generator=g).to(device)
     dt = torch.nn.functional.softplus(torch.randn(t, hs, generator=g) - 2).to(device)
     a = -torch.exp(torch.randn(hs, generator=g)).to(device)
-    B = torch.randn(t, groups, n, generator=g).to(device)
-    C = torch.randn(t, groups, n, generator=g).to(device)
     D = torch.randn(hs, generator=g).to(device)
     states = torch.randn(S, hs, p, n, generator=g).to(device)
     _poison_fresh(states)
     cu = _cu(device)
     keep = torch.tensor(KEEP, device=device)
-    y, h = ssd_varlen(x, dt, a, B, C, D, states, cu, torch.tensor(SLOTS, device=device), keep)
+    slots = torch.tensor(SLOTS, device=device)
+    y, h = ssd_varlen(x, dt, a, B, C, D, states, cu, slots, keep, precision=precision)
+    # bf16 operands (8-bit mantissas) against the float32 reference; else ~fp32 accuracy.
+    tol = 6e-2 if precision == "bf16" else 2e-4
     for i, (slot, kp) in enumerate(zip(SLOTS, KEEP, strict=True)):
         lo, hi = int(cu[i]), int(cu[i + 1])
         h0 = states[slot] if kp else torch.zeros_like(states[slot])
         want_y, want_h = ssd_chunked_prefill_ref(x[lo:hi], dt[lo:hi], a, B[lo:hi], C[lo:hi], D, h0)
-        torch.testing.assert_close(y[lo:hi], want_y, atol=2e-4, rtol=2e-4)
-        torch.testing.assert_close(h[i], want_h, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(y[lo:hi], want_y, atol=tol, rtol=tol)
+        torch.testing.assert_close(h[i], want_h, atol=tol, rtol=tol)
