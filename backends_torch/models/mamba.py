@@ -140,7 +140,14 @@ class SSMMixer(nn.Module):
         # Operand precision of the varlen SSD kernel's dots (kernels_cuda/ssm_prefill.py).
         from xlaserve.config import kernel_switch
 
-        self.ssd_precision = kernel_switch("ssd_precision", kernels)
+        prec = kernel_switch("ssd_precision", kernels)
+        if prec == "auto":
+            prec = "bf16" if dtype in (torch.bfloat16, torch.float16) else "tf32x3"
+        self.ssd_precision = prec
+        # Launch shape per precision (bench/gpu_probes/ssd_prefill_sweep.py --varlen 64x256):
+        # bf16 operands leave registers for 64 P rows and want 32-token chunks.
+        p_rows = max(16, 1 << (self.p - 1).bit_length())  # P as a power of two >= 16
+        self.ssd_chunk, self.ssd_block_p = (32, min(64, p_rows)) if prec == "bf16" else (64, None)
         self.conv1d = nn.Module()
         self.conv1d.weight = _param((self.conv_dim, self.k), dtype, device)
         self.conv1d.bias = _param((self.conv_dim,), dtype, device) if s["conv_bias"] else None
@@ -295,7 +302,8 @@ class SSMMixer(nn.Module):
         if self.dt_limit[0] > 0.0 or self.dt_limit[1] != float("inf"):
             dt = dt.clamp(*self.dt_limit)
         y, ssm_new = ssd_varlen(
-            xs, dt, self._A(), B, C, self.D, ssm_s, cu, idx, keep, chunk=64,
+            xs, dt, self._A(), B, C, self.D, ssm_s, cu, idx, keep, chunk=self.ssd_chunk,
+            block_p=self.ssd_block_p,
             precision=self.ssd_precision,
         )  # fmt: skip
         conv_s.index_copy_(0, idx, conv_new.to(conv_s.dtype))

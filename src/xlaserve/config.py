@@ -403,9 +403,12 @@ class KernelConfig:
     # (H200, Bamba-9B shape, 1000 x 256/256 offline: 4,336 tok/s vs 3,340 with the per-request
     # kernels; GPU tests pass), "on" on the CPU needs TRITON_INTERPRET=1 (tests).
     ssm_prefill_triton: str = "auto"
-    # Operand precision of the varlen Mamba2 SSD prefill kernel's dots: "tf32x3" (~fp32),
-    # "tf32", "bf16" (mamba_ssm's choice: the operands are the model's activations), "ieee".
-    ssd_precision: str = "tf32x3"
+    # Operand precision of the varlen Mamba2 SSD prefill kernel's dots: "auto" = "bf16" for
+    # bf16 / fp16 models (as mamba_ssm: the operands in the activation dtype) with 32-token
+    # chunks and 64-row P blocks, "tf32x3" (~fp32) for float32 models; or force "tf32x3",
+    # "tf32", "bf16", "ieee". H200, Mamba2-2.7B layer, 64 x 256-token prefill step: tf32x3
+    # 8.85 ms, tf32 2.39 ms, bf16 0.97 ms (relative error 3.3e-3; bench/RESULTS.md).
+    ssd_precision: str = "auto"
     # Torch: rope + KV-cache write in one kernel where the Triton rotary runs and the cache holds
     # floats (a quantized cache keeps the two kernels).
     fused_rope_kv: bool = True
@@ -498,7 +501,7 @@ class KernelConfig:
             ("act_quant", ("auto", "triton", "torch")),
             ("int8_w8a8_gemm", ("auto", "int_mm", "triton")),
             ("fp8_gemm", ("auto", "scaled_mm", "triton")),
-            ("ssd_precision", ("tf32x3", "tf32", "bf16", "ieee")),
+            ("ssd_precision", ("auto", "tf32x3", "tf32", "bf16", "ieee")),
             ("lora_impl", LORA_IMPLS),
         ):
             value = getattr(self, name)
