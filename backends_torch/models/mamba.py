@@ -288,7 +288,11 @@ class SSMMixer(nn.Module):
         from xlaserve.kernels_cuda.ssm_prefill import causal_conv1d_varlen, ssd_varlen
 
         idx, keep = _step_state(md, xbc.device)
-        cu = md.query_start_loc[: idx.shape[0] + 1]  # the step's int32 offsets, on the device
+        cu = md.derived.get("state_cu")
+        if cu is None:  # once per step, shared by the layers; from the host offsets, which
+            # every attention backend's metadata carries alike (GPU-verified with this form)
+            host = md.query_start_loc_host[: idx.shape[0] + 1]
+            cu = md.derived["state_cu"] = torch.tensor(host, dtype=torch.int32).to(xbc.device)
         w, b = self.conv1d.weight, self.conv1d.bias
         xc, conv_new = causal_conv1d_varlen(xbc, w, b, conv_s, cu, idx, keep)
         # x / B / C as views of the activated conv row (no per-head copies of B and C: every
