@@ -80,6 +80,7 @@ from xlaserve.backends_xla.utils import (
     pick_bucket,
     resolve_dtype,
     setup_compilation_cache,
+    token_buckets,
 )
 from xlaserve.config import EngineConfig
 from xlaserve.model_loader.spec import ModelSpec
@@ -186,8 +187,8 @@ class XlaModelRunner(RunnerCore):
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
-        self.token_buckets = make_buckets(
-            config.kernels.xla_min_token_bucket, sched.max_num_batched_tokens
+        self.token_buckets = token_buckets(
+            config.kernels.xla_min_token_bucket, sched.max_num_batched_tokens, self.platform
         )
         self.seq_buckets = make_buckets(1, sched.max_num_seqs)
         self.vocab = spec.vocab_size

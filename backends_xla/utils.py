@@ -28,6 +28,16 @@ def make_buckets(smallest: int, largest: int) -> list[int]:
     return out + [largest]
 
 
+def token_buckets(min_bucket: int, largest: int, platform: str) -> list[int]:
+    """The forward's token buckets: powers of two from `min_bucket` to `largest`; min_bucket 0
+    (KernelConfig.xla_min_token_bucket auto) = 1 then the powers from 16 on the CPU, from 16
+    elsewhere."""
+    if min_bucket:
+        return make_buckets(min_bucket, largest)
+    out = make_buckets(16, largest)
+    return [1, *[b for b in out if b > 1]] if platform == "cpu" else out
+
+
 def pick_bucket(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:

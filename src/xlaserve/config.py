@@ -459,8 +459,11 @@ class KernelConfig:
     # default of backends_xla.utils.XLA_GPU_TRITON_GEMM.
     xla_triton_gemm: str = "auto"
     # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
-    # to it, so it sets the M of every projection's matmul at batch 1.
-    xla_min_token_bucket: int = 16
+    # to it, so it sets the M of every projection's matmul at batch 1. 0 = auto: on the CPU a
+    # bucket of 1 token before the powers of two from 16 (batch-1 decode at M = 1: demo model,
+    # 2-core host, 518-613 vs 209-292 tok/s with 16, bench/RESULTS.md; one compile more, not
+    # four), 16 elsewhere (GPU / TPU matrix units want M >= 16).
+    xla_min_token_bucket: int = 0
     # XLA: the dense bf16 / f16 linears (q/k/v/o, gate/up/down, lm_head; not quantized ones, not
     # LoRA deltas) through the Pallas decode GEMV (kernels_pallas/gemv.py, Triton lowering) when
     # the program's token bucket is <= 16 (batch-1 decode); "on" = every shape it tiles, "auto" =
@@ -513,8 +516,8 @@ class KernelConfig:
         )
         b = self.xla_min_token_bucket
         _check(
-            isinstance(b, int) and b >= 1 and b & (b - 1) == 0,
-            f"xla_min_token_bucket must be a power of 2 >= 1, got {b!r}",
+            isinstance(b, int) and b >= 0 and b & (b - 1) == 0,
+            f"xla_min_token_bucket must be 0 (auto) or a power of 2 >= 1, got {b!r}",
         )
 
     @staticmethod

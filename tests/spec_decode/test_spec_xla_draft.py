@@ -51,9 +51,11 @@ def test_demo_draft_greedy_equals_plain_and_torch_mixed_batch(cache_dir: str) ->
         **DEMO_ENGINE,
     )
     runner = llm.llm_engine.runner
-    # Start-up programs: forward + draft catch-up per token bucket (16); sample (general and
-    # all-greedy), verify and draft proposal per request bucket (1, 2): all compiled already.
-    assert len(runner.startup_programs()) == 2 * 1 + 4 * 2 == 10
+    # Start-up programs: forward + draft catch-up per token bucket (1, 16: the CPU's auto
+    # buckets); sample (general and all-greedy), verify and draft proposal per request bucket
+    # (1, 2): all compiled already.
+    assert runner.token_buckets == [1, 16]
+    assert len(runner.startup_programs()) == 2 * 2 + 4 * 2 == 12
     assert set(runner.startup_programs()) <= set(runner.programs)
     assert ("draft_prefill", 16) in runner.programs and ("draft_decode", 2) in runner.programs
 
