@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,38 @@ VARIANTS = [
 ]  # fmt: skip
 
 
+def _rows(
+    variants: list,
+    base: dict[str, Any],
+    run: Callable[..., tuple],
+    error: Callable[[tuple], tuple[float, float]],
+    finish: Callable[[dict[str, Any]], None],
+    iters: int,
+    cuda: bool,
+    force_bp: int = 0,
+) -> list[dict[str, Any]]:
+    """One JSON row per (block_p, num_warps, precision, chunk) variant, printed as it lands (a
+    call cut short keeps its rows): run(**knobs) -> outputs, error(outputs) -> (max abs error,
+    reference scale), the median time of run(**knobs), then finish(row) adds the caller's
+    fields; a variant that fails to compile is a row with its error."""
+    rows = []
+    for bp, nw, prec, chunk in variants:
+        bp = force_bp or bp
+        row: dict[str, Any] = {**base, "block_p": bp, "num_warps": nw, "precision": prec,
+                               "chunk": chunk}  # fmt: skip
+        kw = {"chunk": chunk, "block_p": bp, "num_warps": nw, "precision": prec}
+        try:
+            err, scale = error(run(**kw))
+            ms = time_ms(lambda kw=kw: run(**kw), iters, cuda)
+            row.update(kernel_ms=round(ms, 4), max_abs_err=err, rel_err=err / max(scale, 1e-30))
+            finish(row)
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a row
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def _sweep(
     t: int, args: tuple, variants: list, iters: int, cuda: bool, force_bp: int
 ) -> list[dict[str, Any]]:
@@ -37,25 +70,19 @@ def _sweep(
 
     y_ref, h_ref = ssd_chunked_prefill_ref(*args)
     ref_ms = time_ms(lambda: ssd_chunked_prefill_ref(*args), iters, cuda)
-    rows = []
-    for bp, nw, prec, chunk in variants:
-        bp = force_bp or bp
-        row: dict[str, Any] = {"tokens": t, "block_p": bp, "num_warps": nw, "precision": prec,
-                               "chunk": chunk}  # fmt: skip
-        try:
-            kw = {"chunk": chunk, "block_p": bp, "num_warps": nw, "precision": prec}
-            y, h = ssd_chunked_prefill(*args, **kw)
-            err = max((y - y_ref).abs().max().item(), (h - h_ref).abs().max().item())
-            scale = max(y_ref.abs().max().item(), h_ref.abs().max().item())
-            ms = time_ms(lambda kw=kw: ssd_chunked_prefill(*args, **kw), iters, cuda)
-            row.update(kernel_ms=round(ms, 4), reference_ms=round(ref_ms, 4),
-                       speedup=round(ref_ms / ms, 3), max_abs_err=err,
-                       rel_err=err / max(scale, 1e-30))  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a row
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
+
+    def error(out: tuple) -> tuple[float, float]:
+        y, h = out
+        err = max((y - y_ref).abs().max().item(), (h - h_ref).abs().max().item())
+        return err, max(y_ref.abs().max().item(), h_ref.abs().max().item())
+
+    def finish(row: dict[str, Any]) -> None:
+        row.update(reference_ms=round(ref_ms, 4), speedup=round(ref_ms / row["kernel_ms"], 3))
+
+    def run(**kw: Any) -> tuple:  # noqa: ANN401
+        return ssd_chunked_prefill(*args, **kw)
+
+    return _rows(variants, {"tokens": t}, run, error, finish, iters, cuda, force_bp)
 
 
 # The varlen step the engine runs: (block_p, num_warps, precision, chunk).
@@ -94,30 +121,25 @@ def _varlen(seqs: int, length: int, tiny: bool, iters: int, cuda: bool) -> list[
                                 C[r * length : (r + 1) * length], D, states[0])
         for r in range(2)
     ]  # fmt: skip
-    rows = []
-    for bp, nw, prec, chunk in VARLEN_VARIANTS[:2] if tiny else VARLEN_VARIANTS:
-        bp = 16 if tiny else bp
-        row: dict[str, Any] = {"seqs": seqs, "length": length, "block_p": bp, "num_warps": nw,
-                               "precision": prec, "chunk": chunk}  # fmt: skip
-        kw = {"chunk": chunk, "block_p": bp, "num_warps": nw, "precision": prec}
-        try:
-            y, h = ssd_varlen(x, dt, A, B, C, D, states, cu, slots, keep, **kw)
-            err, scale = 0.0, 0.0
-            for r, (y_ref, h_ref) in enumerate(refs):
-                yr = y[r * length : (r + 1) * length]
-                err = max(err, (yr - y_ref).abs().max().item(), (h[r] - h_ref).abs().max().item())
-                scale = max(scale, y_ref.abs().max().item(), h_ref.abs().max().item())
-            ms = time_ms(
-                lambda kw=kw: ssd_varlen(x, dt, A, B, C, D, states, cu, slots, keep, **kw),
-                iters, cuda,
-            )  # fmt: skip
-            row.update(kernel_ms=round(ms, 4), tokens_per_ms=round(t / ms, 1),
-                       rel_err=err / max(scale, 1e-30))  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a row
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
+
+    def run(**kw: Any) -> tuple:  # noqa: ANN401
+        return ssd_varlen(x, dt, A, B, C, D, states, cu, slots, keep, **kw)
+
+    def error(out: tuple) -> tuple[float, float]:
+        y, h = out
+        err, scale = 0.0, 0.0
+        for r, (y_ref, h_ref) in enumerate(refs):
+            yr = y[r * length : (r + 1) * length]
+            err = max(err, (yr - y_ref).abs().max().item(), (h[r] - h_ref).abs().max().item())
+            scale = max(scale, y_ref.abs().max().item(), h_ref.abs().max().item())
+        return err, scale
+
+    def finish(row: dict[str, Any]) -> None:
+        row["tokens_per_ms"] = round(t / row["kernel_ms"], 1)
+
+    variants = VARLEN_VARIANTS[:2] if tiny else VARLEN_VARIANTS
+    base = {"seqs": seqs, "length": length}
+    return _rows(variants, base, run, error, finish, iters, cuda, 16 if tiny else 0)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
