@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from ssm_zoo import SSM_ARCHS
+from ssm_zoo import SSM_ARCHS, reference_greedy
 from tiny_models import hf_greedy
 
 from xlaserve.backends_torch.layers import ssm_ops
@@ -104,7 +104,7 @@ def test_greedy_matches_transformers(name: str, ssm_model_dir, caplog) -> None: 
     from xlaserve import LLM
 
     path = ssm_model_dir(name)
-    want = hf_greedy(path, PROMPTS, MAX_NEW)
+    want = reference_greedy(name, path, PROMPTS, MAX_NEW)
     assert len({t for seq in want for t in seq}) > 3, f"degenerate greedy output {want}"
     with caplog.at_level(logging.INFO, logger="xlaserve.core.kv_cache_manager"):
         llm = LLM(path, backend="torch", dtype="float32", block_size=4, max_model_len=64)
@@ -121,7 +121,7 @@ def test_greedy_under_pressure(name: str, ssm_model_dir) -> None:  # noqa: ANN00
     from xlaserve import LLM
 
     path = ssm_model_dir(name)
-    want = hf_greedy(path, PROMPTS, MAX_NEW)
+    want = reference_greedy(name, path, PROMPTS, MAX_NEW)
     llm = LLM(
         path, backend="torch", dtype="float32", block_size=4, max_model_len=32,
         num_kv_blocks=9, num_state_slots=3, max_num_batched_tokens=5,
@@ -167,7 +167,7 @@ def test_triton_decode_kernels_in_engine(name: str, ssm_model_dir) -> None:  # n
     from xlaserve import LLM
 
     path = ssm_model_dir(name)
-    want = hf_greedy(path, PROMPTS[:2], MAX_NEW)
+    want = reference_greedy(name, path, PROMPTS[:2], MAX_NEW)
     llm = LLM(
         path, backend="torch", dtype="float32", block_size=4, max_model_len=64,
         triton_ops="on", attention_backend="torch_batched",

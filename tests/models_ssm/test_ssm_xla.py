@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ssm_zoo import SSM_ARCHS
-from tiny_models import hf_greedy
+from ssm_zoo import SSM_ARCHS, reference_greedy
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -88,7 +87,7 @@ def test_greedy_matches_transformers_xla(name: str, ssm_model_dir) -> None:  # n
     from xlaserve import LLM
 
     path = ssm_model_dir(name)
-    want = hf_greedy(path, PROMPTS, MAX_NEW)
+    want = reference_greedy(name, path, PROMPTS, MAX_NEW)
     llm = LLM(path, backend="xla", dtype="float32", block_size=4, max_model_len=64, **SMALL)
     assert _generate(llm) == want
 
@@ -100,7 +99,7 @@ def test_greedy_under_pressure_xla(name: str, ssm_model_dir) -> None:  # noqa: A
     from xlaserve import LLM
 
     path = ssm_model_dir(name)
-    want = hf_greedy(path, PROMPTS, MAX_NEW)
+    want = reference_greedy(name, path, PROMPTS, MAX_NEW)
     llm = LLM(
         path, backend="xla", dtype="float32", block_size=4, max_model_len=32, num_kv_blocks=9,
         num_state_slots=3, max_num_seqs=4, max_num_batched_tokens=16,
