@@ -147,7 +147,8 @@ def _dummy_packed(t: int, r: int, max_blocks: int, num_rows: int) -> np.ndarray:
 
 def dummy_batch(t: int, r: int, max_blocks: int, num_rows: int) -> StepBatch:
     """An all-padding batch of token bucket t: no cache writes, no real request, greedy. A copy
-    of a per-bucket template (the runner builds one every step: 175 -> ~25 us on the CPU)."""
+    of a per-bucket template (the runner builds one every step; building it anew was several
+    times slower than the copy)."""
     packed = _dummy_packed(t, r, max_blocks, num_rows).copy()
     return StepBatch(packed, **unpack_step(packed, t, r, max_blocks, num_rows))
 

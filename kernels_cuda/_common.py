@@ -59,6 +59,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def row_num_warps(block: int) -> int:
+    """Warps of a one-row-per-program reduction kernel (RMSNorm and its kin) over `block` lanes."""
+    return 4 if block <= 2048 else (8 if block <= 4096 else 16)
+
+
 def upcast_dot(dtype: torch.dtype) -> bool:
     """Whether ``tl.dot`` operands must be cast to fp32 first.
 

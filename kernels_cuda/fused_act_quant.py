@@ -28,6 +28,7 @@ from xlaserve.kernels_cuda._common import (
     check_last_dim_contiguous,
     interpret_mode,
     next_pow2,
+    row_num_warps,
 )
 from xlaserve.kernels_cuda.activation import silu_and_mul_ref
 from xlaserve.kernels_cuda.norm import fused_add_rms_norm_ref, rms_norm_ref
@@ -150,10 +151,6 @@ def _empty_quant(m: int, k: int, fmt: str, dtype: torch.dtype, device: torch.dev
     return QuantAct(q, s, dtype)
 
 
-def _warps(block: int) -> int:
-    return 4 if block <= 2048 else (8 if block <= 4096 else 16)
-
-
 def rms_norm_quant(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -197,7 +194,7 @@ def rms_norm_quant(
         x.stride(0), residual.stride(0) if has_res else 0, res_out.stride(0) if has_res else 0,
         out.q.stride(0), hidden, float(eps), float(weight_offset),
         HAS_RESIDUAL=has_res, BLOCK=block, QMAX=qmax, INT8=fmt == "int8",
-        RNE_FIX=interpret_mode(), num_warps=_warps(block),
+        RNE_FIX=interpret_mode(), num_warps=row_num_warps(block),
     )  # fmt: skip
     return out, res_out
 
@@ -219,7 +216,7 @@ def silu_and_mul_quant(x: torch.Tensor, fmt: str) -> QuantAct:
     _silu_mul_quant_kernel[(t,)](
         x, out.q, out.scale, x.stride(0), out.q.stride(0), inter,
         BLOCK=block, QMAX=qmax, INT8=fmt == "int8", RNE_FIX=interpret_mode(),
-        num_warps=_warps(block),
+        num_warps=row_num_warps(block),
     )  # fmt: skip
     return out
 

@@ -22,6 +22,7 @@ from ._common import (
     next_pow2,
     pdl_kwargs,
     pdl_prologue,
+    row_num_warps,
     use_pdl,
 )
 
@@ -108,7 +109,7 @@ def _launch(
     if t == 0:
         return
     block = min(_MAX_BLOCK, next_pow2(hidden))
-    num_warps = 4 if block <= 2048 else (8 if block <= 4096 else 16)
+    num_warps = row_num_warps(block)
     has_res = residual is not None
     _rms_norm_kernel[(t,)](
         x, residual if has_res else x, weight, out, res_out if has_res else out,

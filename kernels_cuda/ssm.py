@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, next_pow2
+from ._common import check_device, next_pow2, row_num_warps
 
 
 @triton.jit
@@ -326,7 +326,7 @@ def gated_rms_norm(
     if block > 16384:
         raise ValueError(f"gated_rms_norm: group size {s} > 16384")
     out = torch.empty((r, i), dtype=weight.dtype, device=y.device)
-    num_warps = 4 if block <= 2048 else (8 if block <= 4096 else 16)
+    num_warps = row_num_warps(block)
     _gated_norm_kernel[(r, groups)](
         y, gate, weight, out, s, y.stride(0), gate.stride(0), out.stride(0), float(eps),
         BLOCK=block, num_warps=num_warps,

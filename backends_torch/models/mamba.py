@@ -159,6 +159,13 @@ class SSMMixer(nn.Module):
         a = -torch.exp(self.A_log.float())
         return a[:, None, None] if self.kind == "mamba2" else a[:, None, :]
 
+    def _dt(self, dt_raw: torch.Tensor) -> torch.Tensor:
+        """Mamba2's step sizes: softplus(dt_raw + dt_bias) in float32, clamped to dt_limit
+        where it is set. [R, Hs] -> [R, Hs]."""
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        lo, hi = self.dt_limit
+        return dt.clamp(lo, hi) if lo > 0.0 or hi != float("inf") else dt
+
     def _ssm_inputs(
         self, xc: torch.Tensor, dt_raw: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,11 +178,7 @@ class SSMMixer(nn.Module):
             rep = self.hs // self.groups
             B = B.reshape(r, self.groups, self.n).repeat_interleave(rep, dim=1)
             C = C.reshape(r, self.groups, self.n).repeat_interleave(rep, dim=1)
-            dt = F.softplus(dt_raw.float() + self.dt_bias.float())
-            lo, hi = self.dt_limit
-            if lo > 0.0 or hi != float("inf"):
-                dt = dt.clamp(lo, hi)
-            return x.reshape(r, self.hs, self.p), dt, B, C
+            return x.reshape(r, self.hs, self.p), self._dt(dt_raw), B, C
         x = xc
         dbc = self.x_proj(x.to(self.x_proj.weight.dtype))
         dtr, B, C = dbc.split([self.rank, self.n, self.n], dim=-1)
@@ -302,11 +305,8 @@ class SSMMixer(nn.Module):
         xs = act[:, :i].view(t, self.hs, self.p)
         B = act[:, i : i + gn].view(t, self.groups, self.n)
         C = act[:, i + gn :].view(t, self.groups, self.n)
-        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
-        if self.dt_limit[0] > 0.0 or self.dt_limit[1] != float("inf"):
-            dt = dt.clamp(*self.dt_limit)
         y, ssm_new = ssd_varlen(
-            xs, dt, self._A(), B, C, self.D, ssm_s, cu, idx, keep, chunk=self.ssd_chunk,
+            xs, self._dt(dt_raw), self._A(), B, C, self.D, ssm_s, cu, idx, keep, chunk=self.ssd_chunk,
             block_p=self.ssd_block_p,
             precision=self.ssd_precision,
         )  # fmt: skip
