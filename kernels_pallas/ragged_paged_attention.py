@@ -441,6 +441,107 @@ def ref_ragged_paged_attention(
     return out.reshape(t, hq, d).astype(q.dtype)
 
 
+# Keys per loop step of `chunked_ragged_paged_attention` (rounded down to whole pages). Chosen on
+# the 2-core CPU host (demo model, batch 64 decode, ~100-token contexts): see bench/RESULTS.md.
+CHUNKED_KEYS_PER_STEP: int = 32
+
+
+def chunked_ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    chunk_size: int | None = None,
+    keys_per_step: int = CHUNKED_KEYS_PER_STEP,
+) -> jax.Array:
+    """The reference's contract (no ALiBi / sinks) with work proportional to the live context.
+
+    The reference gathers all M pages of every token's sequence (T * M * S keys) whatever the
+    real context lengths are. This walks the keys in chunks of P = keys_per_step // S pages with
+    a `lax.while_loop` whose trip count is data-dependent: from the chunk holding the earliest
+    key any real token can see (sliding window) to the one holding the longest real context.
+    Each step gathers [T, P * S, Hkv, D] and folds it into a float32 online softmax (running
+    max m [T, Hkv, G], sum l, output acc [T, Hkv, G, D]), as the kernels do. Plain jnp: the CPU
+    path, and the GPU fallback where the Pallas kernel does not take the shape.
+    Returns [T, Hq, D] in q's dtype, zeros for padding tokens.
+    """
+    t, hq, d = q.shape
+    n, s, hkv, _ = k_cache.shape
+    b, m = block_tables.shape
+    g = hq // hkv
+    pages_per_step = max(1, min(m, keys_per_step // s))
+    steps_max = -(-m // pages_per_step)
+    if steps_max == 1:  # one chunk holds every page: the reference is the same work, no loop
+        # (a one-trip loop's gather is loop-invariant; XLA hoists it next to the cache write and
+        # then copies the whole cache each step)
+        return ref_ragged_paged_attention(
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scale=k_scale, v_scale=v_scale, chunk_size=chunk_size,
+        )  # fmt: skip
+    width = steps_max * pages_per_step
+    tables = jnp.pad(block_tables, ((0, 0), (0, width - m)))  # padded pages are masked below
+    keys = pages_per_step * s
+    seq, pos, valid = _token_metadata(t, kv_lens, cu_q_lens, num_seqs)
+    kv_len = kv_lens[seq]  # [T]
+    live = jnp.arange(b) < jnp.clip(num_seqs[0], 0, b)
+    hi = -(-jnp.max(jnp.where(live, kv_lens, 0)) // keys)  # chunks up to the longest context
+    if sliding_window is None:
+        lo = jnp.int32(0)
+    else:  # the first chunk any real token's window reaches
+        first = jnp.where(valid, jnp.maximum(pos - sliding_window + 1, 0), jnp.iinfo(jnp.int32).max)
+        lo = jnp.minimum(jnp.min(first) // keys, hi)
+    qf = q.astype(jnp.float32).reshape(t, hkv, g, d) * sm_scale
+
+    def body(carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        c, m_i, l_i, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(tables, c * pages_per_step, pages_per_step, axis=1)
+        pages = jnp.clip(pages[seq], 0, n - 1)  # [T, P]
+        if k_scale is None:
+            k = k_cache[pages].reshape(t, keys, hkv, d).astype(jnp.float32)
+            v = v_cache[pages].reshape(t, keys, hkv, d).astype(jnp.float32)
+        else:
+            k = dequantize_kv(k_cache[pages], k_scale[pages]).reshape(t, keys, hkv, d)
+            v = dequantize_kv(v_cache[pages], v_scale[pages]).reshape(t, keys, hkv, d)
+        kpos = c * keys + jnp.arange(keys, dtype=jnp.int32)[None, :]  # [1, K]
+        mask = (kpos < kv_len[:, None]) & (kpos <= pos[:, None]) & valid[:, None]
+        if sliding_window is not None:
+            mask &= kpos > pos[:, None] - sliding_window
+        if chunk_size is not None:
+            mask &= kpos // chunk_size == pos[:, None] // chunk_size
+        # Slots past kv_len may hold anything (even NaN): zero V there so 0 * NaN stays out.
+        v = jnp.where(mask[:, :, None, None], v, 0.0)
+        logits = jnp.einsum("tkgd,tlkd->tkgl", qf, k)  # [T, Hkv, G, K]
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(mask[:, None, None, :], logits, MASK_VALUE)
+        m_new = jnp.maximum(m_i, jnp.max(logits, axis=-1))
+        alpha = jnp.exp(m_i - m_new)
+        p = jnp.where(mask[:, None, None, :], jnp.exp(logits - m_new[..., None]), 0.0)
+        l_new = alpha * l_i + jnp.sum(p, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("tkgl,tlkd->tkgd", p, v)
+        return c + 1, m_new, l_new, acc
+
+    init = (
+        lo,
+        jnp.full((t, hkv, g), MASK_VALUE, jnp.float32),
+        jnp.zeros((t, hkv, g), jnp.float32),
+        jnp.zeros((t, hkv, g, d), jnp.float32),
+    )
+    _, _, l_f, acc = jax.lax.while_loop(lambda cr: cr[0] < hi, body, init)
+    out = acc / jnp.where(l_f > 0, l_f, 1.0)[..., None]
+    return out.reshape(t, hq, d).astype(q.dtype)
+
+
 # ------------------------------------------------------------------------------------------
 # The Mosaic kernel
 # ------------------------------------------------------------------------------------------
@@ -868,9 +969,35 @@ def _pallas_gpu_impl(
     )  # fmt: skip
 
 
+def _chunked_xla_impl(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    block_sizes: BlockSizes | GpuBlockSizes | None,
+    chunk_size: int | None = None,
+) -> jax.Array:
+    del block_sizes  # no tiles (keys_per_step is the module constant)
+    return chunked_ragged_paged_attention(
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale, chunk_size=chunk_size,
+    )  # fmt: skip
+
+
 # name -> implementation; `register_rpa_impl` adds one.
 RPA_IMPLS: dict[str, RpaImpl] = {
     "reference": RpaImpl("reference", _reference_impl, True, None, chunked=True),
+    "chunked_xla": RpaImpl("chunked_xla", _chunked_xla_impl, True, None, chunked=True),
     "pallas_tpu": RpaImpl("pallas_tpu", _pallas_tpu_attention, True, BlockSizes, chunked=True),
     # The GPU kernel has no in-kernel dequantization: quantized caches take the reference.
     "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, False, GpuBlockSizes, chunked=True),
@@ -893,9 +1020,9 @@ def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array) -> str:
         return "pallas_tpu"
     if jax.default_backend() == "gpu":
         if GPU_AUTO_IMPL == "pallas_gpu" and not gpu_kernel_supports(q, k_cache):
-            return "reference"  # e.g. head_dim 48 or a quantized cache: the reference takes all
+            return "chunked_xla"  # e.g. head_dim 48 or a quantized cache: jnp takes all
         return GPU_AUTO_IMPL
-    return "reference"
+    return "chunked_xla"
 
 
 @functools.partial(
