@@ -52,14 +52,20 @@ def measure_startup(model: str | None, tokens: int, seqs: int, cache_dir: str | 
 
 
 def measure_decode(
-    model: str | None, backend: str, batches: list[int], steps: int, cache_dir: str
+    model: str | None,
+    backend: str,
+    batches: list[int],
+    steps: int,
+    cache_dir: str,
+    max_model_len: int | None = None,
 ) -> dict[int, float]:
     """Decode tokens/s at each batch size (8-token prompts, greedy, ignore_eos), one engine per
-    backend configured for the largest batch (as a server would be)."""
+    backend configured for the largest batch (as a server would be). max_model_len None: the
+    model's own (as a user gets it)."""
     from xlaserve import LLM, SamplingParams
 
     llm = LLM(model, backend=backend, max_num_seqs=max(batches), max_num_batched_tokens=256,
-              max_model_len=128, compilation_cache_dir=cache_dir)  # fmt: skip
+              max_model_len=max_model_len, compilation_cache_dir=cache_dir)  # fmt: skip
     eng = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     out = {}
@@ -86,6 +92,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=0, help="0: the model's own")
     ap.add_argument("--cache-dir", default=None, help="compilation cache (default: a fresh one)")
     args = ap.parse_args()
     if args.what == "startup":
@@ -94,7 +101,8 @@ def main() -> None:
     cache = args.cache_dir or tempfile.mkdtemp(prefix="xlaserve-jax-")
     batches = [int(x) for x in args.batches.split(",")]
     res = {
-        be: measure_decode(args.model, be, batches, args.steps, cache) for be in ("xla", "torch")
+        be: measure_decode(args.model, be, batches, args.steps, cache, args.max_model_len or None)
+        for be in ("xla", "torch")
     }
     for b in batches:
         row = {be: res[be][b] for be in res}
