@@ -155,9 +155,10 @@ def gemv_ref(x: jax.Array, w: jax.Array) -> jax.Array:
 # ---- the decode-GEMV policy of the Flax linears (KernelConfig.xla_decode_gemv) -----------------
 
 # What "auto" means on a GPU: True = the GEMV for the shapes TUNED has (the rest keep XLA's dot),
-# False = XLA's dot everywhere. False until the step-level A/B on the H200
-# (bench/gpu_probes/decode_gemv_ab.py) shows the GEMV faster: flipping "auto" is this one line.
-AUTO_ON_GPU = False
+# False = XLA's dot everywhere. True since the step-level A/B on the H200 with q/k/v merged and
+# gate/up gated (bench/gpu_probes/decode_gemv_ab.py, Llama-3.1-8B, batch-1 step: 4.93 ms with
+# XLA's dots, 4.53 ms with every TUNED shape through the GEMV = 1.09x; bench/RESULTS.md).
+AUTO_ON_GPU = True
 
 # Float dtypes the GEMV serves (quantized linears are QuantLinear, never here). float32 only
 # under the interpreter (CPU tests of the wiring; the demo model is float32): Triton's float32

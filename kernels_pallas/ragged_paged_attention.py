@@ -12,11 +12,14 @@ Three entry points:
   tokens only, and lets the attention kernel treat the cache as read-only (no aliasing, so
   both grid axes stay "parallel").
 - `ref_ragged_paged_attention`: plain jnp, vectorized and jit-able with static shapes; it
-  gathers every token's pages (memory O(T * M * S * Hkv * D): a reference and CPU path).
-- `ragged_paged_attention(impl=...)`: "reference", "pallas_tpu" (the Mosaic kernel below; runs
-  on CPU under TPU interpret mode), "pallas_gpu" (the Pallas Triton kernel in
+  gathers every token's pages (memory O(T * M * S * Hkv * D): the reference).
+- `chunked_ragged_paged_attention`: plain jnp, an online softmax over page chunks in a loop
+  whose trip count follows the live context lengths (the CPU path and the GPU fallback).
+- `ragged_paged_attention(impl=...)`: "reference", "chunked_xla", "pallas_tpu" (the Mosaic
+  kernel below; runs on CPU under TPU interpret mode), "pallas_gpu" (the Pallas Triton kernel in
   ragged_paged_attention_gpu.py; runs on CPU under Pallas' interpreter) or "auto" (pallas_tpu
-  when JAX's backend is TPU, `GPU_AUTO_IMPL` on a GPU, else the reference).
+  when JAX's backend is TPU, `GPU_AUTO_IMPL` on a GPU where its kernel takes the shape, else
+  chunked_xla).
 
 The Mosaic kernel
 -----------------
@@ -1059,8 +1062,9 @@ def ragged_paged_attention(
     chunk_size C (Llama 4 chunked attention): only keys with k // C == p // C (every
     built-in impl; a registered impl without `chunked` runs the reference for it).
     soft_cap c: logits = c * tanh(logits / c). Softmax and accumulation in float32.
-    impl: "reference" | "pallas_tpu" | "pallas_gpu" | "auto" (pallas_tpu on a TPU backend or
-    under forced TPU interpret mode, GPU_AUTO_IMPL on a GPU backend, else reference).
+    impl: "reference" | "chunked_xla" | "pallas_tpu" | "pallas_gpu" | "auto" (pallas_tpu on a TPU
+    backend or under forced TPU interpret mode, GPU_AUTO_IMPL on a GPU backend where its kernel
+    takes the shape, else chunked_xla).
     "pallas_gpu" does not handle quantized caches: with k_scale/v_scale it runs the reference.
     block_sizes: override the tuning table (kernels only; BlockSizes for pallas_tpu,
     GpuBlockSizes for pallas_gpu).

@@ -70,8 +70,8 @@ class AttentionMetadata:
     num_seqs: jax.Array  # int32 [1]: real requests (rows past it are padding)
     mesh: Mesh | None = None  # static: the device mesh (axis "model") or None
     # static: kernel implementation, KernelConfig.rpa_impl (the runner passes it; built on its
-    # own: the default and its XLASERVE_RPA_IMPL override): "auto" | "reference" | "pallas_tpu" |
-    # "pallas_gpu" (see ragged_paged_attention).
+    # own: the default and its XLASERVE_RPA_IMPL override): "auto" | "reference" | "chunked_xla" |
+    # "pallas_tpu" | "pallas_gpu" (see ragged_paged_attention).
     impl: str = field(default_factory=lambda: kernel_switch("rpa_impl"))
     # int32 [B]: recurrent-state slot of each request row (state-space models, models_flax/mamba.py;
     # padding rows hold the slot count: their writes are dropped); None for attention-only models.

@@ -173,7 +173,7 @@ def test_reference_matches_numpy(page_size, hq, hkv, dtype, sliding_window, soft
         )  # fmt: skip
 
 
-def test_auto_picks_reference_on_cpu_and_kernel_when_asked() -> None:
+def test_auto_runs_no_kernel_on_cpu_and_the_kernel_when_asked() -> None:
     """Checked on the traced program (no compile): "auto" on a CPU backend has no pallas_call;
     "pallas_tpu" has exactly one; both agree on the output shape and dtype."""
     case = make_case(np.random.default_rng(5), [1, 4], [9, 4], page_size=8, hq=2, hkv=1, d=16)
