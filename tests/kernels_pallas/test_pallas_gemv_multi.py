@@ -1,5 +1,6 @@
 """The multi-weight decode GEMVs (kernels_pallas/gemv.py: gemv_multi, gemv_gated) against jnp
-references under Pallas' interpreter on the CPU, float32 and bfloat16."""
+references under Pallas' interpreter (float32 and bfloat16), and through Triton at the 8B shapes
+on a GPU (`-m gpu`)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,30 @@ def test_merged_capped_sweep_fits_and_runs_on_the_cpu() -> None:
                                       pick.num_warps, pick.num_stages), name  # fmt: skip
     res = sweep_merged(["tiny_multi", "tiny_gated"], m=1, iters=1)
     assert all(r["best"] is not None and r["best"]["rel_err"] < 1e-4 for r in res.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_llama8b_shapes_through_triton_on_the_gpu(m: int) -> None:
+    """The kernels as "auto" runs them on a GPU (Triton lowering, the tuned configs): q/k/v in
+    one gemv_multi and gate/up in one gemv_gated at the Llama-3.1-8B shapes, bf16, against float32
+    references of the same bf16 inputs."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs JAX's GPU backend (the Triton lowering)")
+    rng = np.random.default_rng(m)
+    k = 4096
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    ws = tuple(
+        jnp.asarray(rng.normal(size=(n, k)) / k**0.5, jnp.bfloat16) for n in (4096, 1024, 1024)
+    )
+    xf = x.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    for y, w in zip(jax.jit(lambda a, *b: gemv_multi(a, b))(x, *ws), ws, strict=True):
+        ref = jnp.dot(xf, w.astype(jnp.float32).T, precision=hi)
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
+    wg, wu = (jnp.asarray(rng.normal(size=(14336, k)) / k**0.5, jnp.bfloat16) for _ in range(2))
+    got = jax.jit(lambda a, g, u: gemv_gated(a, g, u, jax.nn.silu))(x, wg, wu)
+    g = jnp.dot(xf, wg.astype(jnp.float32).T, precision=hi)
+    u = jnp.dot(xf, wu.astype(jnp.float32).T, precision=hi)
+    ref = jax.nn.silu(g) * u
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
