@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -292,14 +293,14 @@ def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None
             logger.info("loaded %d XLA programs from the executable cache", loaded)
     if not todo:
         return
-    workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
+    workers = max(1, min(len(todo), os.cpu_count() or 1))
     with (
         ThreadPoolExecutor(workers) as pool,
         tqdm(total=len(todo), desc="Compiling XLA programs", unit="program", leave=False) as bar,
     ):
         # Each program compiles while the next one is traced (cold start-up: the compiles of
         # the first programs overlap the tracing of the rest instead of waiting for all of it).
-        futures = {pool.submit(lower_program(r, *p).compile): p for p in todo}
+        futures = {pool.submit(_timed_compile, r, lower_program(r, *p), p): p for p in todo}
         for fut in as_completed(futures):
             r.programs[futures[fut]] = fut.result()
             bar.update()
@@ -310,6 +311,16 @@ def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None
         "compiled %d XLA programs (%d token buckets %s, %d request buckets %s)",
         len(todo), len(r.token_buckets), r.token_buckets, len(r.seq_buckets), r.seq_buckets,
     )  # fmt: skip
+
+
+def _timed_compile(
+    r: XlaModelRunner, lowered: jax.stages.Lowered, key: tuple[str, int]
+) -> jax.stages.Compiled:
+    """lowered.compile(), its seconds kept in r.compile_seconds[key] (bench/xla_startup.py)."""
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    r.compile_seconds[key] = time.perf_counter() - t0
+    return compiled
 
 
 # Executable-cache kind of the forward that peak_activation_bytes compiles (never served).
@@ -326,7 +337,8 @@ def peak_activation_bytes(r: XlaModelRunner) -> int:
         cache = executable_cache(r)  # the largest forward over a 1-block cache, for its stats
         compiled = cache.load(PEAK_FORWARD, t) if cache is not None else None
         if compiled is None:
-            compiled = r._jitted[FORWARD].lower(r.weights, kv, *args).compile()
+            compiled = _timed_compile(r, r._jitted[FORWARD].lower(r.weights, kv, *args),
+                                      (PEAK_FORWARD, t))  # fmt: skip
             if cache is not None:
                 cache.store_later([(PEAK_FORWARD, t, compiled)])
                 r.exec_cache_writers.append(cache)

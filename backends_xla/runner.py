@@ -75,10 +75,10 @@ from xlaserve.backends_xla.sampler import (
 )
 from xlaserve.backends_xla.utils import (
     apply_xla_gpu_flags,
-    make_buckets,
     make_mesh,
     pick_bucket,
     resolve_dtype,
+    seq_buckets,
     setup_compilation_cache,
     token_buckets,
 )
@@ -190,7 +190,9 @@ class XlaModelRunner(RunnerCore):
         self.token_buckets = token_buckets(
             config.kernels.xla_min_token_bucket, sched.max_num_batched_tokens, self.platform
         )
-        self.seq_buckets = make_buckets(1, sched.max_num_seqs)
+        self.seq_buckets = seq_buckets(
+            config.kernels.xla_min_seq_bucket, sched.max_num_seqs, self.platform
+        )
         self.vocab = spec.vocab_size
         self.num_rows = self.max_num_seqs * (1 + self.num_spec_tokens)  # forward's gathered rows
         self._seed_rng = np.random.default_rng(config.model.seed)
@@ -225,6 +227,8 @@ class XlaModelRunner(RunnerCore):
         self.programs: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.lazy_compiles: list[tuple[str, int]] = []  # programs compiled after start-up
         self.exec_cache_loads = 0  # programs loaded from the executable cache (exec_cache.py)
+        # (kind, bucket) -> seconds of XLA's compile of each program compiled at start-up
+        self.compile_seconds: dict[tuple[str, int], float] = {}
         self.exec_cache_writers: list = []  # ExecutableCaches writing in the background
         # Sampler specializations compiled in the background the first time a step needs one
         # (`_sample_program`); the general SAMPLE program serves those steps meanwhile.

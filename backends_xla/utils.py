@@ -38,6 +38,15 @@ def token_buckets(min_bucket: int, largest: int, platform: str) -> list[int]:
     return [1, *[b for b in out if b > 1]] if platform == "cpu" else out
 
 
+def seq_buckets(min_bucket: int, largest: int, platform: str) -> list[int]:
+    """The sampler's request buckets: powers of two from `min_bucket` to `largest`; min_bucket 0
+    (KernelConfig.xla_min_seq_bucket auto) = every power from 1 on the CPU, 1 then the powers
+    from 16 elsewhere (batch 1 keeps its own bucket)."""
+    if min_bucket or platform == "cpu":
+        return make_buckets(min_bucket or 1, largest)
+    return [1, *[b for b in make_buckets(16, largest) if b > 1]]
+
+
 def pick_bucket(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:

@@ -91,6 +91,13 @@ def one_start(args: argparse.Namespace) -> dict[str, Any]:
         "compile_seconds": round(s_start, 2),
         "first_token_s": round(first, 3),
         "compiles_during_first_request": len(compiles) - n_start,
+        # each start-up program's compile wall seconds (threads overlap them), longest first
+        "program_compile_s": {
+            f"{k}:{n}": round(v, 2)
+            for (k, n), v in sorted(
+                getattr(runner, "compile_seconds", {}).items(), key=lambda kv: -kv[1]
+            )
+        },
         "token_buckets": getattr(runner, "token_buckets", None),
         "seq_buckets": getattr(runner, "seq_buckets", None),
     }

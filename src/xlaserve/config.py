@@ -464,10 +464,17 @@ class KernelConfig:
     # 2-core host, 518-613 vs 209-292 tok/s with 16, bench/RESULTS.md; one compile more, not
     # four), 16 elsewhere (GPU / TPU matrix units want M >= 16).
     xla_min_token_bucket: int = 0
+    # XLA: the smallest request bucket of the sampler programs (a power of 2) after the 1-request
+    # one. 0 = auto: every power of 2 on the CPU (sampling work grows with the rows), 1 then the
+    # powers from 16 elsewhere: the sampler's lm_head reads its whole weight at any row count up
+    # to 16, and each request bucket is two more programs to compile at start-up (the general
+    # sampler took 7-16 s each for the 8B shape on the H200, bench/RESULTS.md). A value > 0:
+    # powers of 2 from it.
+    xla_min_seq_bucket: int = 0
     # XLA: the dense bf16 / f16 linears (q/k/v/o, gate/up/down, lm_head; not quantized ones, not
     # LoRA deltas) through the Pallas decode GEMV (kernels_pallas/gemv.py, Triton lowering) when
     # the program's token bucket is <= 16 (batch-1 decode); "on" = every shape it tiles, "auto" =
-    # kernels_pallas.gemv.AUTO_ON_GPU (the shapes of its TUNED table on GPUs; off until measured),
+    # kernels_pallas.gemv.AUTO_ON_GPU (the shapes of its TUNED table on GPUs: on, measured 1.09x),
     # "off" = XLA's dot. Never on TPU (no Mosaic lowering) nor with tensor_parallel_size > 1.
     xla_decode_gemv: str = "auto"
     # Torch w8a8 (kernels_cuda/scaled_mm.py): per-token activation quantization by the fused
@@ -514,11 +521,12 @@ class KernelConfig:
             isinstance(s, int) and s >= 1 and s & (s - 1) == 0,
             f"graph_max_kv_splits must be a power of 2 >= 1, got {s!r}",
         )
-        b = self.xla_min_token_bucket
-        _check(
-            isinstance(b, int) and b >= 0 and b & (b - 1) == 0,
-            f"xla_min_token_bucket must be 0 (auto) or a power of 2 >= 1, got {b!r}",
-        )
+        for name in ("xla_min_token_bucket", "xla_min_seq_bucket"):
+            b = getattr(self, name)
+            _check(
+                isinstance(b, int) and b >= 0 and b & (b - 1) == 0,
+                f"{name} must be 0 (auto) or a power of 2 >= 1, got {b!r}",
+            )
 
     @staticmethod
     def env_name(name: str) -> str:

@@ -6,13 +6,33 @@ import jax.numpy as jnp
 import pytest
 from xla_helpers import make_runner
 
-from xlaserve.backends_xla.utils import make_buckets, pick_bucket, resolve_dtype
+from xlaserve.backends_xla.utils import (
+    make_buckets,
+    pick_bucket,
+    resolve_dtype,
+    seq_buckets,
+    token_buckets,
+)
+from xlaserve.config import KernelConfig
 
 
 def test_buckets_and_dtypes() -> None:
     assert make_buckets(16, 100) == [16, 32, 64, 100]
     assert make_buckets(1, 4) == [1, 2, 4] and make_buckets(16, 8) == [8]
     assert pick_bucket([16, 32], 17) == 32
+    # auto (0): the CPU keeps 1-token / every request bucket; GPU / TPU: tokens from 16,
+    # requests 1 then from 16
+    assert token_buckets(0, 64, "cpu") == [1, 16, 32, 64] and token_buckets(0, 64, "gpu") == [
+        16,
+        32,
+        64,
+    ]
+    assert seq_buckets(0, 64, "cpu") == [1, 2, 4, 8, 16, 32, 64]
+    assert seq_buckets(0, 64, "gpu") == seq_buckets(0, 64, "tpu") == [1, 16, 32, 64]
+    assert seq_buckets(0, 8, "gpu") == [1, 8] and seq_buckets(4, 64, "gpu") == [4, 8, 16, 32, 64]
+    assert seq_buckets(0, 1, "gpu") == [1]
+    with pytest.raises(ValueError, match="xla_min_seq_bucket"):
+        KernelConfig(xla_min_seq_bucket=3)
     with pytest.raises(ValueError, match="exceeds"):
         pick_bucket([16, 32], 33)
     assert resolve_dtype("auto", "bfloat16", "tpu") == jnp.bfloat16
