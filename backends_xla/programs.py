@@ -253,7 +253,12 @@ def lower_program(r: XlaModelRunner, kind: str, n: int) -> jax.stages.Lowered:
         return r.draft.lower(kind, n)
     fn = r._jitted[kind]
     if kind == FORWARD:
-        lowered = fn.lower(r.weights, r.kv_caches, *r._device_inputs(r._dummy_batch(n)))
+        # The caches as shapes: a background compile (compile_all) lowers while steps donate
+        # and replace r.kv_caches; a donated array keeps its shape, dtype and sharding.
+        kv = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), r.kv_caches
+        )
+        lowered = fn.lower(r.weights, kv, *r._device_inputs(r._dummy_batch(n)))
         r._hidden_dtype = lowered.out_info[1].dtype
         return lowered
     h = r.spec.hidden_size
@@ -271,10 +276,12 @@ def lower_program(r: XlaModelRunner, kind: str, n: int) -> jax.stages.Lowered:
     return fn.lower(r.weights, hidden, targets)  # fmt: skip
 
 
-def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None:
-    """Compile `programs` (default: every start-up program): each one loaded from the executable
-    cache when there, else lowered (one by one: tracing holds the GIL) and compiled in a thread
-    (XLA releases it) while the next is lowered, with a progress bar."""
+def compile_programs(
+    r: XlaModelRunner, programs: list[tuple[str, int]], progress: bool = True
+) -> None:
+    """Compile `programs`: each one loaded from the executable cache when there, else lowered
+    (one by one: tracing holds the GIL) and compiled in a thread (XLA releases it) while the next
+    is lowered, with a progress bar unless `progress` is False (background compiles)."""
     todo = [p for p in programs if p not in r.programs]
     cache = executable_cache(r)
     if cache is not None:  # a warm start: serialized executables, no tracing
@@ -296,7 +303,13 @@ def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None
     workers = max(1, min(len(todo), os.cpu_count() or 1))
     with (
         ThreadPoolExecutor(workers) as pool,
-        tqdm(total=len(todo), desc="Compiling XLA programs", unit="program", leave=False) as bar,
+        tqdm(
+            total=len(todo),
+            desc="Compiling XLA programs",
+            unit="program",
+            leave=False,
+            disable=not progress,
+        ) as bar,  # fmt: skip
     ):
         # Each program compiles while the next one is traced (cold start-up: the compiles of
         # the first programs overlap the tracing of the rest instead of waiting for all of it).
@@ -308,8 +321,9 @@ def compile_programs(r: XlaModelRunner, programs: list[tuple[str, int]]) -> None
         cache.store_later([(*p, r.programs[p]) for p in todo])
         r.exec_cache_writers.append(cache)
     logger.info(
-        "compiled %d XLA programs (%d token buckets %s, %d request buckets %s)",
-        len(todo), len(r.token_buckets), r.token_buckets, len(r.seq_buckets), r.seq_buckets,
+        "compiled %d XLA programs%s (%d token buckets %s, %d request buckets %s)",
+        len(todo), "" if progress else " in the background", len(r.token_buckets),
+        r.token_buckets, len(r.seq_buckets), r.seq_buckets,
     )  # fmt: skip
 
 

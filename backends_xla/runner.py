@@ -229,6 +229,7 @@ class XlaModelRunner(RunnerCore):
         self.exec_cache_loads = 0  # programs loaded from the executable cache (exec_cache.py)
         # (kind, bucket) -> seconds of XLA's compile of each program compiled at start-up
         self.compile_seconds: dict[tuple[str, int], float] = {}
+        self._deferred: Future | None = None  # background compile of large buckets (compile_all)
         self.exec_cache_writers: list = []  # ExecutableCaches writing in the background
         # Sampler specializations compiled in the background the first time a step needs one
         # (`_sample_program`); the general SAMPLE program serves those steps meanwhile.
@@ -365,8 +366,56 @@ class XlaModelRunner(RunnerCore):
         return progs
 
     def compile_all(self, programs: list[tuple[str, int]] | None = None) -> None:
-        """Compile `programs` (default: every start-up program), programs.py."""
-        compile_programs(self, programs or self.startup_programs())
+        """Compile `programs` (default: every start-up program), programs.py. By default the
+        forwards of token buckets above `startup_token_bucket` compile in a background thread
+        after this returns (`ready_token_budget` caps the steps meanwhile)."""
+        if programs is not None:
+            compile_programs(self, programs)
+            return
+        later = self.deferred_programs()
+        compile_programs(self, [p for p in self.startup_programs() if p not in later])
+        if later:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="xla-deferred")
+            self._deferred = pool.submit(compile_programs, self, later, False)
+            pool.shutdown(wait=False)
+
+    def deferred_programs(self) -> list[tuple[str, int]]:
+        """Start-up programs compiled after the engine is ready: the forwards of token buckets
+        above KernelConfig.xla_startup_token_bucket (auto: 256 on GPU / TPU; none on the CPU).
+        None with several hosts (each must hold the same programs), enforce_eager, or a draft
+        model (its catch-up program per token bucket)."""
+        cap = self.config.kernels.xla_startup_token_bucket
+        if cap == 0:
+            cap = -1 if self.platform == "cpu" else 256
+        if cap < 0 or self.multihost is not None or self.draft is not None:
+            return []
+        if self.config.enforce_eager:
+            return []
+        return [(FORWARD, t) for t in self.token_buckets if t > max(cap, self.token_buckets[0])]
+
+    def ready_token_budget(self) -> int | None:
+        """The largest token bucket whose forward (and every smaller one's) is compiled while
+        background compiles run; None once every start-up program is (the engine's step cap)."""
+        fut = self._deferred
+        if fut is None:
+            return None
+        if fut.done():
+            self._deferred = None
+            if fut.exception() is not None:  # the steps compile what they need, as eager does
+                logger.warning("background compile failed: %r", fut.exception())
+            return None
+        ready = self.token_buckets[0]
+        for t in self.token_buckets:
+            if (FORWARD, t) not in self.programs:
+                break
+            ready = t
+        return ready
+
+    def wait_compiled(self, timeout: float | None = None) -> None:
+        """Block until the background compiles (if any) are done (benchmarks, tests, shutdown)."""
+        fut = self._deferred
+        if fut is not None:
+            fut.exception(timeout)  # waits; a failure is logged by ready_token_budget
 
     def _program(self, kind: str, n: int) -> jax.stages.Compiled:
         prog = self.programs.get((kind, n))
@@ -417,6 +466,7 @@ class XlaModelRunner(RunnerCore):
                 pass
 
     def shutdown(self) -> None:
+        self.wait_compiled()  # its compiles use the weights and the executable cache below
         for cache in self.exec_cache_writers:  # finish writing this start-up's executables
             cache.join(timeout=EXEC_CACHE_JOIN_S)
         self.exec_cache_writers.clear()

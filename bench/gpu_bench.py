@@ -542,6 +542,10 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
         "llm_kwargs": {k: str(v) for k, v in extra.items()},
     }
     res["init_s"] = time.perf_counter() - t
+    wait = getattr(llm.llm_engine.runner, "wait_compiled", None)
+    if callable(wait):  # XLA: larger token buckets compile after ready; time steady state
+        wait()
+        res["all_compiled_s"] = time.perf_counter() - t
     res["num_kv_blocks"] = llm.llm_engine.kv_manager.num_blocks
     sc = llm.llm_engine.config.scheduler
     res["max_num_seqs"], res["max_num_batched_tokens"] = sc.max_num_seqs, sc.max_num_batched_tokens

@@ -471,6 +471,12 @@ class KernelConfig:
     # sampler took 7-16 s each for the 8B shape on the H200, bench/RESULTS.md). A value > 0:
     # powers of 2 from it.
     xla_min_seq_bucket: int = 0
+    # XLA: the largest forward token bucket compiled before the engine is ready (a power of 2);
+    # larger ones compile in a background thread while the engine serves, the step's token
+    # budget held at the largest ready bucket meanwhile (chunked prefill splits long prompts;
+    # nothing waits for a compile). 0 = auto: 256 on GPU / TPU (cold start-up), every bucket on
+    # the CPU; -1 = every bucket (no deferral). Single host, not enforce_eager, no draft model.
+    xla_startup_token_bucket: int = 0
     # XLA: the dense bf16 / f16 linears (q/k/v/o, gate/up/down, lm_head; not quantized ones, not
     # LoRA deltas) through the Pallas decode GEMV (kernels_pallas/gemv.py, Triton lowering) when
     # the program's token bucket is <= 16 (batch-1 decode); "on" = every shape it tiles, "auto" =
@@ -520,6 +526,11 @@ class KernelConfig:
         _check(
             isinstance(s, int) and s >= 1 and s & (s - 1) == 0,
             f"graph_max_kv_splits must be a power of 2 >= 1, got {s!r}",
+        )
+        t = self.xla_startup_token_bucket
+        _check(
+            isinstance(t, int) and (t in (0, -1) or (t > 0 and t & (t - 1) == 0)),
+            f"xla_startup_token_bucket must be 0 (auto), -1 (all) or a power of 2, got {t!r}",
         )
         for name in ("xla_min_token_bucket", "xla_min_seq_bucket"):
             b = getattr(self, name)

@@ -87,6 +87,9 @@ class Scheduler:
         # Structured output hook (set by the engine): False while a request's grammar is still
         # compiling; such waiting requests are skipped without blocking the ones behind them.
         self.is_request_ready: Callable[[Request], bool] | None = None
+        # Tokens a step may hold below max_num_batched_tokens (set by the engine while the
+        # runner still compiles the programs of larger steps); None = no cap.
+        self.token_cap: int | None = None
 
     # ----- queues -----------------------------------------------------------------------------
 
@@ -190,6 +193,8 @@ class Scheduler:
         every request that samples in this step gets a pending token."""
         kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
+        if self.token_cap is not None:  # the runner's programs for larger steps still compile
+            budget = min(budget, self.token_cap)
         num_scheduled: dict[str, int] = {}
         spec_token_ids: dict[str, list[int]] = {}
         cached_reqs: list[CachedRequestData] = []

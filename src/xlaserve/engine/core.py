@@ -344,6 +344,9 @@ class EngineCore:
         # The runner can take a launched step's grammar bitmasks after its forward is queued
         # (`apply_bitmasks`): grammars then keep async scheduling on (see `_can_overlap`).
         self._late_bitmasks = callable(getattr(self.runner, "apply_bitmasks", None))
+        # A runner still compiling the programs of larger steps in the background caps the step's
+        # tokens at what it can run (`ready_token_budget`: an int, None once all are compiled).
+        self._ready_tokens = getattr(self.runner, "ready_token_budget", None)
         # Async scheduling: the launched step whose output is not read yet (scheduler output,
         # runner handle, its Request objects).
         self._inflight: tuple[SchedulerOutput, Any, dict[str, Request]] | None = None
@@ -530,6 +533,10 @@ class EngineCore:
 
     def _schedule(self, lookahead: bool) -> SchedulerOutput | None:
         """The next step's SchedulerOutput, or None when there is nothing for the runner."""
+        if self._ready_tokens is not None:  # programs of larger steps still compiling
+            cap = self.scheduler.token_cap = self._ready_tokens()
+            if cap is None:
+                self._ready_tokens = None  # all compiled: no more asking
         so = self.scheduler.schedule(lookahead=lookahead)
         # Finished ids reach the runner with the next non-empty step (runners never see empty ones).
         so.finished_req_ids |= self._pending_finished
