@@ -161,13 +161,25 @@ def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001
         )  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         got[mode] = [
-            (o.outputs[0].token_ids, [e and sorted(e.items()) for e in o.outputs[0].logprobs or []])
+            (
+                o.outputs[0].token_ids,
+                [e and sorted((k, v.rank, v.logprob) for k, v in e.items()) for e in o.outputs[0].logprobs or []],
+            )
             for o in outs
-        ]
+        ]  # fmt: skip
         if mode == "on":
             eng = llm.llm_engine
             assert eng.num_overlapped_steps > 5
-    assert got["on"] == got["off"]
+    # Tokens, logprob ids and ranks exactly; logprob values to float32 rounding: the two modes
+    # batch the steps differently (other token buckets, other attention loop trip counts), and
+    # XLA does not promise the same rounding across programs.
+    assert [t for t, _ in got["on"]] == [t for t, _ in got["off"]]
+    for (_, a), (_, b) in zip(got["on"], got["off"], strict=True):
+        assert [[e[:2] for e in pos or []] for pos in a] == [
+            [e[:2] for e in pos or []] for pos in b
+        ]
+        va = [e[2] for pos in a for e in pos or []]
+        assert va == pytest.approx([e[2] for pos in b for e in pos or []], abs=1e-5)
     with_pen = [SamplingParams(max_tokens=8, repetition_penalty=1.2)] * 2
     llm = LLM(model=model, backend="xla", async_scheduling="on", max_num_seqs=4,
               max_num_batched_tokens=32, num_kv_blocks=256, enforce_eager=True)  # fmt: skip
