@@ -77,6 +77,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -370,6 +371,42 @@ def _token_metadata(
     return seq, pos, valid
 
 
+def _gather_kv(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    pages: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """K and V of pages [T, P] as float32 [T, P * S, Hkv, D] (int8 / fp8 codes dequantized)."""
+    t, p = pages.shape
+    _, s, hkv, d = k_cache.shape
+    if k_scale is None:
+        k, v = k_cache[pages].astype(jnp.float32), v_cache[pages].astype(jnp.float32)
+    else:
+        k = dequantize_kv(k_cache[pages], k_scale[pages])
+        v = dequantize_kv(v_cache[pages], v_scale[pages])
+    return k.reshape(t, p * s, hkv, d), v.reshape(t, p * s, hkv, d)
+
+
+def _key_mask(
+    kpos: jax.Array,
+    kv_len: jax.Array,
+    pos: jax.Array,
+    valid: jax.Array,
+    sliding_window: int | None,
+    chunk_size: int | None,
+) -> jax.Array:
+    """bool [T, L]: token t (at position pos[t], context kv_len[t]) sees key position kpos
+    [1, L]: causal, inside its context, in its window and its Llama 4 chunk; padding sees none."""
+    mask = (kpos < kv_len[:, None]) & (kpos <= pos[:, None]) & valid[:, None]
+    if sliding_window is not None:
+        mask &= kpos > pos[:, None] - sliding_window
+    if chunk_size is not None:
+        mask &= kpos // chunk_size == pos[:, None] // chunk_size
+    return mask
+
+
 def ref_ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -407,12 +444,7 @@ def ref_ragged_paged_attention(
     seq, pos, valid = _token_metadata(t, kv_lens, cu_q_lens, num_seqs)
 
     pages = jnp.clip(block_tables[seq], 0, n - 1)  # [T, M]
-    if k_scale is None:
-        k = k_cache[pages].reshape(t, m * s, hkv, d).astype(jnp.float32)  # [T, L, Hkv, D]
-        v = v_cache[pages].reshape(t, m * s, hkv, d).astype(jnp.float32)
-    else:
-        k = dequantize_kv(k_cache[pages], k_scale[pages]).reshape(t, m * s, hkv, d)
-        v = dequantize_kv(v_cache[pages], v_scale[pages]).reshape(t, m * s, hkv, d)
+    k, v = _gather_kv(k_cache, v_cache, k_scale, v_scale, pages)  # [T, L, Hkv, D]
     kpos = jnp.arange(m * s, dtype=jnp.int32)[None, :]  # [1, L]
     # Slots past kv_len may hold anything (even NaN): zero V there so 0 * NaN stays out.
     v = jnp.where((kpos < kv_lens[seq][:, None])[:, :, None, None], v, 0.0)
@@ -423,11 +455,7 @@ def ref_ragged_paged_attention(
     if alibi_slopes is not None:
         slopes = alibi_slopes.astype(jnp.float32).reshape(1, hkv, g, 1)
         logits = logits + slopes * kpos.astype(jnp.float32)[:, None, None, :]
-    mask = (kpos < kv_lens[seq][:, None]) & (kpos <= pos[:, None]) & valid[:, None]
-    if sliding_window is not None:
-        mask &= kpos > pos[:, None] - sliding_window
-    if chunk_size is not None:
-        mask &= kpos // chunk_size == pos[:, None] // chunk_size
+    mask = _key_mask(kpos, kv_lens[seq], pos, valid, sliding_window, chunk_size)
     mask = mask[:, None, None, :]  # [T, 1, 1, L]
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -509,18 +537,9 @@ def chunked_ragged_paged_attention(
         c, m_i, l_i, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tables, c * pages_per_step, pages_per_step, axis=1)
         pages = jnp.clip(pages[seq], 0, n - 1)  # [T, P]
-        if k_scale is None:
-            k = k_cache[pages].reshape(t, keys, hkv, d).astype(jnp.float32)
-            v = v_cache[pages].reshape(t, keys, hkv, d).astype(jnp.float32)
-        else:
-            k = dequantize_kv(k_cache[pages], k_scale[pages]).reshape(t, keys, hkv, d)
-            v = dequantize_kv(v_cache[pages], v_scale[pages]).reshape(t, keys, hkv, d)
+        k, v = _gather_kv(k_cache, v_cache, k_scale, v_scale, pages)  # [T, K, Hkv, D]
         kpos = c * keys + jnp.arange(keys, dtype=jnp.int32)[None, :]  # [1, K]
-        mask = (kpos < kv_len[:, None]) & (kpos <= pos[:, None]) & valid[:, None]
-        if sliding_window is not None:
-            mask &= kpos > pos[:, None] - sliding_window
-        if chunk_size is not None:
-            mask &= kpos // chunk_size == pos[:, None] // chunk_size
+        mask = _key_mask(kpos, kv_len, pos, valid, sliding_window, chunk_size)
         # Slots past kv_len may hold anything (even NaN): zero V there so 0 * NaN stays out.
         v = jnp.where(mask[:, :, None, None], v, 0.0)
         logits = jnp.einsum("tkgd,tlkd->tkgl", qf, k)  # [T, Hkv, G, K]
@@ -922,29 +941,29 @@ class RpaImpl:
     chunked: bool = False
 
 
-def _reference_impl(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    k_scale: jax.Array | None,
-    v_scale: jax.Array | None,
-    *,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    block_sizes: BlockSizes | GpuBlockSizes | None,
-    chunk_size: int | None = None,
-) -> jax.Array:
-    del block_sizes  # no tiles
-    return ref_ragged_paged_attention(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scale=k_scale, v_scale=v_scale, chunk_size=chunk_size,
-    )  # fmt: skip
+def _jnp_impl(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """The RpaImpl contract over a plain-jnp attention `fn` (the reference's keywords; it takes
+    no tiles, so `block_sizes` is dropped)."""
+
+    def impl(
+        q: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        kv_lens: jax.Array,
+        block_tables: jax.Array,
+        cu_q_lens: jax.Array,
+        num_seqs: jax.Array,
+        k_scale: jax.Array | None,
+        v_scale: jax.Array | None,
+        *,
+        block_sizes: BlockSizes | GpuBlockSizes | None,
+        **kw: Any,
+    ) -> jax.Array:
+        del block_sizes  # no tiles
+        return fn(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                  k_scale=k_scale, v_scale=v_scale, **kw)  # fmt: skip
+
+    return impl
 
 
 def _pallas_gpu_impl(
@@ -972,35 +991,14 @@ def _pallas_gpu_impl(
     )  # fmt: skip
 
 
-def _chunked_xla_impl(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    k_scale: jax.Array | None,
-    v_scale: jax.Array | None,
-    *,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    block_sizes: BlockSizes | GpuBlockSizes | None,
-    chunk_size: int | None = None,
-) -> jax.Array:
-    del block_sizes  # no tiles (keys_per_step is the module constant)
-    return chunked_ragged_paged_attention(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scale=k_scale, v_scale=v_scale, chunk_size=chunk_size,
-    )  # fmt: skip
-
-
 # name -> implementation; `register_rpa_impl` adds one.
 RPA_IMPLS: dict[str, RpaImpl] = {
-    "reference": RpaImpl("reference", _reference_impl, True, None, chunked=True),
-    "chunked_xla": RpaImpl("chunked_xla", _chunked_xla_impl, True, None, chunked=True),
+    "reference": RpaImpl(
+        "reference", _jnp_impl(ref_ragged_paged_attention), True, None, chunked=True
+    ),
+    "chunked_xla": RpaImpl(
+        "chunked_xla", _jnp_impl(chunked_ragged_paged_attention), True, None, chunked=True
+    ),
     "pallas_tpu": RpaImpl("pallas_tpu", _pallas_tpu_attention, True, BlockSizes, chunked=True),
     # The GPU kernel has no in-kernel dequantization: quantized caches take the reference.
     "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, False, GpuBlockSizes, chunked=True),
