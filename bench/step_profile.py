@@ -12,7 +12,8 @@ tokens are prefilled, then `--steps` decode steps are timed. Per step:
   results (`jax.device_get` / `.tolist()`), output processing;
 - ``device_ms`` (XLA): time of each compiled program on the device, read from a `jax.profiler`
   trace of the timed steps ("XLA Modules" lines of the GPU / TPU planes), summed by program name
-  (forward, sampler, ...); ``device_busy_ms`` is their sum per step.
+  (forward, sampler, ...); ``device_busy_ms`` is their sum per step. On XLA:CPU the top ops
+  (``kernel_ms``) come from XLA's thread-pool lines instead, summed over its threads.
 
 The step is host-bound where wall_ms is well above device_busy_ms.
 
@@ -131,13 +132,18 @@ def _sync_programs(runner: Any, timers: _Timers) -> list[str]:  # noqa: ANN401
     return ["program.*"]
 
 
+# XLA:CPU runtime events on its thread-pool lines (whole-program spans, waits), not ops.
+_CPU_RUNTIME_EVENTS = ("ThunkExecutor", "SlinkyThreadPool", "end: ")
+
+
 def _device_modules(
     trace_dir: str, seen: list[str]
 ) -> tuple[dict[str, float], dict[str, float], int]:
     """From a jax trace: (ms per XLA module name, ms per kernel name, kernel launches) on the
     accelerator planes.
     Modules come from "XLA Modules" lines where the profiler writes them; kernels from the
-    compute stream lines (GPU: "Stream #N(...Compute...)"). Plane / line names go to `seen`."""
+    compute stream lines (GPU: "Stream #N(...Compute...)"), on the CPU from XLA's thread-pool
+    lines (op time summed over its threads). Plane / line names go to `seen`."""
     from jax.profiler import ProfileData
 
     mods: dict[str, float] = collections.defaultdict(float)
@@ -147,6 +153,14 @@ def _device_modules(
         data = ProfileData.from_file(path)
         for plane in data.planes:
             seen.append(f"{plane.name}: {[ln.name for ln in plane.lines][:6]}")
+            if plane.name == "/host:CPU":  # XLA:CPU: its ops run on the XLA thread-pool lines
+                for line in plane.lines:
+                    if line.name.startswith("tf_XLAEigen"):
+                        for ev in line.events:
+                            if not ev.name.startswith(_CPU_RUNTIME_EVENTS):
+                                kernels[ev.name[:80]] += ev.duration_ns / 1e6
+                                launches[0] += 1
+                continue
             if not any(k in plane.name for k in ("GPU", "TPU")):
                 continue
             for line in plane.lines:
