@@ -367,8 +367,8 @@ class XlaModelRunner(RunnerCore):
 
     def compile_all(self, programs: list[tuple[str, int]] | None = None) -> None:
         """Compile `programs` (default: every start-up program), programs.py. By default the
-        forwards of token buckets above `startup_token_bucket` compile in a background thread
-        after this returns (`ready_token_budget` caps the steps meanwhile)."""
+        `deferred_programs` compile in a background thread after this returns
+        (`ready_token_budget` caps the steps meanwhile)."""
         if programs is not None:
             compile_programs(self, programs)
             return
@@ -383,7 +383,7 @@ class XlaModelRunner(RunnerCore):
         """Start-up programs compiled after the engine is ready: the forwards of token buckets
         above KernelConfig.xla_startup_token_bucket (auto: 256 on GPU / TPU; none on the CPU).
         None with several hosts (each must hold the same programs), enforce_eager, or a draft
-        model (its catch-up program per token bucket)."""
+        model (its catch-up program per token bucket is not deferred with them)."""
         cap = self.config.kernels.xla_startup_token_bucket
         if cap == 0:
             cap = -1 if self.platform == "cpu" else 256
@@ -412,10 +412,12 @@ class XlaModelRunner(RunnerCore):
         return ready
 
     def wait_compiled(self, timeout: float | None = None) -> None:
-        """Block until the background compiles (if any) are done (benchmarks, tests, shutdown)."""
+        """Block until the background compiles (if any) are done (benchmarks, tests, shutdown);
+        a failure is logged (the steps then compile what they need, as enforce_eager does)."""
         fut = self._deferred
         if fut is not None:
-            fut.exception(timeout)  # waits; a failure is logged by ready_token_budget
+            fut.exception(timeout)  # waits
+            self.ready_token_budget()  # clears it; logs a failure
 
     def _program(self, kind: str, n: int) -> jax.stages.Compiled:
         prog = self.programs.get((kind, n))
