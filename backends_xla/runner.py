@@ -387,9 +387,8 @@ class XlaModelRunner(RunnerCore):
         cap = self.config.kernels.xla_startup_token_bucket
         if cap == 0:
             cap = -1 if self.platform == "cpu" else 256
-        if cap < 0 or self.multihost is not None or self.draft is not None:
-            return []
-        if self.config.enforce_eager:
+        single = self.multihost is None and self.draft is None and not self.config.enforce_eager
+        if cap < 0 or not single:
             return []
         return [(FORWARD, t) for t in self.token_buckets if t > max(cap, self.token_buckets[0])]
 

@@ -28,23 +28,27 @@ def make_buckets(smallest: int, largest: int) -> list[int]:
     return out + [largest]
 
 
+def _one_then_from_16(largest: int) -> list[int]:
+    """1, then the powers of two from 16 up to `largest` (batch 1 keeps a bucket of its own)."""
+    return [1, *[b for b in make_buckets(16, largest) if b > 1]]
+
+
 def token_buckets(min_bucket: int, largest: int, platform: str) -> list[int]:
     """The forward's token buckets: powers of two from `min_bucket` to `largest`; min_bucket 0
     (KernelConfig.xla_min_token_bucket auto) = 1 then the powers from 16 on the CPU, from 16
     elsewhere."""
     if min_bucket:
         return make_buckets(min_bucket, largest)
-    out = make_buckets(16, largest)
-    return [1, *[b for b in out if b > 1]] if platform == "cpu" else out
+    return _one_then_from_16(largest) if platform == "cpu" else make_buckets(16, largest)
 
 
 def seq_buckets(min_bucket: int, largest: int, platform: str) -> list[int]:
     """The sampler's request buckets: powers of two from `min_bucket` to `largest`; min_bucket 0
     (KernelConfig.xla_min_seq_bucket auto) = every power from 1 on the CPU, 1 then the powers
-    from 16 elsewhere (batch 1 keeps its own bucket)."""
+    from 16 elsewhere."""
     if min_bucket or platform == "cpu":
         return make_buckets(min_bucket or 1, largest)
-    return [1, *[b for b in make_buckets(16, largest) if b > 1]]
+    return _one_then_from_16(largest)
 
 
 def pick_bucket(buckets: list[int], n: int) -> int:

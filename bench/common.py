@@ -61,6 +61,16 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def wait_background_compiles(llm: Any) -> bool:  # noqa: ANN401
+    """Block until an XLA runner's background compiles (the larger token buckets, compiled
+    after ready) are done, so timed steps run at steady state; False when the runner has none."""
+    wait = getattr(llm.llm_engine.runner, "wait_compiled", None)
+    if not callable(wait):
+        return False
+    wait()
+    return True
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
     """`n` prompts of `length` random token ids in [10, min(vocab, 30000)) (seeded)."""
     rng = random.Random(seed)

@@ -31,6 +31,8 @@ import tempfile
 import time
 from typing import Any
 
+from xlaserve.bench.common import wait_background_compiles
+
 LLAMA_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -542,9 +544,7 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
         "llm_kwargs": {k: str(v) for k, v in extra.items()},
     }
     res["init_s"] = time.perf_counter() - t
-    wait = getattr(llm.llm_engine.runner, "wait_compiled", None)
-    if callable(wait):  # XLA: larger token buckets compile after ready; time steady state
-        wait()
+    if wait_background_compiles(llm):  # XLA: larger token buckets compile after ready
         res["all_compiled_s"] = time.perf_counter() - t
     res["num_kv_blocks"] = llm.llm_engine.kv_manager.num_blocks
     sc = llm.llm_engine.config.scheduler

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from xlaserve.bench.common import wait_background_compiles
 from xlaserve.bench.gpu_bench import write_model_dir
 
 # (owner attribute path from the engine, method name, label). Inclusive times; nested parts are
@@ -194,9 +195,7 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     result: dict[str, Any] = {"backend": args.backend, "init_s": time.perf_counter() - t0}
-    wait = getattr(llm.llm_engine.runner, "wait_compiled", None)
-    if callable(wait):  # XLA: no background compile may run beside the timed steps
-        wait()
+    wait_background_compiles(llm)  # XLA: none may run beside the timed steps
     engine = llm.llm_engine
     timers = _Timers()
     result["parts"] = _instrument(engine, timers, args.backend, args.sync_programs)

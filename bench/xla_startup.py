@@ -27,7 +27,13 @@ import tempfile
 import time
 from typing import Any
 
-from xlaserve.bench.common import add_model_args, model_engine_kwargs, resolve_model_dir, run_stage
+from xlaserve.bench.common import (
+    add_model_args,
+    model_engine_kwargs,
+    resolve_model_dir,
+    run_stage,
+    wait_background_compiles,
+)
 
 # JAX times the whole backend compile step under this event, persistent-cache hits included.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -67,10 +73,7 @@ def one_start(args: argparse.Namespace) -> dict[str, Any]:
               xla_executable_cache=exe, **kw)  # fmt: skip
     ready = time.perf_counter() - t0
     runner = llm.llm_engine.runner
-    all_compiled = None
-    if callable(getattr(runner, "wait_compiled", None)):  # larger buckets in the background
-        runner.wait_compiled()
-        all_compiled = time.perf_counter() - t0
+    all_compiled = time.perf_counter() - t0 if wait_background_compiles(llm) else None
     top: list[str] = []
     if prof is not None:
         import io
