@@ -29,7 +29,15 @@ from flax import nnx
 from xlaserve.model_loader.rope import rope_inv_freq
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.attention import Attention, AttentionMetadata, KVCache
-from xlaserve.models_flax.layers import MLP, Embed, GatedMLP, Linear, Rotary, make_norm
+from xlaserve.models_flax.layers import (
+    MLP,
+    Embed,
+    GatedMLP,
+    Linear,
+    Rotary,
+    call_block,
+    make_norm,
+)
 from xlaserve.models_flax.moe import FusedMoE
 
 
@@ -168,7 +176,7 @@ class DecoderForCausalLM(nnx.Module):
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             cos_sin = rope[layer.local_rope] if layer.use_rope else (None, None)
-            x, kv = layer(x, *cos_sin, kv, md, temp if layer.temper else None)
+            x, kv = call_block(layer, x, *cos_sin, kv, md, temp if layer.temper else None)
             new_caches.append(kv)
         return self.norm(x), new_caches
 

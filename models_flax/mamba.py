@@ -16,7 +16,7 @@ from flax import nnx
 
 from xlaserve.model_loader.spec import ModelSpec
 from xlaserve.models_flax.attention import AttentionMetadata
-from xlaserve.models_flax.layers import Embed, Linear, RMSNorm, _param
+from xlaserve.models_flax.layers import Embed, Linear, RMSNorm, _param, call_block
 from xlaserve.models_flax.ssm_ops import (
     gather_states,
     ragged_causal_conv1d,
@@ -166,7 +166,7 @@ class MambaForCausalLM(nnx.Module):
         x = self.embed_tokens(input_ids)
         new = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, cache = layer(x, cache, md)
+            x, cache = call_block(layer, x, cache, md)
             new.append(cache)
         return self.norm(x.astype(self.dtype)), new
 
@@ -323,7 +323,7 @@ class HybridForCausalLM(nnx.Module):
         cos, sin = self.rotary.cos_sin(positions) if self.rotary is not None else (None, None)
         new = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, cache = layer(x, cos, sin, cache, md)
+            x, cache = call_block(layer, x, cos, sin, cache, md)
             new.append(cache)
         return self.norm(x), new
 

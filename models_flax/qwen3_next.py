@@ -24,7 +24,14 @@ from xlaserve.models_flax.gdn_ops import (
     gdn_qkv,
     ragged_gated_delta_rule_chunked,
 )
-from xlaserve.models_flax.layers import Embed, Linear, RMSNorm, _param, apply_rotary
+from xlaserve.models_flax.layers import (
+    Embed,
+    Linear,
+    RMSNorm,
+    _param,
+    apply_rotary,
+    call_block,
+)
 from xlaserve.models_flax.mamba import Conv1d
 from xlaserve.models_flax.ssm_ops import (
     gather_states,
@@ -167,7 +174,7 @@ class Qwen3NextForCausalLM(nnx.Module):
         cos, sin = self.rotary.cos_sin(positions)
         new = []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, cache = layer(x, cos, sin, cache, md)
+            x, cache = call_block(layer, x, cos, sin, cache, md)
             new.append(cache)
         return self.norm(x), new
 

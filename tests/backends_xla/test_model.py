@@ -81,3 +81,47 @@ def test_logits_match_transformers(kind: str, tiny_model_dir) -> None:  # noqa: 
 def test_unknown_family_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no Flax implementation"):
         get_model_class("nope")
+
+
+def test_decoder_layers_are_traced_once_per_program(tiny_model_dir, monkeypatch) -> None:  # noqa: ANN001
+    """Identical layers are one nested jit (layers.call_block): lowering a forward traces the
+    layer once however many layers the model has, and once more for each new token count; the
+    lowered module calls one layer function from every layer."""
+    from flax import nnx
+
+    from xlaserve.models_flax.decoder import DecoderLayer
+
+    spec = build_spec(tiny_model_dir("llama"))
+    assert spec.num_layers >= 2
+    graphdef, state = load_model(spec, jnp.float32, Mesh(np.array(jax.devices()[:1]), ("model",)))
+    traced: list[int] = []
+    real_call = DecoderLayer.__call__
+
+    def counting(self, x, *args):  # noqa: ANN001, ANN202
+        traced.append(x.shape[0])
+        return real_call(self, x, *args)
+
+    monkeypatch.setattr(DecoderLayer, "__call__", counting)
+    cache = (jnp.zeros((NUM_BLOCKS, BLOCK, spec.num_kv_heads, spec.head_dim), jnp.float32),) * 2
+
+    @jax.jit
+    def forward(state, ids, caches):  # noqa: ANN001, ANN202
+        t = ids.shape[0]
+        md = AttentionMetadata(
+            slot_mapping=jnp.arange(t, dtype=jnp.int32),
+            kv_lens=jnp.asarray([t], jnp.int32),
+            block_tables=jnp.arange(NUM_BLOCKS, dtype=jnp.int32)[None],
+            cu_q_lens=jnp.asarray([0, t], jnp.int32),
+            num_seqs=jnp.asarray([1], jnp.int32),
+        )
+        return nnx.merge(graphdef, state)(ids, jnp.arange(t, dtype=jnp.int32), caches, md)
+
+    texts = [
+        forward.lower(state, jnp.zeros(t, jnp.int32), [cache] * spec.num_layers).as_text()
+        for t in (8, 16, 8)
+    ]
+    assert traced == [8, 16]  # the third lowering (8 tokens again) reuses the first's trace
+    calls = [line for line in texts[0].splitlines() if "call @_apply_block" in line]
+    callees = {line.split("call @")[1].split("(")[0] for line in calls}
+    assert len(calls) == spec.num_layers and len(callees) == 1, calls
+    assert texts[0].count("func.func private @_apply_block") == 1
