@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -75,6 +75,7 @@ from xlaserve.backends_xla.sampler import (
 )
 from xlaserve.backends_xla.utils import (
     apply_xla_gpu_flags,
+    dispatch_thread_on,
     make_mesh,
     pick_bucket,
     resolve_dtype,
@@ -121,7 +122,8 @@ class _Launched(LaunchedStep):
     """A launched step: for a deferred SAMPLE step, the results `finish` reads (pending rows:
     batch rows)."""
 
-    res: SamplerOutput | None = None
+    # The dispatch thread's Future of them while it has not run the step (`_read_pending`).
+    res: SamplerOutput | Future | None = None
     # The SAMPLE dispatch still to run (late grammar bitmasks, `apply_bitmasks`).
     resume: Any = None
 
@@ -251,6 +253,14 @@ class XlaModelRunner(RunnerCore):
             from xlaserve.backends_xla.draft import XlaDraftModel
 
             self.draft = XlaDraftModel(self, sc.model)
+        # KernelConfig.xla_dispatch_thread: the thread that calls an async step's programs and
+        # the Future of the last step it was given (`_dispatch_step`, `_drain`).
+        self._dispatcher: ThreadPoolExecutor | None = None
+        self._dispatched: Future | None = None
+        if self.multihost is None and dispatch_thread_on(
+            config.kernels.xla_dispatch_thread, self.platform
+        ):
+            self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="xla-dispatch")
 
     # ---------------------------------------------------------------- set-up
     def load_model(self) -> None:
@@ -467,6 +477,10 @@ class XlaModelRunner(RunnerCore):
                 pass
 
     def shutdown(self) -> None:
+        self._drain()
+        if self._dispatcher is not None:
+            self._dispatcher.shutdown(wait=True)
+            self._dispatcher = None
         self.wait_compiled()  # its compiles use the weights and the executable cache below
         for cache in self.exec_cache_writers:  # finish writing this start-up's executables
             cache.join(timeout=EXEC_CACHE_JOIN_S)
@@ -514,8 +528,12 @@ class XlaModelRunner(RunnerCore):
         return super().finish(launched)
 
     def _read_pending(self, launched: _Launched) -> tuple[list[int], set[int]]:
-        """`finish` (runner_core.py): read a deferred step's results back to the host."""
-        launched.res = res = jax.device_get(launched.res)
+        """`finish` (runner_core.py): read a deferred step's results back to the host (a
+        dispatch thread's error in calling the step's programs is raised here)."""
+        res = launched.res
+        if isinstance(res, Future):
+            res = res.result()
+        launched.res = res = jax.device_get(res)
         return res.token_ids.tolist(), set(np.flatnonzero(res.has_nan).tolist())
 
     def _pending_logprobs(
@@ -532,6 +550,8 @@ class XlaModelRunner(RunnerCore):
         self._check_drafts(so)
         if any(so.spec_token_ids.values()) and not self.num_spec_tokens:
             raise ValueError("speculative drafts scheduled but no speculative_config was set")
+        if so.has_kv_copies or so.lora_loads:  # they replace device state the thread uses
+            self._drain()
         if so.has_kv_copies:  # before the forward, in the order runner.py documents
             if self.kv_offload is None:
                 raise RuntimeError("KV offload copies scheduled but kv_offload_bytes is 0")
@@ -549,6 +569,7 @@ class XlaModelRunner(RunnerCore):
             return launched
         batch = self._prepare(so)
         if any(batch.drafts):
+            self._drain()
             rows_h, hidden, _ = self._forward(batch)
             self._verify_step(so, batch, rows_h, hidden, out)
             self._propose_drafts(batch, out)
@@ -563,6 +584,12 @@ class XlaModelRunner(RunnerCore):
         # with late grammar masks (engine/core.py) `use_extras` is set now, the masks come later.
         late = bool(so.late_bitmask_req_ids)
         dense, mode = self._sampling_params(rows, batch, b, so.grammar_bitmask, late)
+        if defer and not late and self._dispatcher is not None and self._deferrable(rows):
+            # Both programs are called on the dispatch thread; `finish` reads the Future.
+            self._dispatched = self._dispatcher.submit(self._dispatch_step, batch, b, mode, dense)
+            self._defer(batch, self._dispatched, launched)
+            return launched
+        self._drain()
         rows_h, hidden, params = self._forward(batch)
 
         def sample(late_masks: dict) -> None:
@@ -570,8 +597,7 @@ class XlaModelRunner(RunnerCore):
             if late_masks:  # host only: the dense fields again, now with this step's masks
                 so.grammar_bitmask.update(late_masks)
                 d, _ = self._sampling_params(rows, batch, b, so.grammar_bitmask, True)
-            prog = self._sample_program(b, mode)
-            res, self._last_tokens = prog(self.weights, rows_h, params, d)
+            res = self._sample(rows_h, params, b, mode, d)
             if defer and self._deferrable(rows):
                 self._defer(batch, res, launched)
                 return
@@ -585,6 +611,31 @@ class XlaModelRunner(RunnerCore):
         else:
             sample({})
         return launched
+
+    def _sample(
+        self, rows_h: jax.Array, params: jax.Array, b: int, mode: SampleMode, dense: dict
+    ) -> SamplerOutput:
+        """Call the SAMPLE program of request bucket b on the forward's rows; its tokens (padded
+        to R) become the next forward's `prev`. Returns the results, on the device."""
+        res, self._last_tokens = self._sample_program(b, mode)(self.weights, rows_h, params, dense)
+        return res
+
+    def _dispatch_step(
+        self, batch: StepBatch, b: int, mode: SampleMode, dense: dict
+    ) -> SamplerOutput:
+        """On the dispatch thread: one async step's forward and SAMPLE programs. It reads no
+        engine state but its arguments and the device state the engine thread leaves to it
+        until `_drain` (kv_caches, _last_tokens, weights)."""
+        rows_h, _, params = self._forward(batch)
+        return self._sample(rows_h, params, b, mode, dense)
+
+    def _drain(self) -> None:
+        """Wait until the dispatch thread has called every program it was given: the engine
+        thread then calls programs or replaces device state itself. A failed dispatch's error
+        is raised by `finish` of its step, not here."""
+        fut, self._dispatched = self._dispatched, None
+        if fut is not None:
+            wait([fut])
 
     def _deferrable(self, rows: list[_ReqState | None]) -> bool:
         """Tokens may stay on the device: nothing this step reads them on the host (no draft

@@ -33,6 +33,13 @@ def _one_then_from_16(largest: int) -> list[int]:
     return [1, *[b for b in make_buckets(16, largest) if b > 1]]
 
 
+def dispatch_thread_on(mode: str, platform: str) -> bool:
+    """KernelConfig.xla_dispatch_thread -> whether the runner calls async steps' programs from a
+    thread of its own: "on" / "off", or "auto" = everywhere but the CPU (`platform` is
+    jax.default_backend())."""
+    return mode == "on" or (mode == "auto" and platform != "cpu")
+
+
 def token_buckets(min_bucket: int, largest: int, platform: str) -> list[int]:
     """The forward's token buckets: powers of two from `min_bucket` to `largest`; min_bucket 0
     (KernelConfig.xla_min_token_bucket auto) = 1 then the powers from 16 on the CPU, from 16

@@ -375,7 +375,7 @@ LORA_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 # KernelConfig fields that take TRISTATE values.
 TRISTATE_SWITCHES = (
     "triton_ops", "dense_gemv", "fused_greedy", "xla_triton_gemm", "xla_decode_gemv",
-    "ssm_prefill_triton",
+    "ssm_prefill_triton", "xla_dispatch_thread",
 )  # fmt: skip
 
 
@@ -483,6 +483,14 @@ class KernelConfig:
     # kernels_pallas.gemv.AUTO_ON_GPU (the shapes of its TUNED table on GPUs: on, measured 1.09x),
     # "off" = XLA's dot. Never on TPU (no Mosaic lowering) nor with tensor_parallel_size > 1.
     xla_decode_gemv: str = "auto"
+    # XLA: the forward and SAMPLE programs of an async step are called from a dispatch thread of
+    # the runner's own, so the engine's Python for the next step (outputs, scheduling, inputs)
+    # runs while XLA launches this step's kernels (it holds no GIL then; on a GPU the launches
+    # of an 8B forward take ~4-7 ms of host time). Steps that read device state on the engine
+    # thread (drafts, late grammar masks, prompt logprobs, KV offload, LoRA loads) wait for the
+    # thread to drain first. "auto" = on for GPU / TPU, off on the CPU (XLA:CPU returns from a
+    # call before it computes).
+    xla_dispatch_thread: str = "auto"
     # Torch w8a8 (kernels_cuda/scaled_mm.py): per-token activation quantization by the fused
     # Triton kernel ("auto" / "triton") or by torch ops ("torch"; A/B measurements).
     act_quant: str = "auto"

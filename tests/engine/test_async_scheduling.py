@@ -9,6 +9,8 @@ tokens); the GPU test below checks the same on CUDA graphs, where launches reall
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from xlaserve import LLM, SamplingParams
@@ -154,11 +156,15 @@ def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001
             kw.update(temperature=0.0, logprobs=2)
         params.append(SamplingParams(**kw))
     got = {}
-    for mode in ("off", "on"):
+    # "thread": async steps' programs called from the runner's dispatch thread (on by default
+    # off the CPU; KernelConfig.xla_dispatch_thread), with logprob and penalty steps draining it.
+    for mode in ("off", "on", "thread"):
         llm = LLM(
-            model=model, backend="xla", async_scheduling=mode, max_num_seqs=4,
-            max_num_batched_tokens=32, num_kv_blocks=256, enforce_eager=True,
+            model=model, backend="xla", async_scheduling="off" if mode == "off" else "on",
+            max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=256, enforce_eager=True,
+            xla_dispatch_thread="on" if mode == "thread" else "off",
         )  # fmt: skip
+        assert (llm.llm_engine.runner._dispatcher is not None) == (mode == "thread")
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         got[mode] = [
             (
@@ -167,12 +173,13 @@ def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001
             )
             for o in outs
         ]  # fmt: skip
-        if mode == "on":
+        if mode != "off":
             eng = llm.llm_engine
             assert eng.num_overlapped_steps > 5
     # Tokens, logprob ids and ranks exactly; logprob values to float32 rounding: the two modes
     # batch the steps differently (other token buckets, other attention loop trip counts), and
     # XLA does not promise the same rounding across programs.
+    assert got["thread"] == got["on"]  # the same programs on the same inputs: bit for bit
     assert [t for t, _ in got["on"]] == [t for t, _ in got["off"]]
     for (_, a), (_, b) in zip(got["on"], got["off"], strict=True):
         assert [[e[:2] for e in pos or []] for pos in a] == [
@@ -181,9 +188,12 @@ def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001
         va = [e[2] for pos in a for e in pos or []]
         assert va == pytest.approx([e[2] for pos in b for e in pos or []], abs=1e-5)
     with_pen = [SamplingParams(max_tokens=8, repetition_penalty=1.2)] * 2
-    llm = LLM(model=model, backend="xla", async_scheduling="on", max_num_seqs=4,
-              max_num_batched_tokens=32, num_kv_blocks=256, enforce_eager=True)  # fmt: skip
-    assert [len(o.outputs[0].token_ids) for o in llm.generate(prompts[:2], with_pen)] == [8, 8]
+    for thread in ("off", "on"):
+        llm = LLM(model=model, backend="xla", async_scheduling="on", max_num_seqs=4,
+                  max_num_batched_tokens=32, num_kv_blocks=256, enforce_eager=True,
+                  xla_dispatch_thread=thread)  # fmt: skip
+        outs = llm.generate(prompts[:2], with_pen)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
 
 
 @pytest.mark.gpu
@@ -287,3 +297,25 @@ def test_async_overlapping_launches_abort_mid_flight(tiny_model_dir) -> None:  #
         assert toks == reference_output(prompts[rid], 30), rid
     assert eng.runner.num_overlapped_launches > 10
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
+
+
+def test_xla_dispatch_thread_error_reaches_the_caller(tiny_model_dir, monkeypatch) -> None:  # noqa: ANN001
+    """A program call that fails on the XLA runner's dispatch thread is raised to the caller by
+    the step that reads its tokens (no hang, no lost error); a first step ran on the thread."""
+    llm = LLM(model=tiny_model_dir("llama"), backend="xla", async_scheduling="on",
+              max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, enforce_eager=True,
+              xla_dispatch_thread="on")  # fmt: skip
+    runner = llm.llm_engine.runner
+    threads: list[str] = []
+    real = runner._dispatch_step
+
+    def failing(*args):  # noqa: ANN002, ANN202
+        threads.append(threading.current_thread().name)
+        if len(threads) > 1:
+            raise RuntimeError("device lost")
+        return real(*args)
+
+    monkeypatch.setattr(runner, "_dispatch_step", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(threads) == 2 and all(t.startswith("xla-dispatch") for t in threads)
