@@ -491,6 +491,13 @@ class KernelConfig:
     # thread to drain first. "auto" = on for GPU / TPU, off on the CPU (XLA:CPU returns from a
     # call before it computes).
     xla_dispatch_thread: str = "auto"
+    # With the dispatch thread: the interpreter's GIL switch interval while it runs, in
+    # microseconds (0 = leave Python's 5 ms). The thread holds the GIL only briefly around each
+    # XLA call, but a thread that wants the GIL waits up to the switch interval while the
+    # engine thread runs Python: at 5 ms that wait lands on the step's critical path (H200,
+    # 8B, batch 256: 16.7 -> 14.1 ms a step at 500 us, bench/RESULTS.md). Lowered only, and
+    # restored when the runner shuts down.
+    xla_dispatch_switch_interval_us: int = 500
     # Torch w8a8 (kernels_cuda/scaled_mm.py): per-token activation quantization by the fused
     # Triton kernel ("auto" / "triton") or by torch ops ("torch"; A/B measurements).
     act_quant: str = "auto"
@@ -534,6 +541,11 @@ class KernelConfig:
         _check(
             isinstance(s, int) and s >= 1 and s & (s - 1) == 0,
             f"graph_max_kv_splits must be a power of 2 >= 1, got {s!r}",
+        )
+        si = self.xla_dispatch_switch_interval_us
+        _check(
+            isinstance(si, int) and si >= 0,
+            f"xla_dispatch_switch_interval_us must be an int >= 0, got {si!r}",
         )
         t = self.xla_startup_token_bucket
         _check(

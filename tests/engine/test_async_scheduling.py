@@ -9,6 +9,7 @@ tokens); the GPU test below checks the same on CUDA graphs, where launches reall
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -176,6 +177,11 @@ def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001
         if mode != "off":
             eng = llm.llm_engine
             assert eng.num_overlapped_steps > 5
+        if mode == "thread":  # the GIL switch interval is lowered while the thread runs
+            before = sys.getswitchinterval()
+            assert before == pytest.approx(500e-6)
+            llm.llm_engine.shutdown()
+            assert sys.getswitchinterval() > before
     # Tokens, logprob ids and ranks exactly; logprob values to float32 rounding: the two modes
     # batch the steps differently (other token buckets, other attention loop trip counts), and
     # XLA does not promise the same rounding across programs.
