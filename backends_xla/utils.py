@@ -137,6 +137,8 @@ def xla_gpu_flags(kernels: KernelConfig) -> list[str]:
     gemm = {"auto": XLA_GPU_TRITON_GEMM, "on": True, "off": False}[kernels.xla_triton_gemm]
     if gemm is not None:
         flags.append(f"--xla_gpu_enable_triton_gemm={str(gemm).lower()}")
+    if kernels.xla_gpu_autotune_level >= 0:
+        flags.append(f"--xla_gpu_autotune_level={kernels.xla_gpu_autotune_level}")
     return flags
 
 

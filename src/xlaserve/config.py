@@ -458,6 +458,12 @@ class KernelConfig:
     # XLA on CUDA: Triton GEMM fusions ("off" = cuBLAS for every dot); "auto" = the measured
     # default of backends_xla.utils.XLA_GPU_TRITON_GEMM.
     xla_triton_gemm: str = "auto"
+    # XLA on CUDA: XLA's autotuning level for its GEMM fusions and convolutions
+    # (--xla_gpu_autotune_level, 0-4); -1 = XLA's own default (4). 0 by measurement: on the H200,
+    # 8B shape, cold start-up 42.1 -> 21.9 s to ready and the same GPU time a decode step at
+    # batch 1 and 256 (4.68 / 10.26 ms busy either way: the batch-1 projections are the Pallas
+    # GEMV, which XLA does not tune; bench/RESULTS.md). Other shapes may want it back.
+    xla_gpu_autotune_level: int = 0
     # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
     # to it, so it sets the M of every projection's matmul at batch 1. 0 = auto: on the CPU a
     # bucket of 1 token before the powers of two from 16 (batch-1 decode at M = 1: demo model,
@@ -541,6 +547,11 @@ class KernelConfig:
         _check(
             isinstance(s, int) and s >= 1 and s & (s - 1) == 0,
             f"graph_max_kv_splits must be a power of 2 >= 1, got {s!r}",
+        )
+        lv = self.xla_gpu_autotune_level
+        _check(
+            isinstance(lv, int) and -1 <= lv <= 4,
+            f"xla_gpu_autotune_level must be -1 (XLA's default) or 0-4, got {lv!r}",
         )
         si = self.xla_dispatch_switch_interval_us
         _check(

@@ -7,11 +7,13 @@ import pytest
 from xla_helpers import make_runner
 
 from xlaserve.backends_xla.utils import (
+    dispatch_thread_on,
     make_buckets,
     pick_bucket,
     resolve_dtype,
     seq_buckets,
     token_buckets,
+    xla_gpu_flags,
 )
 from xlaserve.config import KernelConfig
 
@@ -38,6 +40,21 @@ def test_buckets_and_dtypes() -> None:
     assert resolve_dtype("auto", "bfloat16", "tpu") == jnp.bfloat16
     assert resolve_dtype("auto", "float16", "cpu") == jnp.float32  # no fp16 on CPU
     assert resolve_dtype("float16", "float32", "gpu") == jnp.float16
+
+
+def test_xla_gpu_flags_and_dispatch_thread_switches() -> None:
+    """KernelConfig -> the XLA_FLAGS the runner adds on CUDA, and where the dispatch thread runs."""
+    assert xla_gpu_flags(KernelConfig()) == ["--xla_gpu_autotune_level=0"]
+    assert xla_gpu_flags(KernelConfig(xla_gpu_autotune_level=-1)) == []
+    flags = xla_gpu_flags(KernelConfig(xla_triton_gemm="off", xla_gpu_autotune_level=4))
+    assert flags == ["--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=4"]
+    for bad in (5, -2):
+        with pytest.raises(ValueError, match="xla_gpu_autotune_level"):
+            KernelConfig(xla_gpu_autotune_level=bad)
+    with pytest.raises(ValueError, match="xla_dispatch_switch_interval_us"):
+        KernelConfig(xla_dispatch_switch_interval_us=-1)
+    assert [dispatch_thread_on("auto", p) for p in ("gpu", "tpu", "cpu")] == [True, True, False]
+    assert dispatch_thread_on("on", "cpu") and not dispatch_thread_on("off", "gpu")
 
 
 def test_dummy_weights_and_cpu_kv_blocks(tiny_model_dir, jax_cache_dir) -> None:  # noqa: ANN001
