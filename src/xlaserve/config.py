@@ -459,11 +459,12 @@ class KernelConfig:
     # default of backends_xla.utils.XLA_GPU_TRITON_GEMM.
     xla_triton_gemm: str = "auto"
     # XLA on CUDA: XLA's autotuning level for its GEMM fusions and convolutions
-    # (--xla_gpu_autotune_level, 0-4); -1 = XLA's own default (4). 0 by measurement: on the H200,
-    # 8B shape, cold start-up 42.1 -> 21.9 s to ready and the same GPU time a decode step at
-    # batch 1 and 256 (4.68 / 10.26 ms busy either way: the batch-1 projections are the Pallas
-    # GEMV, which XLA does not tune; bench/RESULTS.md). Other shapes may want it back.
-    xla_gpu_autotune_level: int = 0
+    # (--xla_gpu_autotune_level, 0-4); -1 = XLA's own default (no flag). Level 0 halves a cold
+    # start-up (H200, 8B shape: 42.1 -> 21.9 s to ready, the decode steps at batch 1 and 256
+    # unchanged) but its untuned GEMMs make prefill steps of 4096-8192 tokens crawl (1000 x 256
+    # prompts at max_num_batched_tokens 8192 did not finish in a minute, 22 s tuned;
+    # bench/RESULTS.md): a choice for small token budgets, not a default.
+    xla_gpu_autotune_level: int = -1
     # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
     # to it, so it sets the M of every projection's matmul at batch 1. 0 = auto: on the CPU a
     # bucket of 1 token before the powers of two from 16 (batch-1 decode at M = 1: demo model,

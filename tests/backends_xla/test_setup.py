@@ -44,8 +44,8 @@ def test_buckets_and_dtypes() -> None:
 
 def test_xla_gpu_flags_and_dispatch_thread_switches() -> None:
     """KernelConfig -> the XLA_FLAGS the runner adds on CUDA, and where the dispatch thread runs."""
-    assert xla_gpu_flags(KernelConfig()) == ["--xla_gpu_autotune_level=0"]
-    assert xla_gpu_flags(KernelConfig(xla_gpu_autotune_level=-1)) == []
+    assert xla_gpu_flags(KernelConfig()) == []
+    assert xla_gpu_flags(KernelConfig(xla_gpu_autotune_level=0)) == ["--xla_gpu_autotune_level=0"]
     flags = xla_gpu_flags(KernelConfig(xla_triton_gemm="off", xla_gpu_autotune_level=4))
     assert flags == ["--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=4"]
     for bad in (5, -2):
