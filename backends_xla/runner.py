@@ -534,15 +534,13 @@ class XlaModelRunner(RunnerCore):
     def finish(self, launched: _Launched) -> RunnerOutput:
         if launched.resume is not None:  # masks never came (an error in the engine): sample
             self.apply_bitmasks(launched, {})
+        if isinstance(launched.res, Future):  # the dispatch thread's step: raise its error here,
+            launched.res = launched.res.result()  # also when no row samples (nothing to read)
         return super().finish(launched)
 
     def _read_pending(self, launched: _Launched) -> tuple[list[int], set[int]]:
-        """`finish` (runner_core.py): read a deferred step's results back to the host (a
-        dispatch thread's error in calling the step's programs is raised here)."""
-        res = launched.res
-        if isinstance(res, Future):
-            res = res.result()
-        launched.res = res = jax.device_get(res)
+        """`finish` (runner_core.py): read a deferred step's results back to the host."""
+        launched.res = res = jax.device_get(launched.res)
         return res.token_ids.tolist(), set(np.flatnonzero(res.has_nan).tolist())
 
     def _pending_logprobs(

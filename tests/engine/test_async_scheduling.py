@@ -305,9 +305,13 @@ def test_async_overlapping_launches_abort_mid_flight(tiny_model_dir) -> None:  #
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
 
 
-def test_xla_dispatch_thread_error_reaches_the_caller(tiny_model_dir, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_xla_dispatch_thread_error_reaches_the_caller(
+    tiny_model_dir, monkeypatch, fail_at: int
+) -> None:  # noqa: ANN001, E501
     """A program call that fails on the XLA runner's dispatch thread is raised to the caller by
-    the step that reads its tokens (no hang, no lost error); a first step ran on the thread."""
+    the step's `finish` (no hang, no lost error): also a step where no row samples (step 1: the
+    first 32-token chunk of a 40-token prompt), and after steps that ran on the thread."""
     llm = LLM(model=tiny_model_dir("llama"), backend="xla", async_scheduling="on",
               max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, enforce_eager=True,
               xla_dispatch_thread="on")  # fmt: skip
@@ -317,11 +321,12 @@ def test_xla_dispatch_thread_error_reaches_the_caller(tiny_model_dir, monkeypatc
 
     def failing(*args):  # noqa: ANN002, ANN202
         threads.append(threading.current_thread().name)
-        if len(threads) > 1:
+        if len(threads) == fail_at:
             raise RuntimeError("device lost")
         return real(*args)
 
     monkeypatch.setattr(runner, "_dispatch_step", failing)
+    prompt = list(range(3, 43))
     with pytest.raises(RuntimeError, match="device lost"):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert len(threads) == 2 and all(t.startswith("xla-dispatch") for t in threads)
+        llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(threads) >= fail_at and all(t.startswith("xla-dispatch") for t in threads)
