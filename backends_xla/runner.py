@@ -123,7 +123,7 @@ class _Launched(LaunchedStep):
     """A launched step: for a deferred SAMPLE step, the results `finish` reads (pending rows:
     batch rows)."""
 
-    # The dispatch thread's Future of them while it has not run the step (`_read_pending`).
+    # The dispatch thread's Future of them until `finish` takes its result.
     res: SamplerOutput | Future | None = None
     # The SAMPLE dispatch still to run (late grammar bitmasks, `apply_bitmasks`).
     resume: Any = None

@@ -495,15 +495,15 @@ class KernelConfig:
     # runs while XLA launches this step's kernels (it holds no GIL then; on a GPU the launches
     # of an 8B forward take ~4-7 ms of host time). Steps that read device state on the engine
     # thread (drafts, late grammar masks, prompt logprobs, KV offload, LoRA loads) wait for the
-    # thread to drain first. "auto" = on for GPU / TPU, off on the CPU (XLA:CPU returns from a
-    # call before it computes).
+    # thread to drain first. "auto" = on for GPU / TPU (H200, 8B, batch 256: 14.0 -> 12.2-12.7
+    # ms a step), off on the CPU (no gain measured there; bench/RESULTS.md).
     xla_dispatch_thread: str = "auto"
     # With the dispatch thread: the interpreter's GIL switch interval while it runs, in
     # microseconds (0 = leave Python's 5 ms). The thread holds the GIL only briefly around each
     # XLA call, but a thread that wants the GIL waits up to the switch interval while the
     # engine thread runs Python: at 5 ms that wait lands on the step's critical path (H200,
-    # 8B, batch 256: 16.7 -> 14.1 ms a step at 500 us, bench/RESULTS.md). Lowered only, and
-    # restored when the runner shuts down.
+    # 8B, batch 256: 16.7 -> 14.1 ms a step at 500 us on a slow host, 12.7 -> 12.2 / 12.7 ms on
+    # a faster one; bench/RESULTS.md). Lowered only, and restored when the runner shuts down.
     xla_dispatch_switch_interval_us: int = 500
     # Torch w8a8 (kernels_cuda/scaled_mm.py): per-token activation quantization by the fused
     # Triton kernel ("auto" / "triton") or by torch ops ("torch"; A/B measurements).
