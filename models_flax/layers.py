@@ -51,6 +51,13 @@ def call_block(block: nnx.Module, *args: Any) -> Any:  # noqa: ANN401
     return _apply_block(graphdef, state, *args)
 
 
+def clear_block_traces() -> None:
+    """Forget every `call_block` trace. They are shared by all models of the process, keyed by
+    what a block's trace depends on (its graph, the argument shapes and static fields); a test
+    that patches a module function a block calls while tracing clears them before and after."""
+    _apply_block.clear_cache()
+
+
 class Embed(nnx.Module):
     """Token embedding weight [V, H]; `attend` is the tied LM head."""
 

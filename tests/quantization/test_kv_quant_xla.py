@@ -25,6 +25,7 @@ from flax import nnx
 from xla_helpers import make_runner
 
 from xlaserve import LLM, SamplingParams
+from xlaserve.models_flax.layers import clear_block_traces
 from xlaserve.quantization.kv_quant import dequantize_kv_ref, quantize_kv_ref
 from xlaserve.runner import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -92,9 +93,15 @@ def test_logits_equal_attention_over_dequantized_kv(
     path = tiny_model_dir("llama")
     got = _logits(path, cache_dir, kv)
     ref = _logits(path, cache_dir, "auto")
+    # The layers' traces are shared in the process (layers.call_block): the patched write_kv
+    # must be traced afresh, and its traces must not outlive the patch.
     with monkeypatch.context() as m:
         m.setattr("xlaserve.models_flax.attention.write_kv", _fake_quant_write(kv))
-        fake = _logits(path, cache_dir, "auto")
+        clear_block_traces()
+        try:
+            fake = _logits(path, cache_dir, "auto")
+        finally:
+            clear_block_traces()
     for g, r, f in zip(got, ref, fake, strict=True):
         assert np.isfinite(g).all()
         np.testing.assert_allclose(g, f, atol=2e-4, rtol=1e-4)  # the same numbers, exactly-ish
