@@ -80,6 +80,7 @@ def runner_fingerprint(r: XlaModelRunner) -> str:
     devices = r.mesh.devices.flat
     parts: list[Any] = [
         code_digest(), jax.__version__, jaxlib.__version__, r.platform,
+        os.environ.get("XLA_FLAGS", ""),  # the compiler's flags shape the executable too
         [(d.platform, d.device_kind) for d in devices], dict(r.mesh.shape),
         repr(r.config), repr(r.spec), r.num_kv_blocks, r.num_state_slots(),
         str(r.dtype), str(r.kv_dtype), r.token_buckets, r.seq_buckets,

@@ -327,12 +327,35 @@ def compile_programs(
     )  # fmt: skip
 
 
+# The most matmul rows a program may have to compile without autotuning when
+# KernelConfig.xla_autotune_small_programs is off: the largest decode bucket measured (batch 256).
+UNTUNED_MAX_ROWS = 256
+
+
+def compile_options(r: XlaModelRunner, kind: str, n: int) -> dict[str, int] | None:
+    """Per-program XLA compile options for program (kind, bucket n): autotuning off for the
+    programs of at most UNTUNED_MAX_ROWS matmul rows when KernelConfig.xla_autotune_small_programs
+    is False (VERIFY scores n * (1 + K) rows), else None. An XLA debug option: every platform
+    takes it, only the GPU compiler reads it."""
+    if r.config.kernels.xla_autotune_small_programs:
+        return None
+    rows = n * (1 + r.num_spec_tokens) if kind == VERIFY else n
+    return {"xla_gpu_autotune_level": 0} if rows <= UNTUNED_MAX_ROWS else None
+
+
+def compile_program(
+    r: XlaModelRunner, lowered: jax.stages.Lowered, kind: str, n: int
+) -> jax.stages.Compiled:
+    """lowered.compile() with the program's `compile_options`."""
+    return lowered.compile(compile_options(r, kind, n))
+
+
 def _timed_compile(
     r: XlaModelRunner, lowered: jax.stages.Lowered, key: tuple[str, int]
 ) -> jax.stages.Compiled:
-    """lowered.compile(), its seconds kept in r.compile_seconds[key] (bench/xla_startup.py)."""
+    """`compile_program`, its seconds kept in r.compile_seconds[key] (bench/xla_startup.py)."""
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = compile_program(r, lowered, *key)
     r.compile_seconds[key] = time.perf_counter() - t0
     return compiled
 

@@ -50,6 +50,7 @@ from xlaserve.backends_xla.programs import (
     SAMPLE_GREEDY,
     VERIFY,
     StepBatch,
+    compile_program,
     compile_programs,
     dummy_batch,
     kv_layer_structs,
@@ -440,7 +441,9 @@ class XlaModelRunner(RunnerCore):
             if kind != PROMPT_LOGPROBS and not self.config.enforce_eager:
                 logger.warning("compiling %s program for bucket %d while serving", kind, n)
             self.lazy_compiles.append((kind, n))
-            prog = self.programs[(kind, n)] = lower_program(self, kind, n).compile()
+            prog = self.programs[(kind, n)] = compile_program(
+                self, lower_program(self, kind, n), kind, n
+            )
         return prog
 
     def _sample_program(self, b: int, mode: SampleMode) -> jax.stages.Compiled:
@@ -463,7 +466,7 @@ class XlaModelRunner(RunnerCore):
             self._variant_pool = ThreadPoolExecutor(1, thread_name_prefix="xla-sampler")
 
         def job() -> None:
-            self.sample_variants[key] = lower_program(self, *key).compile()
+            self.sample_variants[key] = compile_program(self, lower_program(self, *key), *key)
             self.background_compiles.append(key)  # tests tell these from serving compiles
 
         def done(fut: Future) -> None:

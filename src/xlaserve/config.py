@@ -465,6 +465,15 @@ class KernelConfig:
     # prompts at max_num_batched_tokens 8192 did not finish in a minute, 22 s tuned;
     # bench/RESULTS.md): a choice for small token budgets, not a default.
     xla_gpu_autotune_level: int = -1
+    # XLA: autotune the GEMMs of programs whose matmuls have at most UNTUNED_MAX_ROWS (256)
+    # rows: the forwards and prompt-logprob programs of <= 256 tokens, the samplers / verifiers
+    # of <= 256 rows. False = those compile with autotuning off (a per-program compile option;
+    # the larger prefill programs keep it): the level-0 cold start-up without its slow prefill
+    # (backends_xla/programs.py `compile_options`). NOT measured as a whole yet: level 0 for
+    # every program measured the same decode steps at batch 1 and 256 and 21.9 s to ready
+    # (H200, 8B shape; bench/RESULTS.md), so True until one call measures start-up, steps and
+    # the offline run together.
+    xla_autotune_small_programs: bool = True
     # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
     # to it, so it sets the M of every projection's matmul at batch 1. 0 = auto: on the CPU a
     # bucket of 1 token before the powers of two from 16 (batch-1 decode at M = 1: demo model,

@@ -28,13 +28,15 @@ print(json.dumps(res))
 """
 
 
-def _run(cache_dir: str, **kw: object) -> tuple[list[list[int]], int, int]:
+def _run(
+    cache_dir: str, env: dict[str, str] | None = None, **kw: object
+) -> tuple[list[list[int]], int, int]:
     """(greedy tokens, programs loaded from the executable cache, start-up programs) of an
-    engine built in a new process."""
+    engine built in a new process (`env`: added to its environment)."""
     kw = {"max_num_seqs": 4, "xla_executable_cache": True, **kw}
     done = subprocess.run(
         [sys.executable, "-c", RUN, cache_dir, json.dumps(kw)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     tokens, loads, n = json.loads(done.stdout.strip().splitlines()[-1])
@@ -70,6 +72,14 @@ def test_other_configuration_misses(cold) -> None:  # noqa: ANN001
     assert loads == 0
     assert len(set(_entries(d)) - before) >= n
     assert other_tokens == tokens
+
+
+def test_other_xla_flags_miss(cold) -> None:  # noqa: ANN001
+    """XLA_FLAGS shape the compiled programs: other flags, other entries."""
+    d, tokens, _ = cold
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # XLA:CPU's default
+    other_tokens, loads, _ = _run(d, env=flags)
+    assert loads == 0 and other_tokens == tokens
 
 
 def test_damaged_entry_is_recompiled(cold) -> None:  # noqa: ANN001

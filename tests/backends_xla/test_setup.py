@@ -72,3 +72,39 @@ def test_dummy_weights_and_cpu_kv_blocks(tiny_model_dir, jax_cache_dir) -> None:
 def test_bad_tensor_parallel_is_a_clear_error(tiny_model_dir, jax_cache_dir) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="tensor_parallel_size 3 exceeds"):
         make_runner(tiny_model_dir("llama"), jax_cache_dir, load=False, tensor_parallel_size=3)
+
+
+def test_small_programs_compile_untuned_when_asked(
+    tiny_model_dir, jax_cache_dir, monkeypatch
+) -> None:  # noqa: ANN001, E501
+    """KernelConfig.xla_autotune_small_programs=False: every program of <= 256 matmul rows is
+    compiled with XLA's autotuning off, the 512-token forward with XLA's defaults; the default
+    passes no option at all."""
+    import jax
+
+    from xlaserve.backends_xla.programs import UNTUNED_MAX_ROWS, compile_options
+
+    seen: list[dict | None] = []
+    real = jax.stages.Lowered.compile
+
+    def spy(self, compiler_options=None, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append(compiler_options)
+        return real(self, compiler_options, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    untuned = {"xla_gpu_autotune_level": 0}
+    path = tiny_model_dir("llama")
+    r = make_runner(path, jax_cache_dir, max_num_batched_tokens=512, max_model_len=512,
+                    xla_autotune_small_programs=False)  # fmt: skip
+    assert r.token_buckets[-1] == 512 > UNTUNED_MAX_ROWS
+    assert (
+        compile_options(r, "forward", 256) == untuned and compile_options(r, "forward", 512) is None
+    )
+    assert compile_options(r, "verify", 256) == untuned  # no speculative tokens: 1 row each
+    r.compile_all()
+    big = sum(1 for kind, n in r.programs if n > UNTUNED_MAX_ROWS)
+    assert big >= 1 and seen.count(None) >= big
+    assert seen.count(untuned) == len(r.programs) - big  # every small program, nothing else
+    seen.clear()
+    make_runner(path, jax_cache_dir, max_num_batched_tokens=512, max_model_len=512).compile_all()
+    assert seen and all(o is None for o in seen)
