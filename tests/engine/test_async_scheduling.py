@@ -160,6 +160,7 @@ def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001
     # "thread": async steps' programs called from the runner's dispatch thread (on by default
     # off the CPU; KernelConfig.xla_dispatch_thread), with logprob and penalty steps draining it.
     for mode in ("off", "on", "thread"):
+        interval = sys.getswitchinterval()  # the process's, before this engine
         llm = LLM(
             model=model, backend="xla", async_scheduling="off" if mode == "off" else "on",
             max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=256, enforce_eager=True,
@@ -177,11 +178,10 @@ def test_async_xla_matches_sync(tiny_model_dir) -> None:  # noqa: ANN001
         if mode != "off":
             eng = llm.llm_engine
             assert eng.num_overlapped_steps > 5
-        if mode == "thread":  # the GIL switch interval is lowered while the thread runs
-            before = sys.getswitchinterval()
-            assert before == pytest.approx(500e-6)
+        if mode == "thread":  # the GIL switch interval is at most 500 us while the thread runs
+            assert sys.getswitchinterval() <= 500e-6
             llm.llm_engine.shutdown()
-            assert sys.getswitchinterval() > before
+            assert sys.getswitchinterval() == interval  # and as it was after shutdown
     # Tokens, logprob ids and ranks exactly; logprob values to float32 rounding: the two modes
     # batch the steps differently (other token buckets, other attention loop trip counts), and
     # XLA does not promise the same rounding across programs.
