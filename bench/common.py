@@ -62,12 +62,18 @@ def model_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def wait_background_compiles(llm: Any) -> bool:  # noqa: ANN401
-    """Block until an XLA runner's background compiles (the larger token buckets, compiled
-    after ready) are done, so timed steps run at steady state; False when the runner has none."""
-    wait = getattr(llm.llm_engine.runner, "wait_compiled", None)
+    """Block until an XLA runner's background compiles are done — the larger token buckets
+    (compiled after ready) and the sampler specializations the steps so far asked for (each
+    compiled the first time a request bucket and sampling mode meet) — so timed steps run at
+    steady state; False when the runner has none."""
+    runner = llm.llm_engine.runner
+    wait = getattr(runner, "wait_compiled", None)
     if not callable(wait):
         return False
     wait()
+    join = getattr(runner, "join_sample_variants", None)
+    if callable(join):
+        join()
     return True
 
 

@@ -84,6 +84,40 @@ def test_throughput_dummy_weights(bench_model_dir: Path, tmp_path: Path) -> None
     assert res["total_output_tokens"] == 6
 
 
+def test_throughput_warmup_leaves_no_compile_to_the_timed_run(
+    bench_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """XLA, sampling at temperature 1: the warm-up runs the timed run's batch shapes and waits
+    for the sampler specializations they start, so the timed run starts none (it did two per
+    64-prompt CPU run: bench/RESULTS.md)."""
+    pytest.importorskip("jax")
+    from xlaserve.bench import offline
+
+    jobs: list[set] = []  # sampler variants asked for, before each generate call
+    real_make = offline.make_llm
+
+    def make(*a: Any, **kw: Any) -> Any:
+        llm = real_make(*a, **kw)
+        real_generate = llm.generate
+
+        def generate(*ga: Any, **gkw: Any) -> Any:
+            jobs.append(set(llm.llm_engine.runner._variant_jobs))
+            out = real_generate(*ga, **gkw)
+            jobs.append(set(llm.llm_engine.runner._variant_jobs))
+            return out
+
+        llm.generate = generate
+        return llm
+
+    monkeypatch.setattr(offline, "make_llm", make)
+    offline.run_throughput(str(bench_model_dir), num_prompts=12, input_len=16, output_len=4,
+                           backend="xla", max_num_batched_tokens=64, max_num_seqs=16,
+                           echo=lambda _: None)  # fmt: skip
+    before_warm, after_warm, before_timed, after_timed = jobs
+    assert after_warm - before_warm  # the warm-up asked for specializations
+    assert after_timed == before_timed  # the timed run asked for none
+
+
 def test_latency(bench_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "lat.json"
     text = _invoke(
