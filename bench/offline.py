@@ -94,7 +94,7 @@ def run_throughput(
         if warmup:
             # The timed run's batch shapes with other prompts (no prefix-cache hits), then what
             # they compiled in the background (the XLA sampler's specialization per request
-            # bucket, two of them inside a 64-prompt CPU run otherwise): a steady-state figure.
+            # bucket, inside the timed run otherwise): a steady-state figure.
             warm = random_token_prompts(pool, num_prompts, input_len, seed + 1)
             llm.generate(warm, _sampling(min(output_len, 4), temperature), use_tqdm=False)
             wait_background_compiles(llm)

@@ -88,8 +88,8 @@ def test_throughput_warmup_leaves_no_compile_to_the_timed_run(
     bench_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """XLA, sampling at temperature 1: the warm-up runs the timed run's batch shapes and waits
-    for the sampler specializations they start, so the timed run starts none (it did two per
-    64-prompt CPU run: bench/RESULTS.md)."""
+    for the sampler specializations they start, so the timed run starts none (with a one-prompt
+    warm-up it started some: bench/RESULTS.md)."""
     pytest.importorskip("jax")
     from xlaserve.bench import offline
 
