@@ -9,10 +9,15 @@ split-KV factor a graph must fix at capture time (None = the kernel's own heuris
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from xlaserve.backends_torch.layers.attention import AttentionBackend, AttentionMetadata
+from xlaserve.config import kernel_switch
+
+if TYPE_CHECKING:
+    from xlaserve.kernels_cuda.prefill_sdpa import SdpaSplit
 
 
 @dataclass
@@ -35,9 +40,12 @@ class TritonAttention(AttentionBackend):
     def __init__(self) -> None:
         from xlaserve.kernels_cuda import write_kv
         from xlaserve.kernels_cuda.paged_attention import paged_attention
+        from xlaserve.kernels_cuda.prefill_sdpa import plan_sdpa_split, sdpa_prefill
 
         self._write_kv = write_kv
         self._attend = paged_attention
+        self._sdpa = sdpa_prefill
+        self._plan_sdpa = plan_sdpa_split
 
     def graph_metadata(self, md: AttentionMetadata, num_kv_splits: int) -> AttentionMetadata:
         """`md` with the split-KV factor a captured decode graph replays with."""
@@ -76,9 +84,41 @@ class TritonAttention(AttentionBackend):
         chunk_size: int | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D] -> out [T, Hq, D]; rows past query_start_loc[B] (padding) are zeros.
-        chunk_size: chunked attention (Llama 4), keys of the query's own chunk only."""
-        return self._attend(
-            q, k_cache, v_cache, md, scale,
-            sliding_window=sliding_window, soft_cap=logit_softcap, chunk_size=chunk_size,
-            k_scale=k_scale, v_scale=v_scale, kernels=self.kernels,
-        )  # fmt: skip
+        chunk_size: chunked attention (Llama 4), keys of the query's own chunk only.
+        Long prefill chunks take torch SDPA when KernelConfig.prefill_sdpa is on (`_sdpa_split`)."""
+        split = None
+        if sliding_window is None and logit_softcap is None and chunk_size is None:
+            split = self._sdpa_split(md, q.device)
+        if split is None:
+            return self._attend(
+                q, k_cache, v_cache, md, scale,
+                sliding_window=sliding_window, soft_cap=logit_softcap, chunk_size=chunk_size,
+                k_scale=k_scale, v_scale=v_scale, kernels=self.kernels,
+            )  # fmt: skip
+        out = torch.empty_like(q)
+        rest = split.rest
+        if rest is not None:
+            rest_out = self._attend(
+                q.index_select(0, rest.rows), k_cache, v_cache, rest, scale,
+                k_scale=k_scale, v_scale=v_scale, kernels=self.kernels,
+            )  # fmt: skip
+            out.index_copy_(0, rest.rows, rest_out)
+        self._sdpa(q, k_cache, v_cache, md.block_tables, split.long, scale, out, k_scale, v_scale)
+        if split.num_tokens < q.shape[0]:
+            out[split.num_tokens :].zero_()
+        return out
+
+    def _sdpa_split(self, md: AttentionMetadata, device: torch.device) -> SdpaSplit | None:
+        """The step's SDPA / Triton split (kernels_cuda.prefill_sdpa), built once per step and
+        kept in md.derived for the other layers; None when the switch is off or no sequence has
+        prefill_sdpa_min_tokens queries (the whole step is one Triton launch)."""
+        mode = kernel_switch("prefill_sdpa", self.kernels)
+        if mode == "off" or (mode == "auto" and device.type != "cuda"):
+            return None
+        min_tokens = kernel_switch("prefill_sdpa_min_tokens", self.kernels)
+        if md.max_query_len < min_tokens:
+            return None
+        key = ("prefill_sdpa", min_tokens)
+        if key not in md.derived:
+            md.derived[key] = self._plan_sdpa(md, min_tokens)
+        return md.derived[key]

@@ -375,7 +375,7 @@ LORA_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 # KernelConfig fields that take TRISTATE values.
 TRISTATE_SWITCHES = (
     "triton_ops", "dense_gemv", "fused_greedy", "xla_triton_gemm", "xla_decode_gemv",
-    "ssm_prefill_triton", "xla_dispatch_thread",
+    "ssm_prefill_triton", "xla_dispatch_thread", "prefill_sdpa",
 )  # fmt: skip
 
 
@@ -436,6 +436,15 @@ class KernelConfig:
     fused_greedy: str = "auto"
     # Largest split-KV factor a torch decode CUDA graph is captured with (a power of 2).
     graph_max_kv_splits: int = 16
+    # Torch "triton" attention backend: sequences whose prefill chunk has at least
+    # prefill_sdpa_min_tokens queries attend through torch SDPA (FlashAttention-2 on CUDA) over
+    # their context gathered from the paged cache (kernels_cuda/prefill_sdpa.py); the rest of
+    # the step keeps the Triton kernel. Layers with a sliding window, soft-cap or attention
+    # chunk always keep it. "auto" = on CUDA. Off until measured on a GPU (CPU-tested against
+    # the reference only): the H200 ran the Triton causal prefill of a 30k prompt at 352
+    # TFLOP/s, SDPA's flash kernel at 628 on the same tensors (bench/RESULTS.md).
+    prefill_sdpa: str = "off"
+    prefill_sdpa_min_tokens: int = 1024
     # fp8 weights emulated (dequantized matmul) where the device has no fp8 GEMM; otherwise
     # runtime fp8 raises there (a pre-quantized fp8 checkpoint is emulated with a warning).
     fp8_emulation: bool = False
@@ -553,6 +562,11 @@ class KernelConfig:
         ):
             value = getattr(self, name)
             _check(value in allowed, f"{name} must be one of {allowed}, got {value!r}")
+        m = self.prefill_sdpa_min_tokens
+        _check(
+            isinstance(m, int) and m >= 1,
+            f"prefill_sdpa_min_tokens must be an int >= 1, got {m!r}",
+        )
         s = self.graph_max_kv_splits
         _check(
             isinstance(s, int) and s >= 1 and s & (s - 1) == 0,

@@ -38,6 +38,9 @@ def test_long_context_tiny_every_row(tmp_path: Path) -> None:
     for key in ("xlaserve_ttft_s", "sdpa_forward_s", "ratio_vs_sdpa"):
         assert _positive(p[key]), (key, p)
     assert isinstance(p["meets_goal"], bool)
+    on = p["prefill_sdpa_on"]  # the sdpa stage (on the CPU its engine keeps torch_batched)
+    for key in ("xlaserve_ttft_s", "ratio_vs_sdpa", "ttft_vs_default", "offline_vs_default"):
+        assert _positive(on[key]), (key, on)
     d = rows["decode30k"]
     assert _positive(d["decode_tokens_per_s"]) and _positive(d["fraction_of_roofline"])
     assert _positive(d["graph_max_kv_splits_32"]["decode_tokens_per_s"])
@@ -57,8 +60,9 @@ def test_long_context_tiny_every_row(tmp_path: Path) -> None:
     # fp8 codes take fewer bytes than the float cache: more blocks in the same budget.
     assert f["kv_blocks"]["ratio"] > 1.0
     k = data["stages"]["kernels"]
-    for key in ("triton_us", "triton_plain_us", "sdpa_us", "triton_vs_sdpa_time"):
+    for key in ("triton_us", "triton_plain_us", "sdpa_us", "triton_vs_sdpa_time", "paged_sdpa_us"):
         assert _positive(k["prefill"][key]), (key, k["prefill"])
+    assert k["prefill"]["paged_sdpa_max_abs_diff_vs_triton"] < 1e-4  # float32 on the CPU
     for ctx, row in k["decode"].items():
         for dtype in ("bf16", "fp8"):
             for s in (1, 2):

@@ -1,0 +1,161 @@
+"""Long prefill chunks through torch's fused SDPA (FlashAttention-2 on CUDA) over the paged cache.
+
+The unified Triton kernel (paged_attention.py) reads K / V through the block table tile by tile;
+on the H200 its causal prefill of a 30,000-token prompt ran at 352 TFLOP/s against 628 for
+torch SDPA's flash kernel on the same q / k / v (bench/RESULTS.md, tenth session): the prefill
+attention is most of the gap between a 30k-token TTFT and transformers' forward. For a chunk of
+at least `min_tokens` queries, gathering its context into contiguous K / V (one copy of
+2 * context * Hkv * D elements per layer, ~1% of the attention's time at 30k) costs little, so
+those sequences attend through SDPA: causal aligned to the bottom right (the chunk's queries are
+the last q_len positions of its context, which also covers a chunk over a cached prefix), GQA
+without repeating K / V (`enable_gqa`). The other sequences of the step (decodes, short chunks)
+keep the Triton kernel, packed into a launch of their own.
+
+Layouts as kernels_cuda.paged_attention: q [T, Hq, D]; caches [N, S, Hkv, D] (or int8 / fp8
+codes with float32 scales [N, S, Hkv], dequantized to q's dtype by the gather); query_start_loc
+[B + 1], seq_lens [B], block_tables [B, M] int32. Only for layers without a sliding window,
+soft-cap or attention chunk (the caller keeps the Triton kernel for those).
+
+No device->host synchronization: every size the split needs is a host int of the step's
+metadata. Never part of a CUDA graph (decode steps have one query per sequence).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from .kv_quant import dequantize_kv
+
+
+class HostBatch(Protocol):
+    """The step metadata the split reads (backends_torch's AttentionMetadata is one)."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+
+@dataclass(frozen=True)
+class RestBatch:
+    """The sequences left to the Triton kernel, packed (a `paged_attention.PagedBatch`).
+
+    rows: int64 [T_rest], the q rows of these sequences in the step's order; their queries are
+    q[rows], their outputs go back to out[rows]."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    rows: torch.Tensor
+    num_kv_splits: int | None = None
+
+
+@dataclass(frozen=True)
+class SdpaSplit:
+    """How one step's batch divides between SDPA and the Triton kernel (built once per step).
+
+    long: (sequence index b, first q row, end q row, context length) of each SDPA sequence.
+    rest: the other sequences, or None when every sequence is long.
+    num_tokens: query_start_loc[B]; rows of q at or past it are padding (zeros in the output).
+    """
+
+    long: tuple[tuple[int, int, int, int], ...]
+    rest: RestBatch | None
+    num_tokens: int
+
+
+def plan_sdpa_split(md: HostBatch, min_tokens: int) -> SdpaSplit | None:
+    """The split of `md`'s batch: sequences with >= min_tokens queries go to SDPA; None when
+    there are none (the whole batch stays one Triton launch)."""
+    qsl, seq = md.query_start_loc_host, md.seq_lens_host
+    long: list[tuple[int, int, int, int]] = []
+    rest: list[int] = []
+    for b, kv_len in enumerate(seq):
+        q0, q1 = qsl[b], qsl[b + 1]
+        if q1 - q0 >= min_tokens:
+            long.append((b, q0, q1, kv_len))
+        elif q1 > q0:
+            rest.append(b)
+    if not long:
+        return None
+    return SdpaSplit(tuple(long), _rest_batch(md, rest) if rest else None, qsl[len(seq)])
+
+
+def _rest_batch(md: HostBatch, keep: list[int]) -> RestBatch:
+    """The sequences `keep` of md as a batch of their own (one host->device copy each of the
+    index, the packed query_start_loc and the q rows)."""
+    qsl, seq = md.query_start_loc_host, md.seq_lens_host
+    dev = md.seq_lens.device
+    q_lens = [qsl[b + 1] - qsl[b] for b in keep]
+    sub_qsl = [0]
+    for n in q_lens:
+        sub_qsl.append(sub_qsl[-1] + n)
+    rows = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in keep])
+    idx = torch.tensor(keep, dtype=torch.long).to(dev, non_blocking=True)
+    return RestBatch(
+        query_start_loc=torch.tensor(sub_qsl, dtype=torch.int32).to(dev, non_blocking=True),
+        seq_lens=md.seq_lens.index_select(0, idx),
+        block_tables=md.block_tables.index_select(0, idx),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq[b] for b in keep),
+        rows=rows.to(dev, non_blocking=True),
+    )
+
+
+def gather_context(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_row: torch.Tensor,
+    kv_len: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One sequence's keys (or values) from the paged cache: [kv_len, Hkv, D] in `dtype`.
+
+    cache [N, S, Hkv, D]; scales [N, S, Hkv] float32 for a quantized cache (else None);
+    block_row: the sequence's row of the block table (>= cdiv(kv_len, S) entries)."""
+    _, page, hkv, d = cache.shape
+    blocks = block_row[: math.ceil(kv_len / page)].long()
+    x = cache[blocks].reshape(-1, hkv, d)[:kv_len]
+    if scales is None:
+        return x if x.dtype == dtype else x.to(dtype)
+    return dequantize_kv(x, scales[blocks].reshape(-1, hkv)[:kv_len]).to(dtype)
+
+
+def sdpa_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    long: tuple[tuple[int, int, int, int], ...],
+    sm_scale: float,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Attention of each `long` sequence (SdpaSplit.long) into its rows of `out` [T, Hq, D]:
+    the chunk's q_len queries are the last positions of its kv_len-token context, causal."""
+    for b, q0, q1, kv_len in long:
+        k = gather_context(k_cache, k_scale, block_tables[b], kv_len, q.dtype)
+        v = gather_context(v_cache, v_scale, block_tables[b], kv_len, q.dtype)
+        # [L, H, D] -> [1, H, L, D] views: the memory stays [L, H, D], the layout flash reads.
+        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k, v))
+        q_len = q1 - q0
+        if q_len == kv_len:  # the whole context is new: plain causal
+            o = F.scaled_dot_product_attention(
+                qb, kb, vb, is_causal=True, scale=sm_scale, enable_gqa=True
+            )
+        else:  # a chunk over a cached prefix: causal aligned to the last key
+            o = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=causal_lower_right(q_len, kv_len), scale=sm_scale,
+                enable_gqa=True,
+            )  # fmt: skip
+        out[q0:q1] = o[0].transpose(0, 1)

@@ -1,0 +1,173 @@
+"""Long prefill chunks through torch SDPA over the paged cache (kernels_cuda/prefill_sdpa.py),
+the rest of the step through the Triton kernel (interpreted on the CPU), against the float32
+reference `unified_attention_ref`; the exact split of a mixed batch; the switch's gating."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from xlaserve.backends_torch.attention_triton import TritonAttention
+from xlaserve.config import KernelConfig
+from xlaserve.kernels_cuda.kv_quant import quantize_kv
+from xlaserve.kernels_cuda.paged_attention import unified_attention_ref
+from xlaserve.kernels_cuda.prefill_sdpa import plan_sdpa_split
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ON = KernelConfig(prefill_sdpa="on", prefill_sdpa_min_tokens=16, pdl=False)
+
+
+def _step(
+    q_lens: list[int],
+    seq_lens: list[int],
+    hq: int = 4,
+    hkv: int = 2,
+    d: int = 32,
+    page: int = 8,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    extra_rows: int = 0,
+    seed: int = 0,
+) -> tuple[dict, object]:
+    """Random caches with shuffled pages and the step's metadata (TritonAttention's struct)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(q_lens)
+    max_blocks = max(math.ceil(s / page) for s in seq_lens)
+    num_blocks = b * max_blocks + 2
+    perm = torch.randperm(num_blocks, generator=g)[: b * max_blocks]
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    t = qsl[-1] + extra_rows
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    md = TritonAttention().build_metadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=perm.reshape(b, max_blocks).to(torch.int32).to(device),
+        slot_mapping=torch.zeros(t, dtype=torch.int64, device=device),  # unused by forward
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_host=qsl,
+        seq_lens_host=seq_lens,
+    )
+    tensors = dict(
+        q=rnd(t, hq, d),
+        k_cache=rnd(num_blocks, page, hkv, d),
+        v_cache=rnd(num_blocks, page, hkv, d),
+    )
+    return tensors, md
+
+
+def _ref(x: dict, md, scale: float, **kw) -> torch.Tensor:
+    return unified_attention_ref(
+        x["q"], x["k_cache"], x["v_cache"], None, md.query_start_loc, md.seq_lens,
+        md.block_tables, md.max_query_len, md.max_seq_len, scale, **kw,
+    )  # fmt: skip
+
+
+def test_plan_splits_a_mixed_batch_exactly() -> None:
+    # decode, fresh 20-token prompt, empty row, 5-token chunk, 16-token chunk over a 30-token prefix
+    x, md = _step([1, 20, 0, 5, 16], [40, 20, 3, 12, 46], extra_rows=3)
+    split = plan_sdpa_split(md, 16)
+    assert split.long == ((1, 1, 21, 20), (4, 26, 42, 46))
+    assert split.num_tokens == 42
+    rest = split.rest
+    assert rest.rows.tolist() == [0, 21, 22, 23, 24, 25]
+    assert rest.query_start_loc.tolist() == [0, 1, 6]
+    assert rest.seq_lens.tolist() == [40, 12]
+    assert torch.equal(rest.block_tables, md.block_tables[[0, 3]])
+    assert (rest.max_query_len, rest.max_seq_len) == (5, 40)
+    assert plan_sdpa_split(md, 21) is None  # no chunk that long: one Triton launch
+    only_long = plan_sdpa_split(_step([20, 17], [20, 30])[1], 16)
+    assert only_long.rest is None and len(only_long.long) == 2
+
+
+@pytest.mark.parametrize(
+    "q_lens,seq_lens",
+    [
+        ([1, 20, 5, 16, 1], [40, 20, 12, 46, 7]),  # mixed: decodes, short and long chunks
+        ([33], [33]),  # one fresh prompt, nothing else
+        ([24, 18], [61, 18]),  # every sequence long, one over a cached prefix
+    ],
+)
+def test_sdpa_split_matches_reference(q_lens: list[int], seq_lens: list[int]) -> None:
+    x, md = _step(q_lens, seq_lens, extra_rows=2, seed=len(q_lens))
+    be = TritonAttention()
+    be.kernels = ON
+    out = be.forward(x["q"], x["k_cache"], x["v_cache"], md, 0.2)
+    assert ("prefill_sdpa", 16) in md.derived  # the SDPA path ran
+    torch.testing.assert_close(out, _ref(x, md, 0.2), atol=2e-5, rtol=1e-5)
+    assert not out[sum(q_lens) :].any()  # padding rows are zeros
+
+
+def test_quantized_cache_dequantized_by_the_gather() -> None:
+    x, md = _step([1, 20, 3], [30, 26, 9], seed=5)
+    scales = {}
+    for name in ("k_cache", "v_cache"):
+        codes, s = quantize_kv(x[name], torch.int8)
+        x[name], scales[name] = codes, s
+    be = TritonAttention()
+    be.kernels = ON
+    out = be.forward(
+        x["q"], x["k_cache"], x["v_cache"], md, 0.2,
+        k_scale=scales["k_cache"], v_scale=scales["v_cache"],
+    )  # fmt: skip
+    ref = unified_attention_ref(
+        x["q"], x["k_cache"], x["v_cache"], None, md.query_start_loc, md.seq_lens,
+        md.block_tables, md.max_query_len, md.max_seq_len, 0.2,
+        k_scale=scales["k_cache"], v_scale=scales["v_cache"],
+    )  # fmt: skip
+    assert ("prefill_sdpa", 16) in md.derived
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kernels,layer,takes_sdpa",
+    [
+        (ON, {}, True),
+        (KernelConfig(prefill_sdpa="off", prefill_sdpa_min_tokens=16), {}, False),
+        (KernelConfig(prefill_sdpa="auto", prefill_sdpa_min_tokens=16), {}, False),  # CPU
+        (ON, {"sliding_window": 6}, False),
+        (ON, {"logit_softcap": 5.0}, False),
+        (ON, {"chunk_size": 8}, False),
+    ],
+)
+def test_switch_and_layers_that_keep_triton(kernels, layer: dict, takes_sdpa: bool) -> None:
+    x, md = _step([1, 20], [30, 20], seed=7)
+    be = TritonAttention()
+    be.kernels = kernels
+    out = be.forward(x["q"], x["k_cache"], x["v_cache"], md, 0.2, **layer)
+    assert (("prefill_sdpa", 16) in md.derived) == takes_sdpa
+    ref_kw = {"soft_cap" if k == "logit_softcap" else k: v for k, v in layer.items()}
+    torch.testing.assert_close(out, _ref(x, md, 0.2, **ref_kw), atol=2e-5, rtol=1e-5)
+
+
+def test_min_tokens_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="prefill_sdpa_min_tokens"):
+        KernelConfig(prefill_sdpa_min_tokens=0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_real_shapes_flash(dtype: torch.dtype) -> None:
+    """32 q / 8 kv heads, D=128, 16-token pages: a fresh 3k prompt, a 2k chunk over a 3k prefix
+    and decodes, on the flash kernel (GQA without repeating K / V, bottom-right causal)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    x, md = _step([3000, 1, 2048, 1], [3000, 4000, 5048, 77], 32, 8, 128, 16, dtype, "cuda")
+    be = TritonAttention()
+    be.kernels = KernelConfig(prefill_sdpa="on")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # fail rather than fall back to another kernel
+        out = be.forward(x["q"], x["k_cache"], x["v_cache"], md, 128**-0.5)
+    assert ("prefill_sdpa", 1024) in md.derived
+    torch.testing.assert_close(
+        out.float(), _ref(x, md, 128**-0.5).float(), atol=3e-2 if dtype == torch.bfloat16 else 4e-3,
+        rtol=2e-2 if dtype == torch.bfloat16 else 4e-3,
+    )  # fmt: skip
