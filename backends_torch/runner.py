@@ -748,4 +748,10 @@ class TorchModelRunner(RunnerCore):
         # Draft distributions: EAGLE's sampled drafts (others are one-hot).
         q = self.eagle.draft_probs(rids, dl) if self.eagle is not None and any(dl) else None
         states = [self.requests[rid] for rid in rids]
-        return sample_requests(self.sampler, logits, rids, states, dl, so.grammar_bitmask, q)
+        # `logits` are this step's own (compute_logits, or the gathered good rows), read
+        # no more after sampling: the sampler may mask them in place (inference mode: they
+        # are inference tensors).
+        with torch.inference_mode():
+            return sample_requests(
+                self.sampler, logits, rids, states, dl, so.grammar_bitmask, q, owned=True
+            )

@@ -193,3 +193,29 @@ def test_raw_logits_not_modified() -> None:
         x, [_row(temperature=0.7, top_k=3, repetition_penalty=1.3, logit_bias={1: 3.0}, output=[4])]
     )
     assert torch.equal(x, before)
+
+
+def test_owned_logits_masked_in_place_same_tokens() -> None:
+    """`owned=True` (the runner's own logits, dropped after sampling) applies the constraints
+    in place instead of on a copy: the same tokens and logprobs; without it the input stays."""
+    allowed = [3, 31, 32, 39]
+    words = np.zeros((V + 31) // 32, dtype=np.int64)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    mask = words.astype(np.uint32).view(np.int32)
+    rows = [
+        _row(temperature=0.0, bitmask=mask, logprobs=2),
+        _row(temperature=0.8, seed=3, bitmask=mask, logit_bias={5: 2.0}),
+    ]
+    x = _logits(2, seed=4)
+    before = x.clone()
+    copy = Sampler(seed=1)(x, rows)
+    assert torch.equal(x, before)
+    owned = Sampler(seed=1)(x, rows, owned=True)
+    assert owned.token_ids == copy.token_ids and set(owned.token_ids) <= set(allowed)
+    assert owned.logprobs[0] == copy.logprobs[0]  # from the raw logits, before the masking
+    assert not torch.equal(x, before)  # masked in place: no copy was made
+    # With a plain greedy row beside them the others are gathered (a copy) either way.
+    x = _logits(3, seed=5)
+    mixed = [*rows, _row(temperature=0.0)]
+    assert Sampler(seed=1)(x, mixed, owned=True).token_ids == Sampler(seed=1)(x, mixed).token_ids

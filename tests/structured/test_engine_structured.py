@@ -228,9 +228,12 @@ COMPILE_EVENTS = (
 
 def test_mixed_batches_compile_nothing_after_startup(llm: LLM) -> None:
     """Steps mixing constrained and plain rows, at every request bucket, greedy and sampled,
-    all-constrained and all-plain: on XLA they run the start-up programs only (the bitmask is a
-    fixed [B, W] input of the one sampler program per bucket: no lowering, no compilation).
-    On both backends the constrained outputs stay valid and the plain ones are unchanged."""
+    all-constrained and all-plain: on XLA no step waits for a compile (the bitmask is a fixed
+    [B, W] input of the start-up sampler program of each bucket). The only compiles are the
+    runner's background sampler specializations (each compiled the first time a bucket meets
+    a sampling mode, while the general program serves): every compile event is one of those,
+    whatever earlier tests ran on this module's engine. On both backends the constrained
+    outputs stay valid and the plain ones are unchanged."""
     is_xla = llm.llm_engine.backend == "xla"
     events: list[str] = []
 
@@ -242,7 +245,8 @@ def test_mixed_batches_compile_nothing_after_startup(llm: LLM) -> None:
         import jax
 
         runner = llm.llm_engine.runner
-        lazy = len(runner.lazy_compiles)
+        runner.join_sample_variants()
+        lazy, background = len(runner.lazy_compiles), len(runner.background_compiles)
         jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         plain = _greedy(10, ignore_eos=True)
@@ -266,9 +270,14 @@ def test_mixed_batches_compile_nothing_after_startup(llm: LLM) -> None:
                             assert c.token_ids == alone
                     else:
                         assert c.finish_reason == "stop" and c.text in CHOICES, c
+        if is_xla:
+            runner.join_sample_variants()
     finally:
         if is_xla:
             jax.monitoring.unregister_event_duration_listener(listener)
     if is_xla:
+        new_background = runner.background_compiles[background:]
+        # A lowering and a backend compile per background specialization, nothing else.
+        assert len(events) == 2 * len(new_background), (events, new_background)
+    if is_xla:
         assert runner.lazy_compiles[lazy:] == [], "a program was compiled while serving"
-        assert events == [], f"compiled while serving: {events}"
