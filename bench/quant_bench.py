@@ -60,6 +60,9 @@ ROWS: dict[str, dict[str, Any]] = {
     # quantization of down_proj's input fused into SiLU-and-mul.
     "fp8_fused": {"quantization": "fp8", "fuse_act_quant": True},
     "int8_w8a8_fused": {"quantization": "int8_w8a8", "fuse_act_quant": True},
+    # A/B of KernelConfig.int8_dequant_min_m (0 = never, the rows above): int8 weight-only
+    # steps of >= 2048 tokens (prefill) dequantize the weight and run cuBLAS.
+    "int8_dq2048": {"quantization": "int8", "int8_dequant_min_m": 2048},
 }
 DEFAULT_ROWS = "bf16,fp8,int8,int8_w8a8,fp8_kv"
 # (K, N) of the Llama-3.1-8B linears: qkv, gate_up, down, o.
