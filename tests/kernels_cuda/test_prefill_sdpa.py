@@ -4,10 +4,9 @@ reference `unified_attention_ref`; the exact split of a mixed batch; the switch'
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from test_paged_attention import _batch
 
 from xlaserve.backends_torch.attention_triton import TritonAttention
 from xlaserve.config import KernelConfig
@@ -32,36 +31,23 @@ def _step(
     extra_rows: int = 0,
     seed: int = 0,
 ) -> tuple[dict, object]:
-    """Random caches with shuffled pages and the step's metadata (TritonAttention's struct)."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(q_lens)
-    max_blocks = max(math.ceil(s / page) for s in seq_lens)
-    num_blocks = b * max_blocks + 2
-    perm = torch.randperm(num_blocks, generator=g)[: b * max_blocks]
+    """test_paged_attention's random ragged batch (shuffled pages) and the step's metadata as
+    TritonAttention builds it."""
+    x = _batch(q_lens, seq_lens, hq, hkv, d, page, dtype, torch.device(device), seed, extra_rows)
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
-    t = qsl[-1] + extra_rows
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype).to(device)
-
     md = TritonAttention().build_metadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=perm.reshape(b, max_blocks).to(torch.int32).to(device),
-        slot_mapping=torch.zeros(t, dtype=torch.int64, device=device),  # unused by forward
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
+        query_start_loc=x["query_start_loc"],
+        seq_lens=x["seq_lens"],
+        block_tables=x["block_tables"],
+        slot_mapping=torch.zeros(x["q"].shape[0], dtype=torch.int64, device=device),  # unused
+        max_query_len=x["max_query_len"],
+        max_seq_len=x["max_seq_len"],
         query_start_loc_host=qsl,
         seq_lens_host=seq_lens,
     )
-    tensors = dict(
-        q=rnd(t, hq, d),
-        k_cache=rnd(num_blocks, page, hkv, d),
-        v_cache=rnd(num_blocks, page, hkv, d),
-    )
-    return tensors, md
+    return x, md
 
 
 def _ref(x: dict, md, scale: float, **kw) -> torch.Tensor:
