@@ -42,8 +42,11 @@ Block sizes are data: `TUNED_GPU_BLOCK_SIZES[(head_dim, page_size, dtype)]` hold
 prefill `GpuBlockSizes`; the wrapper picks "decode" when T <= B (every padded token could be
 one sequence's decode), else "prefill" (only a performance choice: both are exact).
 
-Triton rules: every block dimension must be a power of two, so head_dim, page size, P, BQ and Gp
-are; the dots need M, N, K >= 16 (R >= 16, BK >= 16, D >= 16).
+Triton rules: every block dimension must be a power of two, so page size, P, BQ and Gp are; the
+dots need M, N, K >= 16 (R >= 16, BK >= 16, D >= 16). Any head_dim up to 256 runs: q and the
+output are padded to `padded_head_dim` columns (q with zeros) and the cache's rows are read with
+the padding columns' addresses clamped into the row (Phi's 80 / 96, StableLM's 80 heads), so the
+cache keeps its own layout.
 
 Quantized caches (int8 / fp8 codes + scales) are NOT handled by this kernel: the public wrapper
 falls back to the jnp reference for them (see `ragged_paged_attention`).
@@ -77,6 +80,17 @@ _FEW_PROGRAMS = 264
 
 def _is_pow2(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
+
+
+# Largest head_dim the kernel takes (its padded [rows, D] tiles must fit the SM's registers
+# and shared memory; 256 is Gemma's).
+MAX_HEAD_DIM = 256
+
+
+def padded_head_dim(d: int) -> int:
+    """The kernel's column count for head_dim d: a power of 2 >= 16 (Triton's block and dot
+    rules); d itself when it already is one (no padding, no column mask)."""
+    return max(16, _next_pow2(d))
 
 
 def _next_pow2(x: int) -> int:
@@ -196,10 +210,10 @@ def check_gpu_kernel_inputs(q: jax.Array, k_cache: jax.Array) -> None:
         )
     d = q.shape[-1]
     s = k_cache.shape[1]
-    if not _is_pow2(d) or d < 16:
+    if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(
-            f"pallas_gpu needs head_dim a power of 2 >= 16 (Triton block rule), got {d}; "
-            'use impl="reference"'
+            f"pallas_gpu takes head_dim 1-{MAX_HEAD_DIM} (padded to a power of 2 >= 16 inside), "
+            f'got {d}; use impl="reference"'
         )
     if not _is_pow2(s):
         raise ValueError(
@@ -233,11 +247,12 @@ def _rpa_gpu_kernel(
     num_kv_heads: int,
     num_pages: int,
     kv_splits: int,
+    head_dim: int,
 ) -> None:
     tile = pl.program_id(0)
     h = pl.program_id(1)
     split = pl.program_id(2) if kv_splits > 1 else 0
-    _, _, gp, d = q_ref.shape
+    _, _, gp, d = q_ref.shape  # d: head_dim padded to a power of 2 (q's zero columns)
     s = page_size
     p = pages_per_block
     bk = p * s
@@ -270,6 +285,11 @@ def _rpa_gpu_kernel(
         key_iota = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         slot_iota = lax.broadcasted_iota(jnp.int32, (p, s), 1)
         col_iota = lax.broadcasted_iota(jnp.int32, (1, d), 1)
+        # A head_dim that is not a power of 2 is read as d columns whose padding addresses are
+        # clamped to the row's last column (in bounds, no mask: the interior loads stay plain).
+        # q's padding columns are zeros, so q . k is that of the real columns; the output's
+        # padding columns (copies of the last V column) are sliced off by the wrapper.
+        cols = jnp.minimum(col_iota, head_dim - 1) if d != head_dim else col_iota
 
         def body(blk, carry, masked: bool):  # noqa: ANN001, ANN202
             acc, m_prev, l_prev = carry
@@ -284,8 +304,8 @@ def _rpa_gpu_kernel(
             kv_mask = None
             if masked:  # interior steps lie inside kv_len: plain (vectorizable) loads
                 kv_mask = jnp.broadcast_to(kpos.reshape(bk, 1) < kv_len, (bk, d))
-            k = compat.gpu_load(k_ref.at[rows_kv, col_iota], mask=kv_mask, other=0)  # [BK, D]
-            v = compat.gpu_load(v_ref.at[rows_kv, col_iota], mask=kv_mask, other=0)
+            k = compat.gpu_load(k_ref.at[rows_kv, cols], mask=kv_mask, other=0)  # [BK, D]
+            v = compat.gpu_load(v_ref.at[rows_kv, cols], mask=kv_mask, other=0)
             logits = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )  # [R, BK]
@@ -442,12 +462,15 @@ def ragged_paged_attention_gpu(
     b, m = block_tables.shape
     g = hq // hkv
     gp = _next_pow2(g)
-    bs, bq, p, num_tiles, splits = resolve_gpu_block_sizes(t, b, hkv, g, d, s, q.dtype, block_sizes)
+    dp = padded_head_dim(d)  # Triton blocks are powers of 2: q and out carry zero columns
+    bs, bq, p, num_tiles, splits = resolve_gpu_block_sizes(
+        t, b, hkv, g, dp, s, q.dtype, block_sizes
+    )
 
     tile_seq, tile_off = _tile_map(cu_q_lens, num_seqs, bq, num_tiles)
-    # q as [T + BQ, Hkv, Gp, D]: a tile's [BQ, Gp, D] block load never leaves the array.
+    # q as [T + BQ, Hkv, Gp, Dp]: a tile's [BQ, Gp, Dp] block load never leaves the array.
     q4 = q.reshape(t, hkv, g, d)
-    q4 = jnp.pad(q4, ((0, bq), (0, 0), (0, gp - g), (0, 0)))
+    q4 = jnp.pad(q4, ((0, bq), (0, 0), (0, gp - g), (0, dp - d)))
     m_pad = -(-m // p) * p
     bt = block_tables if m_pad == m else jnp.pad(block_tables, ((0, 0), (0, m_pad - m)))
 
@@ -463,15 +486,16 @@ def ragged_paged_attention_gpu(
         num_kv_heads=hkv,
         num_pages=n,
         kv_splits=splits,
+        head_dim=d,
     )
     t_rows = t + bq
     if splits == 1:
         grid: tuple[int, ...] = (num_tiles, hkv)
-        out_shape: object = jax.ShapeDtypeStruct((t_rows, hkv, gp, d), q.dtype)
+        out_shape: object = jax.ShapeDtypeStruct((t_rows, hkv, gp, dp), q.dtype)
     else:
         grid = (num_tiles, hkv, splits)
         out_shape = [
-            jax.ShapeDtypeStruct((splits, t_rows, hkv, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((splits, t_rows, hkv, gp, dp), jnp.float32),
             jax.ShapeDtypeStruct((splits, t_rows, hkv, gp), jnp.float32),
             jax.ShapeDtypeStruct((splits, t_rows, hkv, gp), jnp.float32),
         ]
@@ -499,7 +523,7 @@ def ragged_paged_attention_gpu(
         o_sum = jnp.sum(w[..., None] * o_part, axis=0)
         out = jnp.where(l_sum[..., None] > 0, o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None],
                         0.0)  # fmt: skip
-    out = out[:t, :, :g, :].reshape(t, hq, d)
+    out = out[:t, :, :g, :d].reshape(t, hq, d)
     # Rows no tile owns (padding tokens) were never written: zero them.
     nseq = jnp.clip(num_seqs[0], 0, b)
     tok = jnp.arange(t)

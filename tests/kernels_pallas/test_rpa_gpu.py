@@ -134,6 +134,11 @@ CONFIGS = [
     # Split KV (flash decoding): 4 chunks, some empty for short contexts; then with a window.
     (16, 4, 2, 64, jnp.float32, GpuBlockSizes(16, 1, kv_splits=4, force_splits=True), None, None),
     (8, 4, 1, 64, jnp.bfloat16, GpuBlockSizes(16, 2, kv_splits=2, force_splits=True), 19, 30.0),
+    # head_dim not a power of 2 (Phi's 80; 48), read through the column mask: plain, with a
+    # window + cap, and with split KV.
+    (16, 4, 2, 80, jnp.float32, None, None, None),
+    (8, 4, 2, 48, jnp.bfloat16, GpuBlockSizes(16, 2), 19, 30.0),
+    (16, 4, 1, 80, jnp.float32, GpuBlockSizes(16, 1, kv_splits=4, force_splits=True), None, None),
 ]
 
 
@@ -202,18 +207,19 @@ def test_num_seqs_below_batch_ignores_later_sequences() -> None:
 
 
 @pytest.mark.parametrize(
-    "hq,block_sizes,kw",
+    "hq,d,block_sizes,kw",
     [
-        (32, None, dict(sliding_window=7, soft_cap=30.0)),  # Llama-like GQA 4, prefill tiles
-        (24, GpuBlockSizes(16, 8, kv_splits=4, force_splits=True), {}),  # G 3 + split KV
-        (40, None, dict(chunk_size=8)),  # Llama 4 Scout heads, chunked attention
+        (32, 128, None, dict(sliding_window=7, soft_cap=30.0)),  # Llama-like GQA 4, prefill
+        (24, 128, GpuBlockSizes(16, 8, kv_splits=4, force_splits=True), {}),  # G 3 + split KV
+        (40, 128, None, dict(chunk_size=8)),  # Llama 4 Scout heads, chunked attention
+        (32, 96, None, {}),  # Phi-3 heads: 96 columns read as 128 (clamped addresses)
     ],
-    ids=["gqa4-window-cap", "g3-split", "g5-chunk"],
+    ids=["gqa4-window-cap", "g3-split", "g5-chunk", "d96"],
 )
-def test_lowers_to_triton(hq, block_sizes, kw) -> None:  # noqa: ANN001
+def test_lowers_to_triton(hq, d, block_sizes, kw) -> None:  # noqa: ANN001
     export = import_or_skip("jax.export")
     case = make_case(
-        np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=hq, hkv=8, d=128,
+        np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=hq, hkv=8, d=d,
         dtype=jnp.bfloat16, batch=4, num_tokens=32,
     )  # fmt: skip
 
@@ -247,16 +253,18 @@ def _triton_ir_text(fn, args: tuple) -> str:  # noqa: ANN001
         pytest.skip(f"cannot extract the Triton IR with jax {jax.__version__}: {e!r}")
 
 
-def test_compiles_to_ptx_with_triton(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """The Llama-shaped prefill tile through pip Triton (the torch backend's) down to sm_90
-    PTX/cubin: catches Triton shape/layout failures without a GPU. Skipped without Triton or
-    when its MLIR cannot read JAX's Triton dialect (version drift); a compile error fails."""
+@pytest.mark.parametrize("d", [128, 96])
+def test_compiles_to_ptx_with_triton(d, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The Llama-shaped prefill tile (and Phi-3's 96-column heads, read as 128) through pip
+    Triton (the torch backend's) down to sm_90 PTX/cubin: catches Triton shape/layout failures
+    without a GPU. Skipped without Triton or when its MLIR cannot read JAX's Triton dialect
+    (version drift); a compile error fails."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
     triton = import_or_skip("triton")
     from triton.backends.compiler import GPUTarget
 
     case = make_case(
-        np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=32, hkv=8, d=128,
+        np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=32, hkv=8, d=d,
         dtype=jnp.bfloat16, batch=4, num_tokens=32,
     )  # fmt: skip
     text = _triton_ir_text(
@@ -298,7 +306,8 @@ def test_auto_is_reference_on_cpu_and_pallas_gpu_is_one_kernel() -> None:
 
 def test_auto_on_a_gpu_backend_picks_the_kernel_only_where_it_applies(monkeypatch) -> None:
     """impl="auto" on a GPU backend is GPU_AUTO_IMPL (the kernel), except for shapes the kernel
-    does not take (head_dim 48: not a power of 2), which run the reference instead of failing."""
+    does not take (page size 12: not a power of 2), which run the reference instead of failing;
+    a head_dim that is not a power of 2 (48) takes the kernel."""
     import importlib
 
     # (the package re-exports the function under the module's name)
@@ -307,13 +316,15 @@ def test_auto_on_a_gpu_backend_picks_the_kernel_only_where_it_applies(monkeypatc
     monkeypatch.setattr(rpa_mod, "GPU_AUTO_IMPL", "pallas_gpu")
     monkeypatch.setattr(rpa_mod.jax, "default_backend", lambda: "gpu")
 
-    def jaxpr(d: int) -> str:
-        case = make_case(np.random.default_rng(d), [1, 3], [7, 3], page_size=8, hq=2, hkv=1, d=d)
+    def jaxpr(d: int, page_size: int = 8) -> str:
+        rng = np.random.default_rng(d)
+        case = make_case(rng, [1, 3], [7, 3], page_size=page_size, hq=2, hkv=1, d=d)
         fn = lambda *a: ragged_paged_attention(*a, sm_scale=0.25, impl="auto")  # noqa: E731
         return str(jax.make_jaxpr(fn)(*case.args()))
 
-    assert "pallas_call" not in jaxpr(48)
+    assert "pallas_call" not in jaxpr(32, page_size=12)
     assert jaxpr(32).count("pallas_call[") == 1
+    assert jaxpr(48).count("pallas_call[") == 1
 
 
 def test_quantized_cache_falls_back_to_reference() -> None:
@@ -338,7 +349,7 @@ def test_quantized_cache_falls_back_to_reference() -> None:
 @pytest.mark.parametrize(
     "d,page_size,dtype,block_sizes,match",
     [
-        (48, 8, jnp.float32, None, "head_dim a power of 2"),
+        (320, 8, jnp.float32, None, "head_dim 1-256"),
         (64, 12, jnp.float32, None, "power-of-2 page size"),
         (64, 8, jnp.int32, None, "floating point"),
         (64, 8, jnp.float32, BlockSizes(2, 8), "takes GpuBlockSizes"),
