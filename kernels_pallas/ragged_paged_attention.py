@@ -983,11 +983,10 @@ def _pallas_gpu_impl(
     block_sizes: BlockSizes | GpuBlockSizes | None,
     chunk_size: int | None = None,
 ) -> jax.Array:
-    del k_scale, v_scale  # float caches only (quantized_cache=False)
     return ragged_paged_attention_gpu(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        block_sizes=block_sizes, chunk_size=chunk_size,
+        block_sizes=block_sizes, chunk_size=chunk_size, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -1000,8 +999,7 @@ RPA_IMPLS: dict[str, RpaImpl] = {
         "chunked_xla", _jnp_impl(chunked_ragged_paged_attention), True, None, chunked=True
     ),
     "pallas_tpu": RpaImpl("pallas_tpu", _pallas_tpu_attention, True, BlockSizes, chunked=True),
-    # The GPU kernel has no in-kernel dequantization: quantized caches take the reference.
-    "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, False, GpuBlockSizes, chunked=True),
+    "pallas_gpu": RpaImpl("pallas_gpu", _pallas_gpu_impl, True, GpuBlockSizes, chunked=True),
 }
 
 
@@ -1021,7 +1019,7 @@ def _resolve_impl(impl: str, q: jax.Array, k_cache: jax.Array) -> str:
         return "pallas_tpu"
     if jax.default_backend() == "gpu":
         if GPU_AUTO_IMPL == "pallas_gpu" and not gpu_kernel_supports(q, k_cache):
-            return "chunked_xla"  # e.g. head_dim 48 or a quantized cache: jnp takes all
+            return "chunked_xla"  # e.g. a page size of 12: jnp takes all
         return GPU_AUTO_IMPL
     return "chunked_xla"
 
@@ -1063,7 +1061,6 @@ def ragged_paged_attention(
     impl: "reference" | "chunked_xla" | "pallas_tpu" | "pallas_gpu" | "auto" (pallas_tpu on a TPU
     backend or under forced TPU interpret mode, GPU_AUTO_IMPL on a GPU backend where its kernel
     takes the shape, else chunked_xla).
-    "pallas_gpu" does not handle quantized caches: with k_scale/v_scale it runs the reference.
     block_sizes: override the tuning table (kernels only; BlockSizes for pallas_tpu,
     GpuBlockSizes for pallas_gpu).
     Quantized cache (xlaserve.quantization.kv_quant): k_cache/v_cache int8 or float8_e4m3fn

@@ -48,8 +48,10 @@ output are padded to `padded_head_dim` columns (q with zeros) and the cache's ro
 the padding columns' addresses clamped into the row (Phi's 80 / 96, StableLM's 80 heads), so the
 cache keeps its own layout.
 
-Quantized caches (int8 / fp8 codes + scales) are NOT handled by this kernel: the public wrapper
-falls back to the jnp reference for them (see `ragged_paged_attention`).
+Quantized caches (int8 / float8_e4m3fn codes + float32 scales [N, S, Hkv]): each K / V tile
+loads its BK scales with it and is dequantized in registers (codes -> f32 * scale -> q's dtype)
+right before the dots, as the TPU kernel does in VMEM: D + 4 bytes a token and head instead of
+2 * D.
 
 On CPU the same kernel runs under Pallas' interpreter (`interpret=True`, the default whenever
 JAX's backend is not a GPU) so the tests check the kernel body itself.
@@ -73,6 +75,8 @@ from xlaserve.kernels_pallas import compat
 MASK_VALUE: float = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E: float = math.log2(math.e)
 GPU_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Quantized cache codes the kernel dequantizes (kv_cache_dtype "int8" / "fp8").
+QUANT_CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 # Below this many (tile, head) programs the grid cannot fill an H200 (132 SMs, ~2 programs per
 # SM resident): split the KV range of each tile (when the block sizes allow splits).
 _FEW_PROGRAMS = 264
@@ -192,21 +196,26 @@ def get_gpu_tuning(head_dim: int, page_size: int, dtype: jnp.dtype) -> GpuTuning
 
 def gpu_kernel_supports(q: jax.Array, k_cache: jax.Array) -> bool:
     """Whether the kernel takes these shapes / dtypes (what impl="auto" asks before picking it;
-    an explicit impl="pallas_gpu" raises the reason instead, see check_gpu_kernel_inputs)."""
+    an explicit impl="pallas_gpu" raises the reason instead, see check_gpu_kernel_inputs). A
+    cache of int8 / float8_e4m3fn codes is a quantized one (its scales come with the call)."""
+    quantized = jnp.dtype(k_cache.dtype) in QUANT_CODE_DTYPES
     try:
-        check_gpu_kernel_inputs(q, k_cache)
+        check_gpu_kernel_inputs(q, k_cache, quantized=quantized)
     except ValueError:
         return False
     return True
 
 
-def check_gpu_kernel_inputs(q: jax.Array, k_cache: jax.Array) -> None:
+def check_gpu_kernel_inputs(q: jax.Array, k_cache: jax.Array, quantized: bool = False) -> None:
     """Kernel-specific rules (the shared contract is checked by the public wrapper)."""
     if jnp.dtype(q.dtype) not in GPU_KERNEL_DTYPES:
         raise ValueError(f"pallas_gpu supports float32, bfloat16, float16 q; got {q.dtype}")
-    if k_cache.dtype != q.dtype:
+    if quantized and jnp.dtype(k_cache.dtype) not in QUANT_CODE_DTYPES:
+        raise ValueError(f"pallas_gpu reads int8 / float8_e4m3fn codes, got {k_cache.dtype}")
+    if not quantized and k_cache.dtype != q.dtype:
         raise ValueError(
-            f"pallas_gpu needs an unquantized cache of q's dtype ({q.dtype}), got {k_cache.dtype}"
+            f"pallas_gpu needs a cache of q's dtype ({q.dtype}) or int8 / fp8 codes with "
+            f"scales, got {k_cache.dtype}"
         )
     d = q.shape[-1]
     s = k_cache.shape[1]
@@ -236,7 +245,8 @@ def _rpa_gpu_kernel(
     q_ref,  # [T + BQ, Hkv, Gp, D]
     k_ref,  # [N * S * Hkv, D]: the cache viewed as one row per (page, slot, KV head)
     v_ref,  # [N * S * Hkv, D]
-    *out_refs,  # split == 1: o [T + BQ, Hkv, Gp, D] (q dtype); else o, m, l per split (f32)
+    *refs,  # quantized: ks, vs [N * S * Hkv] f32 first; then the outputs: split == 1: o
+    # [T + BQ, Hkv, Gp, D] (q dtype); else o, m, l per split (f32)
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -248,7 +258,12 @@ def _rpa_gpu_kernel(
     num_pages: int,
     kv_splits: int,
     head_dim: int,
+    quantized: bool = False,
 ) -> None:
+    ks_ref = vs_ref = None
+    out_refs = refs
+    if quantized:
+        ks_ref, vs_ref, *out_refs = refs
     tile = pl.program_id(0)
     h = pl.program_id(1)
     split = pl.program_id(2) if kv_splits > 1 else 0
@@ -290,6 +305,9 @@ def _rpa_gpu_kernel(
         # q's padding columns are zeros, so q . k is that of the real columns; the output's
         # padding columns (copies of the last V column) are sliced off by the wrapper.
         cols = jnp.minimum(col_iota, head_dim - 1) if d != head_dim else col_iota
+        # The masked loads' fill value: a float for fp8 codes (JAX's Triton lowering casts no
+        # integer to float8), 0 otherwise.
+        zero = 0.0 if k_ref.dtype == jnp.float8_e4m3fn else 0
 
         def body(blk, carry, masked: bool):  # noqa: ANN001, ANN202
             acc, m_prev, l_prev = carry
@@ -304,8 +322,15 @@ def _rpa_gpu_kernel(
             kv_mask = None
             if masked:  # interior steps lie inside kv_len: plain (vectorizable) loads
                 kv_mask = jnp.broadcast_to(kpos.reshape(bk, 1) < kv_len, (bk, d))
-            k = compat.gpu_load(k_ref.at[rows_kv, cols], mask=kv_mask, other=0)  # [BK, D]
-            v = compat.gpu_load(v_ref.at[rows_kv, cols], mask=kv_mask, other=0)
+            k = compat.gpu_load(k_ref.at[rows_kv, cols], mask=kv_mask, other=zero)  # [BK, D]
+            v = compat.gpu_load(v_ref.at[rows_kv, cols], mask=kv_mask, other=zero)
+            if quantized:  # codes -> f32 * per-(token, head) scale -> q's dtype, in registers
+                sc_mask = None if kv_mask is None else kpos.reshape(bk, 1) < kv_len
+                col0 = jnp.zeros((1, 1), jnp.int32)  # scales [N * S * Hkv, 1]: one column
+                ksc = compat.gpu_load(ks_ref.at[rows_kv, col0], mask=sc_mask, other=0)  # [BK, 1]
+                vsc = compat.gpu_load(vs_ref.at[rows_kv, col0], mask=sc_mask, other=0)
+                k = (k.astype(jnp.float32) * ksc).astype(q.dtype)
+                v = (v.astype(jnp.float32) * vsc).astype(q.dtype)
             logits = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )  # [R, BK]
@@ -447,14 +472,17 @@ def ragged_paged_attention_gpu(
     block_sizes: GpuBlockSizes | None = None,
     interpret: bool | None = None,
     chunk_size: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """The Pallas GPU (Triton) kernel; shapes and rules as in the module docstring.
 
     Expects inputs already checked against the shared contract (`ragged_paged_attention` does
     that); checks the kernel's own rules (dtypes, powers of two). interpret: None = run under
     Pallas' interpreter whenever JAX's default backend is not a GPU. Trace it under jit.
+    k_scale, v_scale: float32 [N, S, Hkv] when the caches hold int8 / float8_e4m3fn codes.
     """
-    check_gpu_kernel_inputs(q, k_cache)
+    check_gpu_kernel_inputs(q, k_cache, quantized=k_scale is not None)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     t, hq, d = q.shape
@@ -487,6 +515,7 @@ def ragged_paged_attention_gpu(
         num_pages=n,
         kv_splits=splits,
         head_dim=d,
+        quantized=k_scale is not None,
     )
     t_rows = t + bq
     if splits == 1:
@@ -509,6 +538,8 @@ def ragged_paged_attention_gpu(
     )(
         tile_seq, tile_off, kv_lens, bt, cu_q_lens, q4,
         k_cache.reshape(n * s * hkv, d), v_cache.reshape(n * s * hkv, d),
+        *(() if k_scale is None else (k_scale.reshape(n * s * hkv, 1).astype(jnp.float32),
+                                      v_scale.reshape(n * s * hkv, 1).astype(jnp.float32))),
     )  # fmt: skip
 
     if splits == 1:

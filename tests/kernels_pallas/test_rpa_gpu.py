@@ -286,6 +286,43 @@ def test_compiles_to_ptx_with_triton(d, tmp_path, monkeypatch) -> None:  # noqa:
     assert "wgmma" in kernel.asm["ptx"] or "mma" in kernel.asm["ptx"]
 
 
+@pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_cache_compiles_to_ptx_with_triton(code, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The quantized-cache kernel (codes + scale loads, dequantized in registers), Llama
+    shape, through pip Triton to sm_90 PTX (as above; skipped on version drift)."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    triton = import_or_skip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    case = make_case(
+        np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=32, hkv=8, d=128,
+        dtype=jnp.bfloat16, batch=4, num_tokens=32,
+    )  # fmt: skip
+    q, k, v, *meta = case.args()
+    scales = jnp.ones(k.shape[:3], jnp.float32)
+    args = (q, k.astype(code), v.astype(code), *meta, scales, scales)
+
+    def f(q, k, v, kv_lens, bt, cu, ns, ks, vs):  # noqa: ANN001, ANN202
+        return ragged_paged_attention_gpu(
+            q, k, v, kv_lens, bt, cu, ns, sm_scale=0.125, interpret=False, k_scale=ks, v_scale=vs
+        )
+
+    path = tmp_path / "rpa_q.ttir"
+    path.write_text(_triton_ir_text(f, args))
+    try:
+        from triton._C.libtriton import ir as triton_ir
+
+        ctx = triton_ir.context()
+        triton_ir.load_dialects(ctx)
+        triton_ir.parse_mlir_module(str(path), ctx)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"triton {triton.__version__} cannot parse JAX's Triton IR: {e}")
+    kernel = triton.compile(
+        str(path), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}
+    )
+    assert "mma" in kernel.asm["ptx"]
+
+
 # ------------------------------------------------------------------------------------------
 # Dispatch and errors
 # ------------------------------------------------------------------------------------------
@@ -327,23 +364,50 @@ def test_auto_on_a_gpu_backend_picks_the_kernel_only_where_it_applies(monkeypatc
     assert jaxpr(48).count("pallas_call[") == 1
 
 
-def test_quantized_cache_falls_back_to_reference() -> None:
-    """No in-kernel dequantization: pallas_gpu with k_scale/v_scale runs the reference."""
+@pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quantized_cache_dequantized_in_the_kernel(code, dtype) -> None:  # noqa: ANN001
+    """int8 / fp8 codes with per-(token, head) scales: the kernel dequantizes each tile in
+    registers and matches the reference (which dequantizes the gathered pages) on a mixed
+    batch (decodes, a fresh prompt, a chunk over a cached prefix, partial pages), GQA 2, with
+    split KV and without; unused slots hold codes whose scales are NaN, so reading past kv_len
+    fails the test."""
     rng = np.random.default_rng(8)
-    n, hkv, d = 4, 1, 16
-    k = jnp.zeros((n, S, hkv, d), jnp.int8)
-    ks = jnp.zeros((n, S, hkv), jnp.float32)
-    new = jnp.asarray(rng.normal(size=(2, 6, hkv, d)), jnp.float32)
-    k, v, ks, vs = write_kv_quant(k, k, ks, ks, new[0], new[1], jnp.arange(6, dtype=jnp.int32))
-    q = jnp.asarray(rng.normal(size=(4, 2, d)), jnp.float32)
-    meta = (jnp.asarray([6], jnp.int32), jnp.asarray([[0, 1]], jnp.int32),
-            jnp.asarray([0, 2], jnp.int32), jnp.asarray([1], jnp.int32))  # fmt: skip
+    q_lens, kv_lens = [1, 9, 1, 5], [23, 9, 40, 29]
+    n, s, hkv, hq, d = 24, 8, 2, 4, 48
+    k = np.zeros((n, s, hkv, d), np.float32)
+    v = np.zeros((n, s, hkv, d), np.float32)
+    ks = np.full((n, s, hkv), np.nan, np.float32)
+    vs = np.full((n, s, hkv), np.nan, np.float32)
+    k, v, ks, vs = (jnp.asarray(a) for a in (k, v, ks, vs))
+    k, v = k.astype(code), v.astype(code)
+    pages = rng.permutation(n)[: 4 * 6].reshape(4, 6).astype(np.int32)
+    slots = np.concatenate(
+        [pages[b][np.arange(kv) // s] * s + np.arange(kv) % s for b, kv in enumerate(kv_lens)]
+    ).astype(np.int32)
+    new = jnp.asarray(rng.normal(size=(2, len(slots), hkv, d)) * 2, jnp.float32)
+    k, v, ks, vs = write_kv_quant(k, v, ks, vs, new[0], new[1], jnp.asarray(slots))
+    t = sum(q_lens) + 3  # padding tokens
+    q = jnp.asarray(rng.normal(size=(t, hq, d)), dtype)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    meta = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray(pages), jnp.asarray(cu),
+            jnp.asarray([4], jnp.int32))  # fmt: skip
 
-    def run(impl: str) -> jax.Array:
-        return ragged_paged_attention(q, k, v, *meta, ks, vs, sm_scale=0.25, impl=impl)
+    def run(impl: str, bs: GpuBlockSizes | None = None) -> np.ndarray:
+        out = ragged_paged_attention(
+            q, k, v, *meta, ks, vs, sm_scale=0.2, impl=impl, block_sizes=bs
+        )
+        return np.asarray(out.astype(jnp.float32))
 
-    np.testing.assert_array_equal(np.asarray(run("pallas_gpu")), np.asarray(run("reference")))
-    assert "pallas_call" not in str(jax.make_jaxpr(lambda: run("pallas_gpu"))())
+    ref = run("reference")
+    atol, rtol = TOLERANCE[dtype]
+    split = GpuBlockSizes(16, 1, kv_splits=4, force_splits=True)
+    for bs in (None, split):
+        out = run("pallas_gpu", bs)
+        np.testing.assert_allclose(out, ref, atol=atol, rtol=rtol)
+        np.testing.assert_array_equal(out[sum(q_lens) :], 0.0)
+    fn = lambda *a: ragged_paged_attention(*a, ks, vs, sm_scale=0.2, impl="pallas_gpu")  # noqa: E731
+    assert str(jax.make_jaxpr(fn)(q, k, v, *meta)).count("pallas_call[") == 1  # no fallback
 
 
 @pytest.mark.parametrize(
