@@ -471,6 +471,13 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
         {"backend": "xla", "max_model_len": 2048, "xla_decode_gemv": "on"},
         "batch1+offline",
     ),
+    # xla_user with a quantized KV cache (the Pallas GPU attention dequantizing in registers):
+    # its offline row against xla_user's.
+    "xla_kv_fp8": ({"backend": "xla", "max_model_len": 2048, "kv_cache_dtype": "fp8"}, "offline"),
+    "xla_kv_int8": (
+        {"backend": "xla", "max_model_len": 2048, "kv_cache_dtype": "int8"},
+        "offline",
+    ),
     "sync": ({"async_scheduling": "off"}, "offline"),
     "async": ({"async_scheduling": "on"}, "offline"),
     "sync_b1": ({"async_scheduling": "off"}, "batch1"),
