@@ -269,8 +269,26 @@ class KVCacheManager:
 
         num_new_computed_tokens beyond the device hits (new_computed_blocks) are host/disk tier
         hits found by get_computed_blocks: they get new blocks and copy-ins this step."""
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid)
+        if req_blocks is not None and not new_computed_blocks and not num_new_computed_tokens:
+            # The steady decode step: a running request whose new tokens fit its blocks and
+            # complete no block (15 of 16 steps at 16-token pages) changes nothing. What the
+            # general path below would do in that case, minus its work (~256 calls a step).
+            total = request.num_computed_tokens + num_new_tokens
+            if (
+                total + num_lookahead_tokens <= len(req_blocks) * self.block_size
+                and (self.num_state_slots == 0 or rid in self.req_to_state_slot)
+                and (
+                    not self.enable_prefix_caching
+                    or min(total, request.num_tokens) // self.block_size
+                    <= self.num_cached_blocks.get(rid, 0)
+                )
+            ):
+                return []
         computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        if req_blocks is None:
+            req_blocks = []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total = num_computed + num_new_tokens + num_lookahead_tokens
         num_needed = -(-total // self.block_size) - len(req_blocks) - len(computed_blocks)
