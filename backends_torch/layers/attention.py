@@ -254,16 +254,18 @@ class TorchBatchedAttention(TorchRefAttention):
         q_lens = [qsl[b + 1] - qsl[b] for b in range(nb)]
         max_q, max_kv = max(q_lens), max(seq)
         # q_index[b, i] = flat query row of request b's i-th query (num_tokens = a zero pad row).
+        # Rows are laid out request after request, so the valid cells in row-major order are
+        # the rows qsl[0] .. qsl[B] - 1 (one assignment, no per-request loop).
         q_index = torch.full((nb, max_q), num_tokens, dtype=torch.long)
-        for b in range(nb):
-            q_index[b, : q_lens[b]] = torch.arange(qsl[b], qsl[b + 1])
+        ql = torch.tensor(q_lens)
+        q_index[torch.arange(max_q)[None, :] < ql[:, None]] = torch.arange(qsl[0], qsl[nb])
         nblk = math.ceil(max_kv / block_size)
         blocks = md.block_tables[:, :nblk].long().cpu()
         slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(nb, -1)[
             :, :max_kv
         ]
         seq_t = torch.tensor(seq)[:, None, None]
-        ql_t = torch.tensor(q_lens)[:, None, None]
+        ql_t = ql[:, None, None]
         qpos = seq_t - ql_t + torch.arange(max_q)[None, :, None]  # [B, Mq, 1] absolute positions
         kpos = torch.arange(max_kv)[None, None, :]  # [1, 1, Mkv]
         valid_q = q_index < num_tokens
