@@ -330,6 +330,12 @@ def _split(kw: dict[str, Any], stem: str = "bench") -> tuple[str | None, dict[st
     help="Skip the one-request warm-up before the timed run.",
 )
 @click.option("--disable-tqdm", is_flag=True, help="No progress bar during the timed run.")
+@click.option(
+    "--min-tokens",
+    is_flag=True,
+    help="Force the output length with min_tokens (EOS kept, masked every step) instead of "
+    "ignoring EOS.",
+)
 def throughput_cmd(**kw: Any) -> None:
     """Offline throughput of LLM.generate (requests/s, tokens/s in and out)."""
     from xlaserve.bench.offline import run_throughput

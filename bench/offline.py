@@ -41,9 +41,17 @@ def random_token_prompts(
     return [{"prompt_token_ids": [rng.choice(pool) for _ in range(length)]} for _ in range(num)]
 
 
-def _sampling(output_len: int, temperature: float, seed: int | None = None) -> Any:
+def _sampling(
+    output_len: int, temperature: float, seed: int | None = None, min_tokens: bool = False
+) -> Any:
+    """Every request generates exactly output_len tokens: EOS ignored, or (min_tokens) EOS
+    kept and masked by min_tokens = output_len, as a user's min_tokens masks it."""
     from xlaserve import SamplingParams
 
+    if min_tokens:
+        return SamplingParams(
+            max_tokens=output_len, min_tokens=output_len, temperature=temperature, seed=seed
+        )
     return SamplingParams(
         max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed
     )
@@ -78,11 +86,13 @@ def run_throughput(
     output_json: str | None = None,
     echo: Echo = print,
     use_tqdm: bool = False,
+    min_tokens: bool = False,
     **engine_kwargs: Any,
 ) -> dict[str, Any]:
     """Time one `LLM.generate` over `num_prompts` requests; tokens/s in, out and total.
     `use_tqdm`: LLM.generate's progress bar during the timed run (`bench throughput` shows it
-    unless --disable-tqdm)."""
+    unless --disable-tqdm). `min_tokens`: lengths forced by min_tokens (EOS masked every step)
+    instead of ignore_eos."""
     t0 = time.perf_counter()
     llm = make_llm(model, seed=seed, **engine_kwargs)
     load_s = time.perf_counter() - t0
@@ -90,13 +100,14 @@ def run_throughput(
     try:
         pool = _vocab_pool(llm)
         prompts = random_token_prompts(pool, num_prompts, input_len, seed)
-        params = _sampling(output_len, temperature, seed)
+        params = _sampling(output_len, temperature, seed, min_tokens)
         if warmup:
             # The timed run's batch shapes with other prompts (no prefix-cache hits), then what
             # they compiled in the background (the XLA sampler's specialization per request
             # bucket, inside the timed run otherwise): a steady-state figure.
             warm = random_token_prompts(pool, num_prompts, input_len, seed + 1)
-            llm.generate(warm, _sampling(min(output_len, 4), temperature), use_tqdm=False)
+            short = _sampling(min(output_len, 4), temperature, min_tokens=min_tokens)
+            llm.generate(warm, short, use_tqdm=False)
             wait_background_compiles(llm)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -112,6 +123,7 @@ def run_throughput(
         "num_prompts": num_prompts,
         "input_len": input_len,
         "output_len": output_len,
+        "min_tokens": min_tokens,
         "load_time_s": load_s,
         "elapsed_time": elapsed,
         "num_requests": len(outs),
