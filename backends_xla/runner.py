@@ -61,7 +61,7 @@ from xlaserve.backends_xla.programs import (
 )
 from xlaserve.backends_xla.sampler import (
     DENSE_FIELDS,
-    SMALL_FIELDS,
+    PARAM_ROWS,
     STEPS_ROW,
     SampleMode,
     SamplerOutput,
@@ -70,6 +70,7 @@ from xlaserve.backends_xla.sampler import (
     needs_extras,
     neutral_extras,
     pack_params,
+    packed_stops,
     param_words,
     sample_mode,
     sampling_host,
@@ -115,7 +116,9 @@ class _ReqState(ReqState):
     seed: int = 0  # uint32 sampling seed: the request's own or drawn once by the runner
     output_counts: np.ndarray | None = None  # i32 [V], kept only when penalties are on
     prompt_mask: np.ndarray | None = None  # bool [V], kept only when penalties are on
-    param_words: np.ndarray | None = None  # i32 [NS]: its packed sampler row (steps 0)
+    param_words: np.ndarray | None = None  # i32 [PARAM_ROWS]: its packed sampler row (steps 0)
+    # min_tokens' stop mask travels in param_words (sampler.stop_slots), not the dense bias.
+    packed_stops: bool = False
     lora_slot: int = -1  # NewRequestData.lora_slot: its LoRA table slot, -1 = base model
 
 
@@ -684,6 +687,7 @@ class XlaModelRunner(RunnerCore):
         r = _ReqState(list(nr.token_ids), nr.num_prompt_tokens, p, list(nr.block_ids),
                       nr.num_computed_tokens, seed=seed & 0xFFFFFFFF)  # fmt: skip
         r.param_words = param_words(p, r.seed)
+        r.packed_stops = packed_stops(p)
         if nr.lora_slot != -1:
             from xlaserve.backends_xla.lora import lora_slot_of
 
@@ -786,7 +790,7 @@ class XlaModelRunner(RunnerCore):
             pack_params(h, batch.sample_params)
             return self._dense_extras(h, b), mode
         # Fast path: each request's parameter words are packed once (`_new_state`).
-        grid = batch.sample_params[:-2].reshape(len(SMALL_FIELDS), -1)
+        grid = batch.sample_params[:-2].reshape(PARAM_ROWS, -1)
         live = [i for i, r in enumerate(rows) if r is not None]
         if live:
             grid[:, live] = np.stack([rows[i].param_words for i in live], axis=1)

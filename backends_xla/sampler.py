@@ -37,9 +37,14 @@ GREEDY_EPS = 1e-5  # temperature below this = greedy
 
 _FIELDS = [
     "temperature", "top_k", "top_p", "min_p", "seeds", "steps", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "bias", "bitmask", "output_counts", "prompt_mask",
-    "use_extras", "want_logprobs",
+    "frequency_penalty", "presence_penalty", "min_tokens", "stop_ids", "bias", "bitmask",
+    "output_counts", "prompt_mask", "use_extras", "want_logprobs",
 ]  # fmt: skip
+# min_tokens' stop-token mask travels as up to STOP_SLOTS token ids per row (-1 = none) in the
+# packed parameters and is applied by every sampler program: a request with min_tokens needs no
+# dense [B, V] bias (a [256, 128k] float32 upload a step) nor the "extras" specialization. A
+# request with more stop tokens than that takes the dense bias instead.
+STOP_SLOTS = 8
 
 
 class SampleMode(NamedTuple):
@@ -97,7 +102,10 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # f32 [B]; 1 = off
     frequency_penalty: jax.Array  # f32 [B]
     presence_penalty: jax.Array  # f32 [B]
-    bias: jax.Array  # f32 [B, V]: logit_bias, -inf for stop tokens under min_tokens
+    min_tokens: jax.Array  # i32 [B]: stop_ids are masked while steps < min_tokens
+    stop_ids: jax.Array  # i32 [B, STOP_SLOTS]: the row's stop tokens, -1 = none
+    bias: jax.Array  # f32 [B, V]: logit_bias; -inf for stop tokens under min_tokens when the
+    # request has more than STOP_SLOTS of them
     bitmask: jax.Array  # i32 [B, W]: structured-output allowed tokens (all bits 1 = any)
     output_counts: jax.Array  # i32 [B, V]: occurrences of each token in the output
     prompt_mask: jax.Array  # bool [B, V]: token occurs in the prompt
@@ -114,7 +122,8 @@ def host_tensors(b: int, vocab: int, extras: bool = True) -> dict[str, np.ndarra
         temperature=np.zeros(b, f32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, f32),
         min_p=np.zeros(b, f32), seeds=np.zeros(b, np.uint32), steps=np.zeros(b, np.int32),
         repetition_penalty=np.ones(b, f32), frequency_penalty=np.zeros(b, f32),
-        presence_penalty=np.zeros(b, f32), use_extras=np.asarray(False),
+        presence_penalty=np.zeros(b, f32), min_tokens=np.zeros(b, np.int32),
+        stop_ids=np.full((b, STOP_SLOTS), -1, np.int32), use_extras=np.asarray(False),
         want_logprobs=np.asarray(False),
     )  # fmt: skip
     if extras:
@@ -133,57 +142,93 @@ def neutral_extras(b: int, vocab: int) -> dict[str, np.ndarray]:
 
 
 # The per-row fields that travel packed (`pack_params`): one int32 word per row each (floats and
-# the uint32 seeds bit-cast), then the two flags. Dense [B, V] fields travel on their own.
+# the uint32 seeds bit-cast), then STOP_SLOTS words of stop ids, then the two flags. Dense [B, V]
+# fields travel on their own.
 SMALL_FIELDS: list[tuple[str, np.dtype]] = [
     ("temperature", np.dtype(np.float32)), ("top_k", np.dtype(np.int32)),
     ("top_p", np.dtype(np.float32)), ("min_p", np.dtype(np.float32)),
     ("seeds", np.dtype(np.uint32)), ("steps", np.dtype(np.int32)),
     ("repetition_penalty", np.dtype(np.float32)), ("frequency_penalty", np.dtype(np.float32)),
-    ("presence_penalty", np.dtype(np.float32)),
+    ("presence_penalty", np.dtype(np.float32)), ("min_tokens", np.dtype(np.int32)),
 ]  # fmt: skip
+PARAM_ROWS = len(SMALL_FIELDS) + STOP_SLOTS  # packed words per request row
 DENSE_FIELDS = ("bias", "bitmask", "output_counts", "prompt_mask")
 
 
 STEPS_ROW = [name for name, _ in SMALL_FIELDS].index("steps")
 
 
+def stop_slots(p: SamplingParams) -> np.ndarray | None:
+    """The request's stop ids for the packed min_tokens mask (i32 [STOP_SLOTS], -1 padded), or
+    None when min_tokens masks nothing or the ids do not fit (the dense bias masks them)."""
+    ids = sorted(p.all_stop_token_ids()) if p.min_tokens else []
+    if not ids or len(ids) > STOP_SLOTS:
+        return None
+    out = np.full(STOP_SLOTS, -1, np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
+def packed_stops(p: SamplingParams) -> bool:
+    """min_tokens' stop mask of this request travels packed (`stop_slots`), not in the bias."""
+    return stop_slots(p) is not None
+
+
 def param_words(p: SamplingParams, seed: int) -> np.ndarray:
-    """A request's packed sampler row (i32 [len(SMALL_FIELDS)], steps 0): computed once per
-    request so a step only stacks rows and writes the steps."""
+    """A request's packed sampler row (i32 [PARAM_ROWS], steps 0): computed once per request so
+    a step only stacks rows and writes the steps."""
+    stops = stop_slots(p)
     vals = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                 seeds=seed, steps=0, repetition_penalty=p.repetition_penalty,
-                frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty)  # fmt: skip
-    return np.array([np.asarray(vals[n], dt).view(np.int32) for n, dt in SMALL_FIELDS], np.int32)
+                frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                min_tokens=p.min_tokens if stops is not None else 0)  # fmt: skip
+    words = np.array([np.asarray(vals[n], dt).view(np.int32) for n, dt in SMALL_FIELDS], np.int32)
+    return np.concatenate(
+        [words, stops if stops is not None else np.full(STOP_SLOTS, -1, np.int32)]
+    )
 
 
 def sampler_words(r: int) -> int:
-    """int32 words of the packed parameters of up to r rows: [len(SMALL_FIELDS), r] + 2 flags."""
-    return len(SMALL_FIELDS) * r + 2
+    """int32 words of the packed parameters of up to r rows: [PARAM_ROWS, r] + 2 flags."""
+    return PARAM_ROWS * r + 2
 
 
 def pack_params(h: dict[str, np.ndarray], out: np.ndarray) -> None:
     """Write host fields (`host_tensors` / `sampling_host`, b <= r rows) into `out` (i32
-    [sampler_words(r)]): row k of the [NS, r] block = field k bit-cast to int32, rows past b
-    keep what `out` held; the last two words are use_extras and want_logprobs."""
-    r = (out.shape[0] - 2) // len(SMALL_FIELDS)
-    grid = out[:-2].reshape(len(SMALL_FIELDS), r)
+    [sampler_words(r)]): row k of the [PARAM_ROWS, r] block = field k bit-cast to int32, then
+    the STOP_SLOTS stop-id rows; rows past b keep what `out` held; the last two words are
+    use_extras and want_logprobs."""
+    r = (out.shape[0] - 2) // PARAM_ROWS
+    grid = out[:-2].reshape(PARAM_ROWS, r)
     for k, (name, dt) in enumerate(SMALL_FIELDS):
         col = np.asarray(h[name], dt)
         grid[k, : col.shape[0]] = col.view(np.int32)
+    stops = np.asarray(h["stop_ids"], np.int32)  # [b, STOP_SLOTS]
+    grid[len(SMALL_FIELDS) :, : stops.shape[0]] = stops.T
     out[-2], out[-1] = bool(h["use_extras"]), bool(h["want_logprobs"])
 
 
 def unpack_params(words: jax.Array, r: int, b: int, dense: dict[str, jax.Array]) -> SamplingTensors:
     """Inside a program: packed i32 [sampler_words(r)] (first b rows used) + the dense fields
     -> SamplingTensors of b rows."""
-    grid = words[:-2].reshape(len(SMALL_FIELDS), r)[:, :b]
+    grid = words[:-2].reshape(PARAM_ROWS, r)[:, :b]
     small = {
         name: grid[k] if dt == np.int32 else jax.lax.bitcast_convert_type(grid[k], dt)
         for k, (name, dt) in enumerate(SMALL_FIELDS)
     }
     return SamplingTensors(
-        **small, **dense, use_extras=words[-2] != 0, want_logprobs=words[-1] != 0
-    )
+        **small, stop_ids=grid[len(SMALL_FIELDS) :].T, **dense, use_extras=words[-2] != 0,
+        want_logprobs=words[-1] != 0,
+    )  # fmt: skip
+
+
+def mask_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """min_tokens: -inf at each row's stop ids while it has sampled fewer than min_tokens
+    tokens (t.steps); one [B, STOP_SLOTS] scatter, unused slots dropped."""
+    b, v = logits.shape
+    active = (t.steps < t.min_tokens)[:, None] & (t.stop_ids >= 0)
+    ids = jnp.where(active, t.stop_ids, v)  # v: out of range, dropped
+    return logits.at[jnp.arange(b)[:, None], ids].set(-jnp.inf, mode="drop")
 
 
 @functools.partial(
@@ -280,7 +325,7 @@ def sample(logits: jax.Array, t: SamplingTensors, mode: SampleMode | None = None
     raw = logits
     b, v = logits.shape
     use_extras = t.use_extras if mode is None else mode.extras
-    logits = _branch(use_extras, _apply_extras, lambda x, _: x, logits, t)
+    logits = _branch(use_extras, _apply_extras, lambda x, _: x, mask_stop_ids(logits, t), t)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     greedy = t.temperature < GREEDY_EPS
 
@@ -343,7 +388,7 @@ def verify(
     n, v = logits.shape
     b, k = drafts.shape
     k1 = k + 1
-    logits = jax.lax.cond(t.use_extras, _apply_extras, lambda x, _: x, logits, t)
+    logits = jax.lax.cond(t.use_extras, _apply_extras, lambda x, _: x, mask_stop_ids(logits, t), t)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(b, k1)
     greedy_row = t.temperature < GREEDY_EPS
     greedy_req = greedy_row.reshape(b, k1)[:, 0]
@@ -416,12 +461,15 @@ def sampling_host(
         h["repetition_penalty"][i] = p.repetition_penalty
         h["frequency_penalty"][i] = p.frequency_penalty
         h["presence_penalty"][i] = p.presence_penalty
+        stops = stop_slots(p)
+        if stops is not None:
+            h["min_tokens"][i], h["stop_ids"][i] = p.min_tokens, stops
         if not extras:
             continue
         for tok, val in (p.logit_bias or {}).items():
             if 0 <= tok < v:
                 h["bias"][i, tok] += val
-        if n_out < p.min_tokens:
+        if n_out < p.min_tokens and stops is None:  # more stop ids than the packed slots
             stop = [t for t in p.all_stop_token_ids() if 0 <= t < v]
             h["bias"][i, stop] = -np.inf
         if p.has_token_constraints:  # bad_words, allowed_token_ids (processors: torch only)
@@ -454,7 +502,7 @@ def sampling_host(
         if not any(
             r.params.logit_bias
             or r.params.has_token_constraints
-            or r.num_output + pos[i] < r.params.min_tokens
+            or (r.num_output + pos[i] < r.params.min_tokens and not packed_stops(r.params))
             for i, r in live
         ):
             del h["bias"]
@@ -471,7 +519,12 @@ def needs_extras(r: ReqState | None, rid: str, bitmasks: dict) -> bool:
         or p.has_token_constraints
         or p.needs_penalties
         or rid in bitmasks
-        or p.masks_stop_tokens(r.num_output)
+        # min_tokens: the packed stop ids mask it in every program (the runner's states cache
+        # `packed_stops`; other states ask the params)
+        or (
+            p.masks_stop_tokens(r.num_output)
+            and not (getattr(r, "packed_stops", False) or packed_stops(p))
+        )
     )
 
 

@@ -8,6 +8,7 @@ import pytest
 from tiny_models import hf_greedy, hf_logprobs  # tests/tiny_models.py
 from xla_helpers import drive, make_runner
 
+from xlaserve.runner import NewRequestData
 from xlaserve.sampling_params import SamplingParams
 
 LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -101,16 +102,27 @@ def test_min_tokens_logit_bias_and_seeds(llama) -> None:  # noqa: ANN001
     assert 0 not in got[3][:3] and got[3][3] == 0  # EOS blocked until min_tokens, then forced
 
 
-def test_min_tokens_alone_masks_stop_tokens(llama) -> None:  # noqa: ANN001
-    """min_tokens with no other extra (no bias, penalties, bitmask) still turns the sampler's
-    extras on: the greedy first token, made a stop token, is blocked until min_tokens."""
+@pytest.mark.parametrize("extra_stops", [0, 9], ids=["packed", "dense"])
+def test_min_tokens_alone_masks_stop_tokens(llama, extra_stops: int) -> None:  # noqa: ANN001
+    """min_tokens with no other extra (no bias, penalties, bitmask): the greedy first token,
+    made a stop token, is blocked until min_tokens. With up to STOP_SLOTS stop ids the mask
+    travels in the packed parameters (no dense [B, V] bias, no "extras" sampler); with more
+    (9 other ids here) the dense bias carries it."""
+    from xlaserve.backends_xla.sampler import needs_extras
+
     _, runner, _ = llama
     prompt = _prompts(runner.vocab, [6], seed=5)
     plain, _, _ = drive(runner, prompt, SamplingParams(temperature=0.0, max_tokens=3), 3, BUDGET)
     first = plain[0][0]
-    sp = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[first], max_tokens=3)
+    others = [t for t in range(1, runner.vocab) if t != first][:extra_stops]
+    sp = SamplingParams(
+        temperature=0.0, min_tokens=2, stop_token_ids=[first, *others], max_tokens=3
+    )
     got, _, _ = drive(runner, prompt, sp, 3, BUDGET)
     assert first not in got[0][:2]
+    state = runner._new_state(NewRequestData("x", list(prompt[0]), len(prompt[0]), sp, [0], 0))
+    assert state.packed_stops == (extra_stops == 0)
+    assert needs_extras(state, "x", {}) == (extra_stops > 0)
 
 
 def test_structured_bitmask_and_penalties(llama) -> None:  # noqa: ANN001

@@ -11,6 +11,7 @@ from xlaserve.backends_xla.sampler import (
     SamplingTensors,
     apply_penalties,
     host_tensors,
+    mask_stop_ids,
     needs_extras,
     neutral_extras,
     sample,
@@ -279,3 +280,24 @@ def test_host_decided_specialization_equals_the_general_program(case: str) -> No
     assert mode.random == want_random and mode.logprobs == with_lp
     assert mode.extras == (case in ("extras", "penalties_random"))
     assert mode.filter == (case in ("top_p", "top_k_min_p", "logprobs"))
+
+
+def test_packed_stop_ids_mask_until_min_tokens() -> None:
+    """mask_stop_ids (in every sampler program): a row's stop ids are -inf while steps <
+    min_tokens, untouched after; unused slots (-1) mask nothing (not the last token either)."""
+    from xlaserve.backends_xla.sampler import STOP_SLOTS
+
+    logits = _logits(3, seed=4)
+    stops = np.full((3, STOP_SLOTS), -1, np.int32)
+    stops[0, :2] = [int(logits[0].argmax()), V - 1]
+    stops[1, 0] = int(logits[1].argmax())
+    t = _tensors(
+        3, temperature=np.zeros(3, np.float32), min_tokens=np.array([4, 4, 0], np.int32),
+        steps=np.array([3, 4, 0], np.int32), stop_ids=stops,
+    )  # fmt: skip
+    masked = np.asarray(mask_stop_ids(jnp.asarray(logits), t))
+    want = logits.copy()
+    want[0, stops[0, :2]] = -np.inf  # steps 3 < 4: masked
+    np.testing.assert_array_equal(masked, want)  # row 1 (steps 4 = min_tokens), row 2 untouched
+    tokens = np.asarray(_sample(logits, t, with_logprobs=False).token_ids)
+    assert tokens[0] != logits[0].argmax() and tokens[1] == logits[1].argmax()
