@@ -27,6 +27,7 @@ from test_rpa_sweep import (
     _check_all_scenarios,
     _jit_ref,
 )
+from triton_ptx import sm90_ptx
 
 from xlaserve.kernels_pallas import BlockSizes, ragged_paged_attention
 from xlaserve.kernels_pallas.ragged_paged_attention import write_kv_quant
@@ -236,64 +237,23 @@ def test_lowers_to_triton(hq, d, block_sizes, kw) -> None:  # noqa: ANN001
     assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 1
 
 
-def _triton_ir_text(fn, args: tuple) -> str:  # noqa: ANN001
-    """The kernel's Triton IR (generic MLIR text) from a CUDA lowering done on this CPU host."""
-    try:
-        from jax._src.lib.mlir import ir
-        from jax._src.pallas.triton import lowering as triton_lowering
-
-        mod = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-        calls = [op for func in mod.body.operations for blk in func.regions[0].blocks
-                 for op in blk.operations if op.operation.name == "stablehlo.custom_call"]  # fmt: skip
-        config = ir.DictAttr(calls[0].attributes["mhlo.backend_config"])
-        data = ir.StringAttr(config["ir"]).value_bytes
-        with triton_lowering._new_ir_context():
-            return ir.Module.parse(data).operation.get_asm(print_generic_op_form=True)
-    except (ImportError, AttributeError, KeyError, IndexError) as e:  # private APIs moved
-        pytest.skip(f"cannot extract the Triton IR with jax {jax.__version__}: {e!r}")
-
-
 @pytest.mark.parametrize("d", [128, 96])
 def test_compiles_to_ptx_with_triton(d, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """The Llama-shaped prefill tile (and Phi-3's 96-column heads, read as 128) through pip
-    Triton (the torch backend's) down to sm_90 PTX/cubin: catches Triton shape/layout failures
-    without a GPU. Skipped without Triton or when its MLIR cannot read JAX's Triton dialect
-    (version drift); a compile error fails."""
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    triton = import_or_skip("triton")
-    from triton.backends.compiler import GPUTarget
-
+    Triton (the torch backend's) down to sm_90 PTX/cubin (tests/triton_ptx.py)."""
     case = make_case(
         np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=32, hkv=8, d=d,
         dtype=jnp.bfloat16, batch=4, num_tokens=32,
     )  # fmt: skip
-    text = _triton_ir_text(
-        lambda *a: ragged_paged_attention_gpu(*a, sm_scale=0.125, interpret=False), case.args()
-    )
-    path = tmp_path / "rpa.ttir"
-    path.write_text(text)
-    try:
-        from triton._C.libtriton import ir as triton_ir
-
-        ctx = triton_ir.context()
-        triton_ir.load_dialects(ctx)
-        triton_ir.parse_mlir_module(str(path), ctx)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"triton {triton.__version__} cannot parse JAX's Triton IR: {e}")
-    kernel = triton.compile(
-        str(path), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}
-    )
-    assert "wgmma" in kernel.asm["ptx"] or "mma" in kernel.asm["ptx"]
+    fn = lambda *a: ragged_paged_attention_gpu(*a, sm_scale=0.125, interpret=False)  # noqa: E731
+    ptx = sm90_ptx(fn, case.args(), tmp_path, monkeypatch)
+    assert "wgmma" in ptx or "mma" in ptx
 
 
 @pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
 def test_quantized_cache_compiles_to_ptx_with_triton(code, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """The quantized-cache kernel (codes + scale loads, dequantized in registers), Llama
-    shape, through pip Triton to sm_90 PTX (as above; skipped on version drift)."""
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    triton = import_or_skip("triton")
-    from triton.backends.compiler import GPUTarget
-
+    shape, to sm_90 PTX as above."""
     case = make_case(
         np.random.default_rng(0), [1, 9, 13], [23, 20, 13], page_size=16, hq=32, hkv=8, d=128,
         dtype=jnp.bfloat16, batch=4, num_tokens=32,
@@ -307,20 +267,7 @@ def test_quantized_cache_compiles_to_ptx_with_triton(code, tmp_path, monkeypatch
             q, k, v, kv_lens, bt, cu, ns, sm_scale=0.125, interpret=False, k_scale=ks, v_scale=vs
         )
 
-    path = tmp_path / "rpa_q.ttir"
-    path.write_text(_triton_ir_text(f, args))
-    try:
-        from triton._C.libtriton import ir as triton_ir
-
-        ctx = triton_ir.context()
-        triton_ir.load_dialects(ctx)
-        triton_ir.parse_mlir_module(str(path), ctx)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"triton {triton.__version__} cannot parse JAX's Triton IR: {e}")
-    kernel = triton.compile(
-        str(path), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}
-    )
-    assert "mma" in kernel.asm["ptx"]
+    assert "mma" in sm90_ptx(f, args, tmp_path, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------
