@@ -290,8 +290,8 @@ def test_auto_is_reference_on_cpu_and_pallas_gpu_is_one_kernel() -> None:
 
 def test_auto_on_a_gpu_backend_picks_the_kernel_only_where_it_applies(monkeypatch) -> None:
     """impl="auto" on a GPU backend is GPU_AUTO_IMPL (the kernel), except for shapes the kernel
-    does not take (page size 12: not a power of 2), which run the reference instead of failing;
-    a head_dim that is not a power of 2 (48) takes the kernel."""
+    does not take (page size 12: not a power of 2), which run the jnp path instead of failing;
+    a head_dim that is not a power of 2 (48) takes the kernel once GPU_AUTO_EXTENDED is on."""
     import importlib
 
     # (the package re-exports the function under the module's name)
@@ -308,7 +308,9 @@ def test_auto_on_a_gpu_backend_picks_the_kernel_only_where_it_applies(monkeypatc
 
     assert "pallas_call" not in jaxpr(32, page_size=12)
     assert jaxpr(32).count("pallas_call[") == 1
-    assert jaxpr(48).count("pallas_call[") == 1
+    assert "pallas_call" not in jaxpr(48)  # GPU_AUTO_EXTENDED off: not run on a GPU yet
+    monkeypatch.setattr(rpa_mod, "GPU_AUTO_EXTENDED", True)
+    assert jaxpr(80).count("pallas_call[") == 1  # (a new shape: jit traces are cached)
 
 
 @pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
