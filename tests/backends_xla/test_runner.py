@@ -208,3 +208,27 @@ def test_nan_logits_fail_only_that_step(llama) -> None:  # noqa: ANN001
         runner.sync_weights()
         runner.execute(type(so)(finished_req_ids={"bad"}))
     assert "bad" not in runner.requests
+
+
+def test_greedy_min_tokens_steps_compile_nothing(llama) -> None:  # noqa: ANN001
+    """The requests benchmarks force lengths with (greedy, min_tokens = max_tokens, with EOS
+    ignored or kept) run the all-greedy sampler compiled at start-up, at every request bucket:
+    their stop ids travel packed, so no "extras" specialization is compiled in the background
+    and none is compiled while serving."""
+    _, runner, _ = llama
+    runner.join_sample_variants()
+    background, lazy = len(runner.background_compiles), len(runner.lazy_compiles)
+    v = runner.vocab
+    for n in (1, 3, 5):
+        for ignore_eos in (True, False):
+            sp = SamplingParams(
+                temperature=0.0, min_tokens=4, max_tokens=4, ignore_eos=ignore_eos,
+                eos_token_ids=[0],
+            )  # fmt: skip
+            got, _, _ = drive(runner, _prompts(v, [4] * n, seed=n), [sp] * n, 4, BUDGET)
+            assert all(len(g) == 4 for g in got)
+            if not ignore_eos:  # EOS (0) masked until min_tokens = max_tokens
+                assert all(0 not in g for g in got)
+    runner.join_sample_variants()
+    assert runner.background_compiles[background:] == []
+    assert runner.lazy_compiles[lazy:] == []
