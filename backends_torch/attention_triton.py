@@ -3,7 +3,9 @@
 One launch per layer for the whole ragged batch (prefill chunks and decodes mixed), no
 device->host sync inside: the metadata (device tensors + host ints) is built once per step by the
 runner, so a decode step can be captured in a CUDA graph. `TritonAttentionMetadata` adds the
-split-KV factor a graph must fix at capture time (None = the kernel's own heuristic).
+split-KV factor a graph must fix at capture time (None = the kernel's own heuristic). With
+KernelConfig.prefill_sdpa on, long prefill chunks attend through torch SDPA instead and the
+rest of the step is one launch of its own (kernels_cuda/prefill_sdpa.py).
 """
 
 from __future__ import annotations
