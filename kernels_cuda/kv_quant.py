@@ -9,6 +9,8 @@ float32 inputs. Imports torch only (no triton).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # kv_cache_dtype -> code dtype in the cache.
@@ -42,3 +44,23 @@ def quantize_kv(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor,
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """codes [..., D], scales [...] -> float32 [..., D]."""
     return q.float() * scale.float()[..., None]
+
+
+def gather_context(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_row: torch.Tensor,
+    kv_len: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One sequence's keys (or values) from the paged cache: [kv_len, Hkv, D] in `dtype` (the
+    torch reference backend and prefill_sdpa read a context this way).
+
+    cache [N, S, Hkv, D]; scales [N, S, Hkv] float32 for a quantized cache (else None);
+    block_row: the sequence's row of the block table (>= cdiv(kv_len, S) entries)."""
+    _, page, hkv, d = cache.shape
+    blocks = block_row[: math.ceil(kv_len / page)].long()
+    x = cache[blocks].reshape(-1, hkv, d)[:kv_len]
+    if scales is None:
+        return x if x.dtype == dtype else x.to(dtype)
+    return dequantize_kv(x, scales[blocks].reshape(-1, hkv)[:kv_len]).to(dtype)

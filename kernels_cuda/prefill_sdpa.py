@@ -22,7 +22,6 @@ metadata. Never part of a CUDA graph (decode steps have one query per sequence).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from .kv_quant import dequantize_kv
+from .kv_quant import gather_context
 
 
 class HostBatch(Protocol):
@@ -109,25 +108,6 @@ def _rest_batch(md: HostBatch, keep: list[int]) -> RestBatch:
         max_seq_len=max(seq[b] for b in keep),
         rows=rows.to(dev, non_blocking=True),
     )
-
-
-def gather_context(
-    cache: torch.Tensor,
-    scales: torch.Tensor | None,
-    block_row: torch.Tensor,
-    kv_len: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """One sequence's keys (or values) from the paged cache: [kv_len, Hkv, D] in `dtype`.
-
-    cache [N, S, Hkv, D]; scales [N, S, Hkv] float32 for a quantized cache (else None);
-    block_row: the sequence's row of the block table (>= cdiv(kv_len, S) entries)."""
-    _, page, hkv, d = cache.shape
-    blocks = block_row[: math.ceil(kv_len / page)].long()
-    x = cache[blocks].reshape(-1, hkv, d)[:kv_len]
-    if scales is None:
-        return x if x.dtype == dtype else x.to(dtype)
-    return dequantize_kv(x, scales[blocks].reshape(-1, hkv)[:kv_len]).to(dtype)
 
 
 def sdpa_prefill(

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from xlaserve.config import KernelConfig
-from xlaserve.kernels_cuda.kv_quant import dequantize_kv, quantize_kv
+from xlaserve.kernels_cuda.kv_quant import dequantize_kv, gather_context, quantize_kv
 
 
 @dataclass
@@ -190,7 +190,7 @@ class TorchRefAttention(AttentionBackend):
         sinks: torch.Tensor | None = None,
         chunk_size: int | None = None,
     ) -> torch.Tensor:
-        _, block_size, hkv, d = k_cache.shape
+        hkv = k_cache.shape[2]
         hq = q.shape[1]
         group = hq // hkv
         out = torch.empty_like(q)
@@ -200,14 +200,10 @@ class TorchRefAttention(AttentionBackend):
             q_len = q1 - q0
             if q_len == 0:
                 continue
-            nblk = math.ceil(kv_len / block_size)
-            blocks = md.block_tables[b, :nblk].long()
-            # k, v: [kv_len, Hkv, D] -> [Hq, kv_len, D] (GQA: query head h reads kv head h // group)
-            k = k_cache[blocks].reshape(-1, hkv, d)[:kv_len].float()
-            v = v_cache[blocks].reshape(-1, hkv, d)[:kv_len].float()
-            if k_scale is not None:  # quantized cache: codes * per-(token, head) scale
-                k = dequantize_kv(k, k_scale[blocks].reshape(-1, hkv)[:kv_len])
-                v = dequantize_kv(v, v_scale[blocks].reshape(-1, hkv)[:kv_len])
+            # k, v: [kv_len, Hkv, D] float32 (a quantized cache: codes * per-(token, head)
+            # scale) -> [Hq, kv_len, D] (GQA: query head h reads kv head h // group)
+            k = gather_context(k_cache, k_scale, md.block_tables[b], kv_len, torch.float32)
+            v = gather_context(v_cache, v_scale, md.block_tables[b], kv_len, torch.float32)
             k = k.transpose(0, 1).repeat_interleave(group, dim=0)
             v = v.transpose(0, 1).repeat_interleave(group, dim=0)
             qb = q[q0:q1].float().transpose(0, 1)  # [Hq, q_len, D]
