@@ -450,6 +450,7 @@ def sampling_host(
 
     h = host_tensors(b, v, extras)
     h["use_extras"], h["want_logprobs"] = np.asarray(extras), np.asarray(with_logprobs)
+    dense_stops = False  # some row's min_tokens stops went into the bias (too many to pack)
     for i, r in enumerate(rows):
         if r is None:
             continue
@@ -472,6 +473,7 @@ def sampling_host(
         if n_out < p.min_tokens and stops is None:  # more stop ids than the packed slots
             stop = [t for t in p.all_stop_token_ids() if 0 <= t < v]
             h["bias"][i, stop] = -np.inf
+            dense_stops = True
         if p.has_token_constraints:  # bad_words, allowed_token_ids (processors: torch only)
             out_ids = r.output_ids + (prefixes[i] if prefixes is not None else [])
             banned = [t for t in p.banned_token_ids(out_ids) if 0 <= t < v]
@@ -498,12 +500,8 @@ def sampling_host(
             del h["bitmask"]
         if not any(r.output_counts is not None for _, r in live):
             del h["output_counts"], h["prompt_mask"]
-        pos = positions if positions is not None else [0] * len(rows)
-        if not any(
-            r.params.logit_bias
-            or r.params.has_token_constraints
-            or (r.num_output + pos[i] < r.params.min_tokens and not packed_stops(r.params))
-            for i, r in live
+        if not dense_stops and not any(
+            r.params.logit_bias or r.params.has_token_constraints for _, r in live
         ):
             del h["bias"]
     return h
@@ -521,11 +519,14 @@ def needs_extras(r: ReqState | None, rid: str, bitmasks: dict) -> bool:
         or rid in bitmasks
         # min_tokens: the packed stop ids mask it in every program (the runner's states cache
         # `packed_stops`; other states ask the params)
-        or (
-            p.masks_stop_tokens(r.num_output)
-            and not (getattr(r, "packed_stops", False) or packed_stops(p))
-        )
+        or (p.masks_stop_tokens(r.num_output) and not _packed(r))
     )
+
+
+def _packed(r: ReqState) -> bool:
+    """`packed_stops` of the request: the runner state's cached value where it has one."""
+    cached = getattr(r, "packed_stops", None)
+    return packed_stops(r.params) if cached is None else cached
 
 
 def verify_rows(
