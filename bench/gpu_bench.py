@@ -188,7 +188,7 @@ def _batch1(llm: Any, repeats: int, vocab: int) -> dict[str, Any]:
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = SamplingParams(max_tokens=256, min_tokens=256, temperature=0.0, ignore_eos=True)
     llm.generate([p], full, use_tqdm=False)  # warm-up (compiles anything still cold)
-    wait_background_compiles(llm)  # XLA: the sampler this run needs (min_tokens: its extras)
+    wait_background_compiles(llm)  # XLA: whatever the warm-up left compiling in the background
     t1s, t256s = [], []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -214,10 +214,11 @@ def _batch1(llm: Any, repeats: int, vocab: int) -> dict[str, Any]:
 
 
 def _warm_request_buckets(llm: Any, vocab: int) -> None:
-    """One short greedy min_tokens request batch per power-of-2 batch size up to max_num_seqs,
-    then the background compiles they started: XLA compiles a sampler specialization per
-    request bucket the first time one is met (min_tokens rows need its extras), which otherwise
-    happens inside a timed run, competing with it for the host (seconds each on the 8B shape)."""
+    """One short request batch (the timed rows' sampling) per power-of-2 batch size up to
+    max_num_seqs, then every background compile: XLA's larger token buckets and any sampler
+    specialization a request bucket meets for the first time, which would otherwise compile
+    inside a timed run, competing with it for the host. (These greedy ignore_eos rows take the
+    all-greedy sampler compiled at start-up, so for them it is the token buckets.)"""
     from xlaserve import SamplingParams
 
     sp = SamplingParams(max_tokens=2, min_tokens=2, temperature=0.0, ignore_eos=True)

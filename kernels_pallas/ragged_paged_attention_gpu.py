@@ -93,7 +93,7 @@ MAX_HEAD_DIM = 256
 
 def padded_head_dim(d: int) -> int:
     """The kernel's column count for head_dim d: a power of 2 >= 16 (Triton's block and dot
-    rules); d itself when it already is one (no padding, no column mask)."""
+    rules); d itself when it already is one (no padding, no clamped columns)."""
     return max(16, _next_pow2(d))
 
 
