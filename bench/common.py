@@ -65,15 +65,12 @@ def wait_background_compiles(llm: Any) -> bool:  # noqa: ANN401
     """Block until an XLA runner's background compiles are done — the larger token buckets
     (compiled after ready) and the sampler specializations the steps so far asked for (each
     compiled the first time a request bucket and sampling mode meet) — so timed steps run at
-    steady state; False when the runner has none."""
-    runner = llm.llm_engine.runner
-    wait = getattr(runner, "wait_compiled", None)
-    if not callable(wait):
+    steady state; False when the backend has none. Works in-process and with the engine core
+    in its own process (`LLM(..., engine_process=True)`)."""
+    engine = llm.llm_engine
+    if engine.backend != "xla":
         return False
-    wait()
-    join = getattr(runner, "join_sample_variants", None)
-    if callable(join):
-        join()
+    engine.wait_compiled()
     return True
 
 

@@ -232,6 +232,13 @@ def _warm_request_buckets(llm: Any, vocab: int) -> None:
     wait_background_compiles(llm)
 
 
+def _in_process(llm: Any) -> bool:  # noqa: ANN401
+    """The engine core runs in this process (its scheduler and runner can be looked into)."""
+    from xlaserve.engine.llm_engine import LLMEngine
+
+    return isinstance(llm.llm_engine, LLMEngine)
+
+
 def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> dict[str, Any]:
     from xlaserve import SamplingParams
 
@@ -253,10 +260,14 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
     parts: dict[str, float] = {}
     sched: list[tuple[float, int, int]] = []  # (start, scheduled tokens, requests) per step
     undo = []
-    for owner, name in ((engine.scheduler, "schedule"), (engine, "_process"),
-                        (engine.runner, "execute"), (engine.runner, "launch"),
-                        (engine.runner, "finish")):  # fmt: skip
-        fn = getattr(owner, name, None)
+    # (The engine core in its own process has none of these here: the wall time only.)
+    local = _in_process(llm)
+    scheduler = engine.scheduler if local else None
+    runner = engine.runner if local else None
+    for owner, name in ((scheduler, "schedule"), (engine if local else None, "_process"),
+                        (runner, "execute"), (runner, "launch"),
+                        (runner, "finish")):  # fmt: skip
+        fn = getattr(owner, name, None) if owner is not None else None
         if fn is None:
             continue
 
@@ -426,7 +437,7 @@ def stage_xlaserve(args: argparse.Namespace) -> dict[str, Any]:
     step = getattr(runner, "cuda_step", None)
     res["attention_backend"] = getattr(runner, "attn_backend_name", None)
     res["async_scheduling"] = getattr(llm.llm_engine, "_async", None)
-    res["num_kv_blocks"] = llm.llm_engine.kv_manager.num_blocks
+    res["num_kv_blocks"] = llm.llm_engine.get_stats().num_total_blocks
     res["graph_buckets"] = sorted(step.graphs) if step is not None else []
     res["graph_capture_s"] = step.capture_seconds if step is not None else None
     _save_partial(args, res)
@@ -472,6 +483,13 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
         {"backend": "xla", "max_model_len": 2048, "xla_decode_gemv": "on"},
         "batch1+offline",
     ),
+    # The engine core in its own process (the front detokenizes and builds outputs beside the
+    # core's steps): offline and batch-1 rows against xla_user's / the xlaserve stage's.
+    "xla_user_proc": (
+        {"backend": "xla", "max_model_len": 2048, "engine_process": True},
+        "batch1+offline",
+    ),
+    "torch_proc": ({"engine_process": True}, "batch1+offline"),
     # xla_user with a quantized KV cache (the Pallas GPU attention dequantizing in registers):
     # its offline row against xla_user's.
     "xla_kv_fp8": ({"backend": "xla", "max_model_len": 2048, "kv_cache_dtype": "fp8"}, "offline"),
@@ -575,7 +593,7 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
     res["init_s"] = time.perf_counter() - t
     if wait_background_compiles(llm):  # XLA: larger token buckets compile after ready
         res["all_compiled_s"] = time.perf_counter() - t
-    res["num_kv_blocks"] = llm.llm_engine.kv_manager.num_blocks
+    res["num_kv_blocks"] = llm.llm_engine.get_stats().num_total_blocks
     sc = llm.llm_engine.config.scheduler
     res["max_num_seqs"], res["max_num_batched_tokens"] = sc.max_num_seqs, sc.max_num_batched_tokens
     _save_partial(args, res)
@@ -583,7 +601,7 @@ def stage_variant(args: argparse.Namespace) -> dict[str, Any]:
     if what.startswith("batch1"):
         res["batch1"] = _batch1(llm, args.repeats, vocab)
         _save_partial(args, res)
-        if kw.get("backend") != "xla":
+        if kw.get("backend") != "xla" and _in_process(llm):
             # CUDA-event time of one replay per decode graph (a steadier A/B than tok/s).
             res["graph_replay_ms"] = _graph_replay_ms(llm)
             res["kernel_profile"] = _kernel_profile(llm, buckets=(1,))

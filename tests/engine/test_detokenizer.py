@@ -107,3 +107,101 @@ def test_chat_template(tok: Tokenizer) -> None:
     ids = tok.chat_prompt_ids(msgs)
     assert ids[0] == tok._tok.token_to_id("<|im_start|>")
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def _chunks(d: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str | None, str]:
+    """(text added per token, stop string, finished text) feeding `ids` one token at a time."""
+    out, stop = [], None
+    for i in ids:
+        before = d.text
+        stop = d.add_tokens([i])
+        out.append(d.text[len(before) :])
+        if stop:
+            break
+    d.flush()
+    return out, stop, d.output_text(finished=True)
+
+
+def _write_sentencepiece_style(path: str) -> None:
+    """A Llama-2-style tokenizer.json: "▁" word marks, byte fallback, a decoder that strips the
+    text's leading space, so a token's text depends on the tokens before it."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for w in ["▁", "▁And", "▁God", "▁said", "▁light", "▁the", "re", "▁be", ",", "ö", "lf"]:
+        vocab[w] = len(vocab)
+    hf = HFTokenizer(
+        models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    hf.add_special_tokens(["<s>", "</s>"])
+    hf.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
+
+
+@pytest.fixture(scope="module", params=["byte_level", "sentencepiece_style"])
+def any_tok(
+    request: pytest.FixtureRequest, tok: Tokenizer, tmp_path_factory: pytest.TempPathFactory
+) -> Tokenizer:
+    if request.param == "byte_level":
+        return tok
+    d = str(tmp_path_factory.mktemp("sptok"))
+    _write_sentencepiece_style(d)
+    sp = Tokenizer.from_dir(d)
+    # Precondition: context changes a token's text ("▁" alone decodes to "", after a word " ").
+    mark = sp.encode("a b", add_special_tokens=False)[2]
+    assert sp.decode([mark]) == "" and sp.decode([mark, mark]) == " "
+    return sp
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_rust_stream_equals_python_window(any_tok: Tokenizer, skip: bool) -> None:
+    """The DecodeStream path emits exactly the Python window's chunks, stop strings and flushed
+    tail, over random ids (broken UTF-8, special tokens) and real multi-byte text, for a
+    byte-level and a SentencePiece-style decoder."""
+    import random
+
+    tok = any_tok
+    rng = random.Random(0)
+    special = sorted(tok.all_special_ids)
+    fast_used = 0
+    for trial in range(300):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 9))]
+        if trial % 2:
+            prompt = tok.encode(rng.choice(TEXTS))[: rng.randrange(1, 12)] if trial % 4 == 1 else []
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        if trial % 3 == 0:
+            ids = tok.encode(rng.choice(TEXTS), add_special_tokens=False) + ids[:4]
+        if special and trial % 5 == 0:
+            ids.insert(rng.randrange(len(ids)), rng.choice(special))
+        stop = ["ee", "light"] if trial % 7 == 0 else None
+        fast = IncrementalDetokenizer(tok, prompt, skip, stop)
+        slow = IncrementalDetokenizer(tok, prompt, skip, stop, rust_stream=False)
+        assert slow._stream is None
+        fast_used += fast._stream is not None
+        assert _chunks(fast, ids) == _chunks(slow, ids), (prompt, ids)
+    # Most cases must really take the Rust path (the rest: a context ending inside a character).
+    assert fast_used > 150
+
+
+def test_rust_stream_not_used_when_context_ends_inside_a_character(tok: Tokenizer) -> None:
+    ids = tok.encode("🙂", add_special_tokens=False)
+    assert len(ids) > 1  # the emoji is split over byte-level tokens
+    d = IncrementalDetokenizer(tok, ids[:1])
+    assert d._stream is None
+    assert IncrementalDetokenizer(tok, tok.encode("And God"))._stream is not None

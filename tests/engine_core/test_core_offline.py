@@ -77,3 +77,26 @@ def test_engine_process_matches_in_process(tiny_model_dir, spec) -> None:  # noq
     finally:
         llm.llm_engine.shutdown()
     assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
+
+
+def test_wait_compiled_round_trip_keeps_outputs_in_flight(tiny_model_dir) -> None:  # noqa: ANN001
+    """`wait_compiled` through the core process (the benchmarks' steady-state barrier) answers
+    while requests run, and the outputs that arrive meanwhile reach the next steps intact."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(model=tiny_model_dir("llama"), engine_process=True, **ENGINE)
+    eng = llm.llm_engine
+    try:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"w{i}", {"prompt_token_ids": p}, greedy)
+        got: dict[str, list[int]] = {}
+        eng.step()
+        eng.wait_compiled(timeout=60)
+        eng.wait_compiled(timeout=60)  # answers again (each call waits for its own answer)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    got[out.request_id] = out.outputs[0].token_ids
+        assert [got[f"w{i}"] for i in range(len(PROMPTS))] == want
+    finally:
+        eng.shutdown()

@@ -767,6 +767,15 @@ class EngineCore:
                 self._ngram.propose(req.all_token_ids, left - 1) if left > 1 else []
             )
 
+    def wait_compiled(self) -> None:
+        """Block until the runner's background compiles are done (XLA: the token buckets compiled
+        after ready and the sampler specializations asked for so far); at once for runners
+        without any. Benchmarks call it so that timed steps run at steady state."""
+        for name in ("wait_compiled", "join_sample_variants"):
+            fn = getattr(self.runner, name, None)
+            if callable(fn):
+                fn()
+
     def get_stats(self) -> EngineStats:
         kv = self.kv_manager
         c = self.counters

@@ -505,6 +505,7 @@ class MPLLMEngine:
 
     _ready: dict[str, Any] | None = None
     _num_stats = 0  # T messages received
+    _num_waits = 0  # W answers received
 
     def _send(self, kind: bytes, payload: bytes) -> None:
         self._inp.send_multipart([kind, self.front_id.encode(), payload], copy=False)
@@ -533,6 +534,8 @@ class MPLLMEngine:
                 self._num_stats += 1
             elif kind == b"R":
                 self._ready = unpack(payload)
+            elif kind == b"W":
+                self._num_waits += 1
 
     def _wait(self, cond: Callable[[], bool], timeout: float) -> bool:
         end = time.monotonic() + timeout
@@ -607,6 +610,13 @@ class MPLLMEngine:
             self._wait(lambda: self._num_stats > seen, 60)
         assert self._stats is not None
         return self._stats
+
+    def wait_compiled(self, timeout: float = 1800.0) -> None:
+        """Block until the core's background compiles are done (`EngineCore.wait_compiled`);
+        outputs that arrive meanwhile are kept for the next `step`."""
+        seen = self._num_waits
+        self._send(b"W", b"")
+        self._wait(lambda: self._num_waits > seen, timeout)
 
     def shutdown(self) -> None:
         if self._closed:

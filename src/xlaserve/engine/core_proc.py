@@ -200,6 +200,9 @@ class CoreServer:
                 self._hello(fid)
             elif kind == b"Q":
                 self._send(fid, b"T", pack(stats_to_wire(core.get_stats())))
+            elif kind == b"W":  # block until background compiles are done, then answer
+                core.wait_compiled()
+                self._send(fid, b"W", b"")
             elif kind == b"S":
                 logger.info("engine core: shutdown requested")
                 return False

@@ -101,5 +101,9 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()
 
+    def wait_compiled(self) -> None:
+        """Block until the runner's background compiles are done (`EngineCore.wait_compiled`)."""
+        self.core.wait_compiled()
+
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -157,6 +157,11 @@ class Tokenizer:
             return text
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def backend_tokenizer(self) -> Any:  # noqa: ANN401
+        """The underlying `tokenizers.Tokenizer` (transformers' name for it)."""
+        return self._tok
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -9,14 +9,26 @@ complete in the text the one that starts earliest wins (ties: the first listed);
 text is cut before it (or after it when `include_stop_str_in_output`); while running, the last
 `max(len(stop)) - 1` characters are held back from `output_text` because they may still become
 part of a stop string.
+
+The per-token step runs in Rust where the tokenizer is a `tokenizers.Tokenizer` with
+`decoders.DecodeStream` (the same prefix / read window algorithm, one call per token instead of
+two decodes): it is used only when it starts from the same state, i.e. its first step over the
+prompt context emits text (a context ending inside a character keeps the Python path; 0 of 8,000
+random sequences differed otherwise, tests/engine/test_detokenizer.py checks it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from xlaserve.tokenizer import Tokenizer
+
+try:
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # tokenizers < 0.21: the Python window only
+    _HFTokenizer = _DecodeStream = None  # type: ignore[assignment,misc]
 
 # Tokens decoded before the first new one, so the BPE decoder sees the context (spaces etc).
 _INITIAL_CONTEXT = 5
@@ -30,7 +42,9 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        rust_stream: bool = True,
     ) -> None:
+        """`rust_stream=False`: always the Python window (tests compare the two)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
@@ -42,18 +56,57 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self.text = ""  # all output text decoded so far (may end before the last tokens)
         self.stop_reason: str | None = None
+        self._stream, self._raw = (
+            self._fast_stream(tokenizer, skip_special_tokens) if rust_stream else (None, None)
+        )
+
+    def _fast_stream(self, tokenizer: Tokenizer, skip: bool) -> tuple[Any, Any]:
+        """(DecodeStream primed with the context, the raw tokenizer), or (None, None) when the
+        Rust stream is unavailable or would not start where the Python window starts."""
+        raw = getattr(tokenizer, "backend_tokenizer", None)
+        if _DecodeStream is None or not isinstance(raw, _HFTokenizer):
+            return None, None
+        try:
+            stream = _DecodeStream(skip_special_tokens=skip)
+            if self._ids and stream.step(raw, list(self._ids)) is None:
+                return None, None  # the context ends inside a character (or is all skipped)
+        except (TypeError, ValueError, OverflowError, RuntimeError):  # old or refusing build
+            return None, None
+        return stream, raw
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Append output tokens; return the stop string matched (text is then truncated) or None."""
+        if self._stream is not None:
+            return self._add_fast(token_ids)
         for tok in token_ids:
             self._ids.append(tok)
             prefix_text = self._decode(self._ids[self._prefix : self._read])
             full = self._decode(self._ids[self._prefix :])
             if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
                 new = full[len(prefix_text) :]
+                self._prefix = self._read
+                self._read = len(self._ids)
+                start = max(0, len(self.text) - self._hold)
+                self.text += new
+                if self.stop and self._check_stop(start):
+                    return self.stop_reason
+        return None
+
+    def _add_fast(self, token_ids: list[int]) -> str | None:
+        """`add_tokens` through the Rust stream; the window offsets kept in step for `flush`."""
+        stream, raw = self._stream, self._raw
+        for n, tok in enumerate(token_ids):
+            try:
+                new = stream.step(raw, tok)
+            except Exception:  # noqa: BLE001 - e.g. "Invalid prefix" where the window's text
+                # changes under a byte-fallback decoder: the Python window from here on
+                self._stream = None
+                return self.add_tokens(token_ids[n:])
+            self._ids.append(tok)
+            if new:
                 self._prefix = self._read
                 self._read = len(self._ids)
                 start = max(0, len(self.text) - self._hold)
