@@ -72,8 +72,10 @@ from xlaserve.backends_xla.sampler import (
     pack_params,
     packed_stops,
     param_words,
+    row_flags,
     sample_mode,
     sampling_host,
+    step_summary,
     verify_rows,
 )
 from xlaserve.backends_xla.utils import (
@@ -119,6 +121,7 @@ class _ReqState(ReqState):
     param_words: np.ndarray | None = None  # i32 [PARAM_ROWS]: its packed sampler row (steps 0)
     # min_tokens' stop mask travels in param_words (sampler.stop_slots), not the dense bias.
     packed_stops: bool = False
+    flags: int = 0  # sampler.row_flags: what its sampling asks of every step
     lora_slot: int = -1  # NewRequestData.lora_slot: its LoRA table slot, -1 = base model
 
 
@@ -688,6 +691,7 @@ class XlaModelRunner(RunnerCore):
                       nr.num_computed_tokens, seed=seed & 0xFFFFFFFF)  # fmt: skip
         r.param_words = param_words(p, r.seed)
         r.packed_stops = packed_stops(p)
+        r.flags = row_flags(p, self.vocab)
         if nr.lora_slot != -1:
             from xlaserve.backends_xla.lora import lora_slot_of
 
@@ -780,11 +784,9 @@ class XlaModelRunner(RunnerCore):
         dense [B, V] inputs (device-resident neutral ones unless a row needs them) and the
         sampler branches the rows need. force_extras: apply the dense fields even if no row
         needs them yet (late masks)."""
-        extras = force_extras or any(
-            needs_extras(r, rid, bitmasks) for r, rid in zip(rows, batch.req_ids, strict=False)
-        )
-        with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
-        mode = sample_mode(rows, extras, with_lp, self.vocab)
+        extras, with_lp, rand, filt = step_summary(rows, batch.req_ids, bitmasks)
+        extras = extras or force_extras
+        mode = SampleMode(extras, rand, filt, with_lp)
         if extras or with_lp:
             h = sampling_host(rows, batch.req_ids, b, self.vocab, extras, with_lp, bitmasks)
             pack_params(h, batch.sample_params)

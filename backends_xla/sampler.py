@@ -82,6 +82,58 @@ def sample_mode(
     return SampleMode(extras, rand, rand and filt, logprobs)
 
 
+# Bits of `row_flags`: what a request's sampling asks of every step (fixed for its lifetime,
+# cached on the runner's state), so a step's mode and extras come from one OR over the rows.
+FLAG_EXTRAS = 1  # logit_bias / token constraints / penalties: the dense extras every step
+FLAG_LOGPROBS = 2
+FLAG_RANDOM = 4  # temperature >= GREEDY_EPS
+FLAG_FILTER = 8  # top-k / top-p / min-p filters (counts only with FLAG_RANDOM)
+FLAG_DENSE_STOPS = 16  # min_tokens masks more stop ids than the packed slots: dense while it lasts
+
+
+def row_flags(p: SamplingParams, vocab: int) -> int:
+    """The FLAG_* bits of a request (`step_summary`); the same predicates as `needs_extras`
+    and `sample_mode`."""
+    f = 0
+    if p.logit_bias or p.has_token_constraints or p.needs_penalties:
+        f |= FLAG_EXTRAS
+    if p.logprobs is not None:
+        f |= FLAG_LOGPROBS
+    if p.temperature >= GREEDY_EPS:
+        f |= FLAG_RANDOM
+    if (0 < p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0:
+        f |= FLAG_FILTER
+    if p.min_tokens > 0 and p.all_stop_token_ids() and not packed_stops(p):
+        f |= FLAG_DENSE_STOPS
+    return f
+
+
+def step_summary(
+    rows: list[ReqState | None], req_ids: list[str], bitmasks: dict
+) -> tuple[bool, bool, bool, bool]:
+    """(extras, logprobs, random, filter) of a step's rows from their cached `row_flags` (the
+    rows' `flags` attribute; None rows count as greedy padding): equal to
+    `any(needs_extras(...))`, the logprobs test and `sample_mode`'s branches, in one pass."""
+    f = 0
+    for r in rows:
+        if r is not None:
+            f |= r.flags  # type: ignore[attr-defined]
+    extras = bool(f & FLAG_EXTRAS)
+    if not extras and bitmasks:
+        extras = any(
+            r is not None and rid in bitmasks for r, rid in zip(rows, req_ids, strict=False)
+        )
+    if not extras and f & FLAG_DENSE_STOPS:
+        extras = any(
+            r is not None
+            and r.flags & FLAG_DENSE_STOPS  # type: ignore[attr-defined]
+            and r.num_output < r.params.min_tokens
+            for r in rows
+        )
+    rand = bool(f & FLAG_RANDOM)
+    return extras, bool(f & FLAG_LOGPROBS), rand, rand and bool(f & FLAG_FILTER)
+
+
 def _branch(pred: bool | jax.Array, on_true: Callable, on_false: Callable, *ops: object) -> object:
     """`lax.cond` for a traced predicate; for a Python bool (a `SampleMode` field) the branch
     is chosen while tracing and the program has no conditional."""

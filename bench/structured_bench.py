@@ -318,10 +318,15 @@ def _main_rows(
                 runs[name].append(k / dt)
                 toks[name], overlapped[name] = k, ov
         med = {k: statistics.median(v) for k, v in runs.items()}
+        # Each constrained run against the plain run just before it: steadier than the ratio
+        # of medians when the machine's speed drifts between repeats.
+        pairs = [c / p for p, c in zip(runs["plain"], runs["constrained"], strict=True)]
         report["rows"][f"batch{b}"] = {
             "plain_tok_s": med["plain"],
             "constrained_tok_s": med["constrained"],
             "ratio": med["constrained"] / med["plain"],
+            "pair_ratios": pairs,
+            "pair_ratio_median": statistics.median(pairs),
             "output_tokens": toks,
             "overlapped_steps": overlapped,
             "runs": runs,

@@ -301,3 +301,53 @@ def test_packed_stop_ids_mask_until_min_tokens() -> None:
     np.testing.assert_array_equal(masked, want)  # row 1 (steps 4 = min_tokens), row 2 untouched
     tokens = np.asarray(_sample(logits, t, with_logprobs=False).token_ids)
     assert tokens[0] != logits[0].argmax() and tokens[1] == logits[1].argmax()
+
+
+def test_step_summary_equals_the_per_row_predicates() -> None:
+    """The runner's one-pass step summary (cached `row_flags`) decides exactly what
+    `needs_extras`, the logprobs test and `sample_mode` decide row by row, over random mixes
+    (padding rows, grammar bitmasks, min_tokens with packed and dense stop ids, progress)."""
+    import random
+
+    from xlaserve.backends_xla.runner import _ReqState
+    from xlaserve.backends_xla.sampler import STOP_SLOTS, packed_stops, row_flags, step_summary
+
+    rng = random.Random(0)
+    many_stops = list(range(10, 11 + STOP_SLOTS))  # more than the packed slots: dense
+    choices = [
+        dict(temperature=0.0),
+        dict(temperature=0.7),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=0.0, top_p=0.5),
+        dict(temperature=1.0, min_p=0.2),
+        dict(temperature=0.0, logit_bias={3: 1.0}),
+        dict(temperature=0.0, presence_penalty=0.5),
+        dict(temperature=0.0, logprobs=2),
+        dict(temperature=0.0, min_tokens=3),
+        dict(temperature=0.0, min_tokens=3, stop_token_ids=many_stops),
+        dict(temperature=0.0, min_tokens=3, ignore_eos=True),
+        dict(temperature=0.0, allowed_token_ids=[1, 2, 3]),
+    ]
+    seen = set()
+    for _ in range(400):
+        rows, ids = [], []
+        for i in range(rng.randrange(1, 6)):
+            ids.append(f"r{i}")
+            if rng.random() < 0.2:
+                rows.append(None)
+                continue
+            p = SamplingParams(**rng.choice(choices))
+            p.eos_token_ids = [2]
+            out = rng.randrange(0, 6)
+            r = _ReqState([1] * (4 + out), 4, p, [0], 4 + out, seed=1)
+            r.packed_stops = packed_stops(p)
+            r.flags = row_flags(p, V)
+            rows.append(r)
+        bitmasks = {rng.choice(ids): None} if rng.random() < 0.2 else {}
+        extras = any(needs_extras(r, rid, bitmasks) for r, rid in zip(rows, ids, strict=True))
+        with_lp = any(r is not None and r.params.logprobs is not None for r in rows)
+        mode = sample_mode(rows, extras, with_lp, V)
+        got = step_summary(rows, ids, bitmasks)
+        assert got == (extras, with_lp, mode.random, mode.filter), [r and r.params for r in rows]
+        seen.add(got)
+    assert len(seen) >= 10  # the mixes really cover the combinations
