@@ -73,7 +73,6 @@ from xlaserve.backends_xla.sampler import (
     packed_stops,
     param_words,
     row_flags,
-    sample_mode,
     sampling_host,
     step_summary,
     verify_rows,
