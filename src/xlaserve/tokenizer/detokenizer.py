@@ -85,15 +85,21 @@ class IncrementalDetokenizer:
             self._ids.append(tok)
             prefix_text = self._decode(self._ids[self._prefix : self._read])
             full = self._decode(self._ids[self._prefix :])
-            if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
-                new = full[len(prefix_text) :]
-                self._prefix = self._read
-                self._read = len(self._ids)
-                start = max(0, len(self.text) - self._hold)
-                self.text += new
-                if self.stop and self._check_stop(start):
-                    return self.stop_reason
+            if (
+                len(full) > len(prefix_text)
+                and not full.endswith("\ufffd")
+                and self._emit(full[len(prefix_text) :])
+            ):
+                return self.stop_reason
         return None
+
+    def _emit(self, new: str) -> bool:
+        """New text for the tokens up to the last one: advance the window; True on a stop."""
+        self._prefix = self._read
+        self._read = len(self._ids)
+        start = max(0, len(self.text) - self._hold)
+        self.text += new
+        return bool(self.stop) and self._check_stop(start)
 
     def _add_fast(self, token_ids: list[int]) -> str | None:
         """`add_tokens` through the Rust stream; the window offsets kept in step for `flush`."""
@@ -106,13 +112,8 @@ class IncrementalDetokenizer:
                 self._stream = None
                 return self.add_tokens(token_ids[n:])
             self._ids.append(tok)
-            if new:
-                self._prefix = self._read
-                self._read = len(self._ids)
-                start = max(0, len(self.text) - self._hold)
-                self.text += new
-                if self.stop and self._check_stop(start):
-                    return self.stop_reason
+            if new and self._emit(new):
+                return self.stop_reason
         return None
 
     def flush(self) -> None:
