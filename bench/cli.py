@@ -336,6 +336,11 @@ def _split(kw: dict[str, Any], stem: str = "bench") -> tuple[str | None, dict[st
     help="Force the output length with min_tokens (EOS kept, masked every step) instead of "
     "ignoring EOS.",
 )
+@click.option(
+    "--disable-detokenize",
+    is_flag=True,
+    help="SamplingParams(detokenize=False): token ids only, no text built per token.",
+)
 def throughput_cmd(**kw: Any) -> None:
     """Offline throughput of LLM.generate (requests/s, tokens/s in and out)."""
     from xlaserve.bench.offline import run_throughput

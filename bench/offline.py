@@ -42,7 +42,11 @@ def random_token_prompts(
 
 
 def _sampling(
-    output_len: int, temperature: float, seed: int | None = None, min_tokens: bool = False
+    output_len: int,
+    temperature: float,
+    seed: int | None = None,
+    min_tokens: bool = False,
+    detokenize: bool = True,
 ) -> Any:
     """Every request generates exactly output_len tokens: EOS ignored, or (min_tokens) EOS
     kept and masked by min_tokens = output_len, as a user's min_tokens masks it."""
@@ -50,10 +54,18 @@ def _sampling(
 
     if min_tokens:
         return SamplingParams(
-            max_tokens=output_len, min_tokens=output_len, temperature=temperature, seed=seed
+            max_tokens=output_len,
+            min_tokens=output_len,
+            temperature=temperature,
+            seed=seed,
+            detokenize=detokenize,
         )
     return SamplingParams(
-        max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed
+        max_tokens=output_len,
+        ignore_eos=True,
+        temperature=temperature,
+        seed=seed,
+        detokenize=detokenize,
     )
 
 
@@ -87,12 +99,14 @@ def run_throughput(
     echo: Echo = print,
     use_tqdm: bool = False,
     min_tokens: bool = False,
+    disable_detokenize: bool = False,
     **engine_kwargs: Any,
 ) -> dict[str, Any]:
     """Time one `LLM.generate` over `num_prompts` requests; tokens/s in, out and total.
     `use_tqdm`: LLM.generate's progress bar during the timed run (`bench throughput` shows it
     unless --disable-tqdm). `min_tokens`: lengths forced by min_tokens (EOS masked every step)
-    instead of ignore_eos."""
+    instead of ignore_eos. `disable_detokenize`: SamplingParams(detokenize=False), token ids
+    only (vLLM's benchmark flag of the same name)."""
     t0 = time.perf_counter()
     llm = make_llm(model, seed=seed, **engine_kwargs)
     load_s = time.perf_counter() - t0
@@ -100,7 +114,7 @@ def run_throughput(
     try:
         pool = _vocab_pool(llm)
         prompts = random_token_prompts(pool, num_prompts, input_len, seed)
-        params = _sampling(output_len, temperature, seed, min_tokens)
+        params = _sampling(output_len, temperature, seed, min_tokens, not disable_detokenize)
         if warmup:
             # The timed run's batch shapes with other prompts (no prefix-cache hits), then what
             # they compiled in the background (the XLA sampler's specialization per request
@@ -124,6 +138,7 @@ def run_throughput(
         "input_len": input_len,
         "output_len": output_len,
         "min_tokens": min_tokens,
+        "detokenize": not disable_detokenize,
         "load_time_s": load_s,
         "elapsed_time": elapsed,
         "num_requests": len(outs),

@@ -141,6 +141,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: outputs carry token ids only (text ""), no per-token detokenization; stop strings
+    # need the text, so they are refused then (logprob entries still decode their token).
+    detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # Words never generated: each is tokenized with and without a leading space; the word's last
@@ -234,6 +237,8 @@ class SamplingParams:
                 bad(f"{name} must be an integer in [0, 20], got {v}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            bad("stop strings need the output text: set detokenize=True to use stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):

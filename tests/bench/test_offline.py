@@ -75,13 +75,14 @@ def test_throughput_dummy_weights(bench_model_dir: Path, tmp_path: Path) -> None
             "--output-len",
             "3",
             "--no-warmup",
+            "--disable-detokenize",
             "--output-json",
             str(out),
         ]
     )
     res = _load(out)
     assert res["engine_kwargs"]["load_format"] == "dummy"
-    assert res["total_output_tokens"] == 6
+    assert res["total_output_tokens"] == 6 and res["detokenize"] is False
 
 
 def test_throughput_warmup_leaves_no_compile_to_the_timed_run(

@@ -166,6 +166,21 @@ def test_n_outputs(llm: LLM) -> None:
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # different seeds per sample
 
 
+def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:
+    """SamplingParams(detokenize=False) (vLLM's flag): the same tokens, finish reasons and
+    logprobs, no text; stop strings (which need the text) are refused up front."""
+    kw = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    want = llm.generate(["And God said"], SamplingParams(**kw), use_tqdm=False)[0].outputs[0]
+    got = llm.generate(["And God said"], SamplingParams(**kw, detokenize=False), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert want.text and got.text == ""
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert [sorted(p) for p in got.logprobs] == [sorted(p) for p in want.logprobs]
+    with pytest.raises(ValueError, match="detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_finish_reasons_and_stop_strings(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     base = llm.generate(

@@ -28,6 +28,7 @@ from xlaserve.outputs import (
 )
 from xlaserve.sampling_params import RequestOutputKind, SamplingParams
 from xlaserve.tokenizer import IncrementalDetokenizer
+from xlaserve.tokenizer.detokenizer import NullDetokenizer
 
 PromptType = str | list[int] | dict
 
@@ -40,7 +41,7 @@ class _Sequence:
 
     request_id: str  # the core's id
     index: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | NullDetokenizer
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
     token_ids: list[int] = field(default_factory=list)
@@ -169,12 +170,16 @@ class OutputProcessor:
                     lora_request=lora_request,
                 )  # fmt: skip
             )
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
+            detok: IncrementalDetokenizer | NullDetokenizer = (
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+                if params.detokenize
+                else NullDetokenizer()
             )
             seq = _Sequence(
                 cid,

@@ -142,3 +142,19 @@ class IncrementalDetokenizer:
         if finished or not self._hold or self.stop_reason is not None:
             return self.text
         return self.text[: max(0, len(self.text) - self._hold)]
+
+
+class NullDetokenizer:
+    """`SamplingParams(detokenize=False)`: the detokenizer's interface with no text at all."""
+
+    text = ""
+    stop_reason: str | None = None
+
+    def add_tokens(self, token_ids: list[int]) -> str | None:
+        return None
+
+    def flush(self) -> None:
+        pass
+
+    def output_text(self, finished: bool) -> str:
+        return ""
