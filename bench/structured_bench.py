@@ -312,6 +312,11 @@ def _main_rows(
         runs: dict[str, list[float]] = {"plain": [], "constrained": []}
         toks: dict[str, int] = {}
         overlapped: dict[str, int] = {}
+        # One untimed round at the batch's own size first: on the H200 the first full-size
+        # plain run was 1.4x slower than the ones after it in every call (15.3-15.6k vs ~22k
+        # tok/s at batch 256, 2026-12-05), which made the first pair's ratio meaningless.
+        for sp in (plain, cons):
+            _timed(llm, prompts, sp)
         for _ in range(args.repeats):
             for name, sp in (("plain", plain), ("constrained", cons)):
                 dt, k, ov = _timed(llm, prompts, sp)

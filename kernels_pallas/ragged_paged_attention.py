@@ -104,11 +104,11 @@ MASK_VALUE: float = -0.7 * float(np.finfo(np.float32).max)
 # reference needs ~53 GB of temporaries there and was not run). So the kernel.
 GPU_AUTO_IMPL: str = "pallas_gpu"
 # Whether impl="auto" also gives the GPU kernel the shapes it learned last (int8 / fp8 caches,
-# head dims that are not a power of 2): interpret-tested and compiled to sm_90 PTX by pip Triton
-# on the CPU, not yet run by XLA's Triton on a GPU. Until `pytest tests/kernels_pallas/
-# test_rpa_gpu.py` has passed on one, "auto" keeps them on the jnp path (chunked_xla) and an
-# explicit impl="pallas_gpu" takes them.
-GPU_AUTO_EXTENDED: bool = False
+# head dims that are not a power of 2). Run by XLA's Triton on the H200 (2026-12-05,
+# `pytest tests/kernels_pallas/test_rpa_gpu.py`): head_dim 48 (bf16, window + soft cap) and 80
+# (f32), int8 and fp8 caches (bf16 and f32) compile and match the float64 oracle (f32 at TF32
+# precision, as XLA's own dots on a GPU). False sends them to the jnp path (chunked_xla).
+GPU_AUTO_EXTENDED: bool = True
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Lane width used for the replicated m/l scratch (TPU vregs are [8, 128]).
 _LANES = 128

@@ -198,8 +198,8 @@ def gpu_kernel_supports(q: jax.Array, k_cache: jax.Array, extended: bool = True)
     """Whether the kernel takes these shapes / dtypes (what impl="auto" asks before picking it;
     an explicit impl="pallas_gpu" raises the reason instead, see check_gpu_kernel_inputs). A
     cache of int8 / float8_e4m3fn codes is a quantized one (its scales come with the call).
-    extended=False: not those caches nor head dims that are not a power of 2 (the shapes not
-    yet run on a GPU, `ragged_paged_attention.GPU_AUTO_EXTENDED`)."""
+    extended=False: not those caches nor head dims that are not a power of 2 (the shapes the
+    kernel learned last; `ragged_paged_attention.GPU_AUTO_EXTENDED`)."""
     quantized = jnp.dtype(k_cache.dtype) in QUANT_CODE_DTYPES
     if not extended and (quantized or padded_head_dim(q.shape[-1]) != q.shape[-1]):
         return False

@@ -476,13 +476,12 @@ class KernelConfig:
     xla_gpu_autotune_level: int = -1
     # XLA: autotune the GEMMs of programs whose matmuls have at most UNTUNED_MAX_ROWS (256)
     # rows: the forwards and prompt-logprob programs of <= 256 tokens, the samplers / verifiers
-    # of <= 256 rows. False = those compile with autotuning off (a per-program compile option;
-    # the larger prefill programs keep it): the level-0 cold start-up without its slow prefill
-    # (backends_xla/programs.py `compile_options`). NOT measured as a whole yet: level 0 for
-    # every program measured the same decode steps at batch 1 and 256 and 21.9 s to ready
-    # (H200, 8B shape; bench/RESULTS.md), so True until one call measures start-up, steps and
-    # the offline run together.
-    xla_autotune_small_programs: bool = True
+    # of <= 256 rows. False (default) = those compile with autotuning off (a per-program compile
+    # option; the larger prefill programs keep it; only XLA's GPU compiler reads it). H200, 8B
+    # shape, one lease (2026-12-05, bench/RESULTS.md): cold start-up 42.1 -> 23.4 s to ready
+    # (warm 7.0 s), the XLA / torch ratios the same within the run-to-run noise (batch 1 e2e
+    # 0.895x vs 0.888x tuned, offline 1000 x 256/256 0.878x vs 0.892x).
+    xla_autotune_small_programs: bool = False
     # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
     # to it, so it sets the M of every projection's matmul at batch 1. 0 = auto: on the CPU a
     # bucket of 1 token before the powers of two from 16 (batch-1 decode at M = 1: demo model,

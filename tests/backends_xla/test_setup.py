@@ -78,8 +78,8 @@ def test_small_programs_compile_untuned_when_asked(
     tiny_model_dir, jax_cache_dir, monkeypatch
 ) -> None:  # noqa: ANN001, E501
     """KernelConfig.xla_autotune_small_programs=False: every program of <= 256 matmul rows is
-    compiled with XLA's autotuning off, the 512-token forward with XLA's defaults; the default
-    passes no option at all."""
+    compiled with XLA's autotuning off, the 512-token forward with XLA's defaults (the default
+    since its H200 run); True passes no option at all."""
     import jax
 
     from xlaserve.backends_xla.programs import UNTUNED_MAX_ROWS, compile_options
@@ -106,5 +106,7 @@ def test_small_programs_compile_untuned_when_asked(
     assert big >= 1 and seen.count(None) >= big
     assert seen.count(untuned) == len(r.programs) - big  # every small program, nothing else
     seen.clear()
-    make_runner(path, jax_cache_dir, max_num_batched_tokens=512, max_model_len=512).compile_all()
+    make_runner(path, jax_cache_dir, max_num_batched_tokens=512, max_model_len=512,
+                xla_autotune_small_programs=True).compile_all()  # fmt: skip
     assert seen and all(o is None for o in seen)
+    assert KernelConfig().xla_autotune_small_programs is False

@@ -40,7 +40,10 @@ SCENARIOS: dict[str, tuple[list[int], list[int]]] = {
     "decode_only": ([1, 1, 1, 1, 1], [1, 8, 17, MAX_KV, 3]),
 }
 TOLERANCE = {  # (atol, rtol) per dtype
-    jnp.float32: (2e-5, 2e-5),
+    # float32 off the CPU: XLA's dots (the jnp reference) and the kernel's tl.dot take TF32
+    # inputs by default on a GPU (10-bit mantissa), so float32 results match the float64
+    # oracle to ~1e-3, not 1e-5 (H200, 2026-12-05: largest differences 2.3e-4 .. 2.0e-3).
+    jnp.float32: (2e-5, 2e-5) if jax.default_backend() == "cpu" else (5e-3, 5e-3),
     jnp.bfloat16: (3e-2, 3e-2),
 }
 SMALL_BLOCKS = BlockSizes(pages_per_block=2, queries_per_block=8)
