@@ -130,6 +130,10 @@ class _Launched(LaunchedStep):
     num_rows: int = 0
     # Sampling still to run (late grammar bitmasks, `apply_bitmasks`): it takes the masks.
     resume: Callable[[dict], None] | None = None
+    # With `resume`: the ids of the sampling requests in row order, and the buffer handed out
+    # by `late_bitmask_buffer`: (pinned slot or None on the CPU, ring index, int32 [R, W] view).
+    sample_rids: list[str] | None = None
+    mask_slot: tuple[torch.Tensor | None, int, np.ndarray] | None = None
 
 
 class TorchModelRunner(RunnerCore):
@@ -186,6 +190,12 @@ class TorchModelRunner(RunnerCore):
         self.fused_greedy = fg == "on" or (fg == "auto" and self.device.type == "cuda")
         self._token_ring: PinnedRing | None = None  # pinned host slots for deferred tokens
         self._mask_ring: PinnedRing | None = None  # pinned host slots for late grammar masks
+        # A late step's masks filled in place (`late_bitmask_buffer`): (pinned slot of
+        # _mask_ring or None on the CPU, ring index, int32 [R, W] view) for the `_masked` call
+        # of that step's sampling; how many steps took it (tests, benchmarks).
+        self._masks_in_place: tuple[torch.Tensor | None, int, np.ndarray] | None = None
+        self._cpu_masks: np.ndarray | None = None  # the CPU's reused [max_num_seqs, W] buffer
+        self.num_masks_in_place = 0
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
         self.kv_offload = None
         self.max_model_len = config.model.max_model_len or spec.max_position_embeddings
@@ -438,12 +448,49 @@ class TorchModelRunner(RunnerCore):
         """Issue one step; greedy fast-path tokens are read by `finish` (xlaserve.runner)."""
         return self._launch(scheduler_output, defer=True)
 
+    def late_bitmask_buffer(self, launched: _Launched, req_ids: list[str]) -> np.ndarray | None:
+        """Where the engine may fill a launched step's late grammar bitmasks in place: a pinned
+        upload slot, int32 [R, W], row r for the step's r-th sampling request, when those are
+        exactly `req_ids` in this order (every sampling request constrained) on CUDA. None
+        otherwise: the masks are then packed into a slot when the step samples (one host copy
+        of R x W words more: 4 MB at batch 256 of a 128k vocabulary)."""
+        if launched.resume is None or not req_ids or launched.sample_rids != req_ids:
+            return None
+        words = (self.spec.vocab_size + 31) // 32
+        rows = self.config.scheduler.max_num_seqs
+        if len(req_ids) > rows:
+            return None
+        if self.device.type != "cuda":  # read synchronously by `_masked`: one buffer serves
+            if self._cpu_masks is None:
+                self._cpu_masks = np.empty((rows, words), np.int32)
+            view = self._cpu_masks[: len(req_ids)]
+            launched.mask_slot = (None, -1, view)
+            return view
+        slot = self._mask_ring_for(words).take(len(req_ids) * words, torch.int32)
+        if slot is None:
+            return None
+        host, k = slot
+        view = host.view(len(req_ids), words).numpy()
+        launched.mask_slot = (host, k, view)
+        return view
+
     def apply_bitmasks(self, launched: _Launched, bitmasks: dict) -> None:
         """The late grammar bitmasks of a launched step (xlaserve.runner): its sampling, held
-        back at launch, runs now with them, applied on the device (no host sync)."""
+        back at launch, runs now with them, applied on the device (no host sync). Masks that
+        were filled into the step's `late_bitmask_buffer` go up from there as they are."""
         resume, launched.resume = launched.resume, None
-        if resume is not None:
+        slot, launched.mask_slot = launched.mask_slot, None
+        if resume is None:
+            return
+        if slot is not None and launched.sample_rids:
+            first = bitmasks.get(launched.sample_rids[0])
+            # The manager fills the buffer it was given whole or not at all (fill_bitmasks).
+            if first is not None and first.ctypes.data == slot[2].ctypes.data:
+                self._masks_in_place = slot
+        try:
             resume(bitmasks)
+        finally:
+            self._masks_in_place = None
 
     def finish(self, launched: _Launched) -> RunnerOutput:
         if launched.resume is not None:  # masks never came (an error in the engine): sample
@@ -549,6 +596,7 @@ class TorchModelRunner(RunnerCore):
             # The forward is queued; sampling waits for the masks (`apply_bitmasks`), which
             # the engine fills while the device runs it.
             launched.resume = sample
+            launched.sample_rids = [order[b][0] for b in sample_b]
         else:
             sample({})
         return launched
@@ -706,22 +754,39 @@ class TorchModelRunner(RunnerCore):
         vocab = logits.shape[1]
         words = (vocab + 31) // 32
         dev = self.device
+        in_place, self._masks_in_place = self._masks_in_place, None
+        if in_place is not None and in_place[2].shape != (len(masks), words):
+            in_place = None
+        if in_place is not None:
+            self.num_masks_in_place += 1
         if dev.type != "cuda":
-            packed = np.empty((len(masks), words), dtype="<i4")
-            pack_bitmask_rows(packed, masks)
+            if in_place is not None:
+                packed = in_place[2]  # the engine filled the masks here already
+            else:
+                packed = np.empty((len(masks), words), dtype="<i4")
+                pack_bitmask_rows(packed, masks)
             return logits.masked_fill(forbidden_tokens(packed, vocab, dev), float("-inf"))
-        if self._mask_ring is None:  # 4 slots: at most 2 launches are unread at once
+        ring = self._mask_ring_for(words)
+        if in_place is not None and in_place[0] is not None:
+            host, k = in_place[0], in_place[1]  # the engine filled the masks into this slot
+        else:
+            slot = ring.take(len(masks) * words, torch.int32)
+            assert slot is not None, "more sampling rows than max_num_seqs on a deferred step"
+            host, k = slot
+            pack_bitmask_rows(host.view(len(masks), words).numpy(), masks)
+        dev_bytes = host.view(torch.uint8).to(dev, non_blocking=True)  # [R * W * 4]
+        ring.record(k)
+        forbidden = forbidden_from_bytes(dev_bytes.view(len(masks), -1), vocab)
+        return logits.masked_fill(forbidden, float("-inf"))
+
+    def _mask_ring_for(self, words: int) -> PinnedRing:
+        """The pinned slots of late grammar masks (4: at most 2 launches are unread at once),
+        each max_num_seqs rows of `words` int32 words."""
+        if self._mask_ring is None:
             self._mask_ring = PinnedRing(
                 slots=4, nbytes=4 * words * self.config.scheduler.max_num_seqs
             )
-        slot = self._mask_ring.take(len(masks) * words, torch.int32)
-        assert slot is not None, "more sampling rows than max_num_seqs on a deferred step"
-        host, k = slot
-        pack_bitmask_rows(host.view(len(masks), words).numpy(), masks)
-        dev_bytes = host.view(torch.uint8).to(dev, non_blocking=True)  # [R * W * 4]
-        self._mask_ring.record(k)
-        forbidden = forbidden_from_bytes(dev_bytes.view(len(masks), -1), vocab)
-        return logits.masked_fill(forbidden, float("-inf"))
+        return self._mask_ring
 
     @staticmethod
     def _row(st: _ReqState) -> SamplingRow:

@@ -208,6 +208,9 @@ class ModelRunner(Protocol):
     #     [1, W]; a listed request missing from masks samples unconstrained (it has finished).
     #     Called once per launch whose step lists late ids, after `launch` and before `finish`.
     #     Without it the engine turns async scheduling off while any grammar is live.
+    #   late_bitmask_buffer(handle, req_ids) -> int32 [len(req_ids), W] array | None (optional):
+    #     where those masks may be filled in place (row i for req_ids[i]: e.g. the runner's
+    #     pinned upload buffer); called just before apply_bitmasks; None = no such buffer.
     #   ready_token_budget() -> int | None (optional): while the runner still compiles the
     #     programs of larger steps in the background, the most tokens a step may hold; None
     #     once it runs every step size (the engine then stops asking).

@@ -166,3 +166,34 @@ def test_real_runner_async_grammar_equals_sync(tiny_model_dir, backend: str) -> 
         assert (eng.num_overlapped_steps > 20) == (mode == "on")
         eng.shutdown()
     assert got["on"] == got["off"]
+
+
+def test_torch_late_masks_filled_in_place(tiny_model_dir, monkeypatch) -> None:  # noqa: ANN001
+    """When every sampling request of a late-mask step is constrained, the engine fills the
+    masks straight into the torch runner's upload buffer (`late_bitmask_buffer`, no pack copy):
+    the same tokens as with the copy and as the synchronous path; mixed steps keep the copy."""
+    from xlaserve.backends_torch.runner import TorchModelRunner
+
+    prompts = ["In the beginning", "And God said", "the waters", "Let there be light"] * 2
+    cons = [SO(regex=REGEX), SO(choice=CHOICES)]  # (they end well within max_tokens)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=cons[i % 2])
+        for i in range(len(prompts))
+    ]
+    kw = dict(backend="torch", dtype="float32", block_size=4, num_kv_blocks=256,
+              max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+              compile_workers=0)  # fmt: skip
+    got, in_place = {}, {}
+    for name, mode in (("sync", "off"), ("copy", "on"), ("in_place", "on")):
+        if name == "copy":
+            monkeypatch.setattr(TorchModelRunner, "late_bitmask_buffer", lambda *a: None)
+        else:
+            monkeypatch.undo()
+        llm = LLM(tiny_model_dir("llama"), async_scheduling=mode, **kw)
+        outs = _generate(llm, prompts, params)
+        _check(params, outs)
+        got[name] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        in_place[name] = llm.llm_engine.runner.num_masks_in_place
+        llm.llm_engine.shutdown()
+    assert got["in_place"] == got["copy"] == got["sync"]
+    assert in_place["sync"] == in_place["copy"] == 0 and in_place["in_place"] > 10

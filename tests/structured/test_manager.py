@@ -184,7 +184,10 @@ def test_accept_step_batch_equals_one_by_one(mgr: StructuredOutputManager, tok: 
             mgr.accept_tokens(tag + rid, pre)
     got = mgr.accept_step([("a" + rid, [t]) for rid, (_, t) in plan.items()] + [("plain", [5])])
     want = {rid: mgr.accept_tokens("b" + rid, [t]) for rid, (_, t) in plan.items()}
-    assert {rid[1:]: v for rid, v in got.items()} == want
+    # Only verdicts come back from the batch (requests whose grammar goes on get no entry).
+    assert {rid[1:]: v for rid, v in got.items()} == {
+        rid: v for rid, v in want.items() if v != (False, None)
+    }
     assert want["go"] == want["go2"] == (False, None)
     assert want["stop"] == want["past"] == (True, None)
     assert want["bad"][0] is False and "violates" in (want["bad"][1] or "")

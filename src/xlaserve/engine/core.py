@@ -584,14 +584,17 @@ class EngineCore:
         c = self.counters
         by_id: dict[str, Request] = {}
         mgr = self._structured
-        # Grammars advance for the whole step in one batch call (StructuredOutputManager.accept_step).
+        # Grammars advance for the whole step in one batch call (StructuredOutputManager.accept_step);
+        # its verdicts (a grammar ended or violated) are the only per-request work left here.
+        grammars_on = mgr is not None and mgr.num_matchers > 0
         grammar = (
             mgr.accept_step(
                 [(r.request_id, t) for r, t in updates if t and r.request_id in self._live]
             )
-            if mgr is not None and mgr.num_matchers
+            if grammars_on
             else {}
         )
+        jump = self._jump_forward and grammars_on
         for req, new_tokens in updates:
             rid = req.request_id
             if rid not in self._live:
@@ -608,10 +611,10 @@ class EngineCore:
                     out.logprobs = [(e.token_ids, e.logprobs, e.rank) for e in entries]
                 if rid in grammar:
                     self._grammar_result(req, new_tokens, *grammar[rid])
-                    if self._jump_forward and not req.is_finished:
-                        forced = self._jump(req)
-                        out.new_token_ids.extend(forced)
-                        c.generation_tokens_total += len(forced)
+                if jump and not req.is_finished and mgr.has_matcher(rid):
+                    forced = self._jump(req)
+                    out.new_token_ids.extend(forced)
+                    c.generation_tokens_total += len(forced)
             if req.is_finished:
                 out.finish_reason = req.status.finish_reason
                 out.stop_reason = req.stop_reason
@@ -692,7 +695,13 @@ class EngineCore:
         late, so.late_bitmask_req_ids = so.late_bitmask_req_ids, set()
         mgr = self._structured
         rids = [r for r in so.num_scheduled_tokens if r in late]
-        masks = mgr.fill_bitmasks(rids) if mgr is not None else {}
+        masks: dict = {}
+        if mgr is not None:
+            # A runner may hand out its upload buffer: the masks are then filled where the
+            # device copy reads them (no host copy of R x W words per step).
+            target = getattr(self.runner, "late_bitmask_buffer", None)
+            buf = target(handle, rids) if target is not None else None
+            masks = mgr.fill_bitmasks(rids, out=buf)
         self.runner.apply_bitmasks(handle, masks)
 
     def _grammar_result(
