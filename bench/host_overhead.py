@@ -128,7 +128,7 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
         # LLM.generate may pass final_only itself (newer trees): force it either way.
         engine.step = lambda *a, **k: step(*a, **{**k, "final_only": True})
     phases: dict[str, list[float]] = {
-        k: [] for k in ("step", "schedule", "execute", "sample", "update")
+        k: [] for k in ("step", "schedule", "execute", "sample", "update", "front")
     }
     cpu: dict[str, list[float]] = {k: [] for k in phases}
     _timed(engine, "step", phases["step"], cpu["step"])
@@ -137,6 +137,8 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
     if hasattr(engine.runner, "_sample"):
         _timed(engine.runner, "_sample", phases["sample"], cpu["sample"])
     _timed(engine.scheduler, "update_from_output", phases["update"], cpu["update"])
+    if hasattr(engine, "processor"):  # the front half: detokenize, stop strings, outputs
+        _timed(engine.processor, "process", phases["front"], cpu["front"])
     prof = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
     if prof is not None:
@@ -152,6 +154,8 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
     def medians(ph: dict[str, list[float]]) -> dict[str, float]:
         med = {k: 1e3 * statistics.median(v[dec]) for k, v in ph.items() if len(v) > 1}
         med["output_processing"] = med["step"] - med["schedule"] - med["execute"] - med["update"]
+        if "front" in med:  # the rest: the core's CoreOutputs, stop / finish bookkeeping
+            med["output_processing_core"] = med["output_processing"] - med["front"]
         if "sample" in med:
             med["execute_minus_sample"] = med["execute"] - med["sample"]
         return med
