@@ -36,6 +36,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -200,7 +201,41 @@ def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]: 
                 bm.batch_fill_next_token_bitmask(ms, mask, list(range(b)))
                 ts.append(time.perf_counter() - t0)
             out[f"B={b} threads={th}"] = statistics.median(ts) * 1e3
+        # Does the batch fill release the GIL? (1.0 = fully: a fill on a worker thread would
+        # overlap the engine thread's Python.)
+        out[f"B={b} python progress beside a fill thread"] = _gil_share(
+            xgr.BatchGrammarMatcher(max_threads=1), ms, mask
+        )
     return out
+
+
+def _gil_share(batch: Any, matchers: list, mask: Any) -> float:  # noqa: ANN401 - xgrammar
+    """Python progress of this thread in 0.5 s while another thread fills `matchers`' rows of
+    `mask` back to back, over its progress alone."""
+    alone = _spin(0.5)
+    stop = threading.Event()
+    rows = list(range(len(matchers)))
+
+    def fills() -> None:
+        while not stop.is_set():
+            batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+
+    worker = threading.Thread(target=fills)
+    worker.start()
+    try:
+        beside = _spin(0.5)
+    finally:
+        stop.set()
+        worker.join()
+    return beside / alone
+
+
+def _spin(seconds: float) -> int:
+    """Loop iterations of plain Python in `seconds` (a GIL-contention probe)."""
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += 1
+    return n
 
 
 def _steps(llm: Any) -> int:  # noqa: ANN401 - LLM

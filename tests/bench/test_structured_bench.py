@@ -24,6 +24,7 @@ def test_structured_bench_runs_every_row(tmp_path) -> None:  # noqa: ANN001
     assert set(rows["compile"]) == {"issue_schema", "nested_2kb"}
     assert rows["compile"]["nested_2kb"]["schema_bytes"] == len(json.dumps(NESTED_SCHEMA)) >= 2048
     assert rows["fill"]["B=3 threads=1"] > 0
+    assert rows["fill"]["B=3 python progress beside a fill thread"] > 0
     # Jump-forward off vs on (a second engine): identical greedy tokens, never more steps.
     for key in ("issue_schema batch3", "issue_schema batch1", "jump_schema batch3"):
         row = rows["jump"][key]
