@@ -114,6 +114,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw.update(model_engine_kwargs(args))
     if args.async_scheduling:
         kw["async_scheduling"] = args.async_scheduling
+    if args.fill_thread is not None:
+        kw["fill_thread"] = args.fill_thread == "on"
     return kw
 
 
@@ -427,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-json", default="structured_bench.json")
     add_model_args(ap)
     ap.add_argument("--async-scheduling", default=None, choices=["auto", "on", "off"])
+    ap.add_argument(
+        "--fill-thread",
+        default=None,
+        choices=["on", "off"],
+        help="StructuredOutputConfig.fill_thread (default: the engine's)",
+    )
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)

@@ -341,6 +341,12 @@ class StructuredOutputConfig:
     # host, 256 rows: 1 / 2 / 4 / 8 / 16 threads 1.75 / 1.29 / 0.90 / 1.00 / 1.78 ms, one row:
     # 4.5 us on one thread, 100+ us on more.
     bitmask_fill_threads: int = 0
+    # Async steps with late masks: the fill of the next step's masks runs on a worker thread
+    # as soon as the grammars took this step's tokens, while the engine thread builds this
+    # step's outputs (xgrammar's fill releases the GIL); False = on the engine thread after
+    # them. Off until measured on a GPU: on the 2-core dev host (batch 256, 128k vocab) it
+    # gained nothing (bench/RESULTS.md, fifteenth session); `structured_bench --fill-thread`.
+    fill_thread: bool = False
     # Jump-forward decoding: where the grammar admits exactly one token at the next positions,
     # append those tokens without a forward step each (exact: the sampler could pick nothing
     # else). Off by default: it turns async scheduling off while a grammar is live (the forced

@@ -17,7 +17,8 @@ import bisect
 import gc
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -344,6 +345,10 @@ class EngineCore:
         # The runner can take a launched step's grammar bitmasks after its forward is queued
         # (`apply_bitmasks`): grammars then keep async scheduling on (see `_can_overlap`).
         self._late_bitmasks = callable(getattr(self.runner, "apply_bitmasks", None))
+        # The grammar-fill thread (StructuredOutputConfig.fill_thread) and its job in flight:
+        # (the launched step's handle, the masks' Future).
+        self._fill_pool: ThreadPoolExecutor | None = None
+        self._late_fill: tuple[Any, Future] | None = None
         # A runner still compiling the programs of larger steps in the background caps the step's
         # tokens at what it can run (`ready_token_budget`: an int, None once all are compiled).
         self._ready_tokens = getattr(self.runner, "ready_token_budget", None)
@@ -500,8 +505,10 @@ class EngineCore:
                 if so is not None:
                     self._inflight = self._launch(so)
                     self.num_overlapped_steps += 1
-            outputs = failed + self._finish_step(prev)
-            if self._inflight is not None:  # the grammars now hold step N's tokens
+            outputs = failed + self._finish_step(prev, self._start_late_fill)
+            if self._late_fill is not None:  # started once the grammars held step N's tokens
+                self._apply_late_fill()
+            elif self._inflight is not None:  # the grammars now hold step N's tokens
                 self._send_late_bitmasks(self._inflight[0], self._inflight[1])
             if self._inflight is not None and not self._live:
                 # Nothing left to report: the step in flight holds only dropped extra tokens.
@@ -563,15 +570,24 @@ class EngineCore:
         return so, self.runner.launch(so), scheduled
 
     def _finish_step(
-        self, launched: tuple[SchedulerOutput, Any, dict[str, Request]]
+        self,
+        launched: tuple[SchedulerOutput, Any, dict[str, Request]],
+        grammars_advanced: Callable[[Iterable[str]], None] | None = None,
     ) -> list[CoreOutput]:
         so, handle, scheduled = launched
-        return self._process(so, self.runner.finish(handle), scheduled)
+        return self._process(so, self.runner.finish(handle), scheduled, grammars_advanced)
 
     def _process(
-        self, so: SchedulerOutput, ro: RunnerOutput, scheduled: dict[str, Request] | None = None
+        self,
+        so: SchedulerOutput,
+        ro: RunnerOutput,
+        scheduled: dict[str, Request] | None = None,
+        grammars_advanced: Callable[[Iterable[str]], None] | None = None,
     ) -> list[CoreOutput]:
-        """Apply one step's RunnerOutput: tokens, stops, grammars, drafts -> CoreOutputs."""
+        """Apply one step's RunnerOutput: tokens, stops, grammars, drafts -> CoreOutputs.
+        `grammars_advanced(ended)`: called once the grammars hold this step's tokens (the next
+        step's late mask fill may start then), with the requests whose grammar ended or failed
+        on them (they finish in this call: no mask)."""
         updates = self.scheduler.update_from_output(so, ro, scheduled)
         if so.total_num_scheduled_tokens:
             self.counters.observe_step(so.total_num_scheduled_tokens)
@@ -595,6 +611,8 @@ class EngineCore:
             else {}
         )
         jump = self._jump_forward and grammars_on
+        if grammars_on and grammars_advanced is not None:
+            grammars_advanced(grammar.keys())
         for req, new_tokens in updates:
             rid = req.request_id
             if rid not in self._live:
@@ -683,6 +701,36 @@ class EngineCore:
             so.late_bitmask_req_ids = set(rids)
         elif rids:  # the whole batch in one pass into one buffer
             so.grammar_bitmask.update(mgr.fill_bitmasks(rids, so.spec_token_ids))
+
+    def _start_late_fill(self, ended: Iterable[str] = ()) -> None:
+        """The step in flight's late masks (`_send_late_bitmasks`) filled on the fill thread,
+        from now (the grammars hold every earlier token) while this thread goes on; the step's
+        sampling gets them in `_apply_late_fill`. `ended`: requests whose grammar just ended
+        or failed (they finish: no row, as for any request gone meanwhile). Without the
+        thread: nothing (the engine thread fills them after the outputs)."""
+        inflight, mgr = self._inflight, self._structured
+        if self._late_fill is not None:  # left by a step that raised: its step never samples
+            self._late_fill[1].result()
+            self._late_fill = None
+        if inflight is None or mgr is None or not mgr.config.fill_thread:
+            return
+        so, handle = inflight[0], inflight[1]
+        if not so.late_bitmask_req_ids:
+            return
+        late, so.late_bitmask_req_ids = so.late_bitmask_req_ids, set()
+        late = late.difference(ended)
+        rids = [r for r in so.num_scheduled_tokens if r in late]
+        target = getattr(self.runner, "late_bitmask_buffer", None)
+        job = mgr.fill_job(rids, out=target(handle, rids) if target is not None else None)
+        if self._fill_pool is None:
+            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="xlaserve-grammar-fill")
+        self._late_fill = (handle, self._fill_pool.submit(job))
+
+    def _apply_late_fill(self) -> None:
+        """Hand the fill thread's masks to the step in flight (its sampling runs now)."""
+        assert self._late_fill is not None
+        (handle, fut), self._late_fill = self._late_fill, None
+        self.runner.apply_bitmasks(handle, fut.result())
 
     def _send_late_bitmasks(self, so: SchedulerOutput, handle: Any) -> None:
         """Fill and hand over the bitmasks of a launched step whose sampling waits for them
@@ -811,6 +859,9 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
+        if self._fill_pool is not None:  # a fill still writing a mask buffer ends first
+            self._fill_pool.shutdown(wait=True)
+            self._late_fill = None
         if self._inflight is not None:  # let the device finish before its memory goes
             self.runner.finish(self._inflight[1])
             self._inflight = None

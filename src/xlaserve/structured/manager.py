@@ -447,12 +447,41 @@ class StructuredOutputManager:
                 rows.append(row)
             masks[rid] = out[row : row + 1 + len(ds)]
             row += 1 + len(ds)
+        self._batch_fill(plain, out, rows)
+        return masks
+
+    def fill_job(
+        self, req_ids: list[str], out: np.ndarray | None = None
+    ) -> Callable[[], dict[str, np.ndarray]]:
+        """`fill_bitmasks(req_ids, out=out)` for rows without drafts, in two halves: the
+        matchers and the buffer are taken now, on the caller's thread (later `remove` calls
+        do not touch them); the returned call does the fill, which xgrammar runs with the GIL
+        released (`structured_bench`'s fill row: Python progress 0.95 beside a fill thread),
+        so a worker thread can run it while the engine thread goes on."""
+        live = [(rid, self._matchers[rid]) for rid in req_ids if rid in self._matchers]
+        if not live:
+            return lambda: {}
+        shape = (len(live), self.num_words)
+        if out is None or len(live) != len(req_ids) or out.shape != shape or out.dtype != np.int32:
+            out = np.empty(shape, np.int32)
+        buf = out
+        plain = [m for _, m in live]
+        rows = list(range(len(live)))
+        masks = {rid: buf[i : i + 1] for i, (rid, _) in enumerate(live)}
+
+        def run() -> dict[str, np.ndarray]:
+            self._batch_fill(plain, buf, rows)
+            return masks
+
+        return run
+
+    def _batch_fill(self, plain: list[Any], out: np.ndarray, rows: list[int]) -> None:
+        """Fill row rows[i] of out from plain[i]'s matcher: one xgrammar batch call."""
         if len(plain) == 1:
             plain[0].fill_next_token_bitmask(out, rows[0])
         elif plain:
             batch = self._batch_mt if len(plain) >= MIN_ROWS_THREADED_FILL else self._batch
             batch.batch_fill_next_token_bitmask(plain, out, rows)
-        return masks
 
     def forced_tokens(
         self, req_id: str, limit: int, is_stop: Callable[[int], bool] = lambda t: False
