@@ -264,7 +264,7 @@ def _offline(llm: Any, n: int, inp: int, out: int, repeats: int, vocab: int) -> 
     local = _in_process(llm)
     scheduler = engine.scheduler if local else None
     runner = engine.runner if local else None
-    for owner, name in ((scheduler, "schedule"), (engine if local else None, "_process"),
+    for owner, name in ((scheduler, "schedule"), (engine.core if local else None, "_process"),
                         (runner, "execute"), (runner, "launch"),
                         (runner, "finish")):  # fmt: skip
         fn = getattr(owner, name, None) if owner is not None else None
