@@ -702,29 +702,43 @@ class EngineCore:
         elif rids:  # the whole batch in one pass into one buffer
             so.grammar_bitmask.update(mgr.fill_bitmasks(rids, so.spec_token_ids))
 
+    def _late_fill_job(
+        self, so: SchedulerOutput, handle: Any, ended: Iterable[str] = ()
+    ) -> Callable[[], dict] | None:
+        """The fill of a launched step's late masks (`so.late_bitmask_req_ids`, taken), or None
+        when it has none. The matchers and buffer are taken now; the call fills. `ended`:
+        requests whose grammar just ended or failed (they finish: no row). Requests that
+        finished meanwhile (their matcher is gone) get no row either: the runner samples them
+        unconstrained and the scheduler drops that extra token, as for any request that ends
+        while a step is in flight. A runner may hand out its upload buffer
+        (`late_bitmask_buffer`): the masks are then filled where the device copy reads them."""
+        if not so.late_bitmask_req_ids:
+            return None
+        late, so.late_bitmask_req_ids = so.late_bitmask_req_ids.difference(ended), set()
+        mgr = self._structured
+        if mgr is None:
+            return lambda: {}
+        rids = [r for r in so.num_scheduled_tokens if r in late]
+        target = getattr(self.runner, "late_bitmask_buffer", None)
+        return mgr.fill_job(rids, out=target(handle, rids) if target is not None else None)
+
     def _start_late_fill(self, ended: Iterable[str] = ()) -> None:
-        """The step in flight's late masks (`_send_late_bitmasks`) filled on the fill thread,
-        from now (the grammars hold every earlier token) while this thread goes on; the step's
-        sampling gets them in `_apply_late_fill`. `ended`: requests whose grammar just ended
-        or failed (they finish: no row, as for any request gone meanwhile). Without the
-        thread: nothing (the engine thread fills them after the outputs)."""
+        """The step in flight's late masks filled on the fill thread, from now (the grammars
+        hold every earlier token) while this thread goes on; the step's sampling gets them in
+        `_apply_late_fill`. Without the thread: nothing (`_send_late_bitmasks` fills them on
+        the engine thread after the outputs)."""
         inflight, mgr = self._inflight, self._structured
         if self._late_fill is not None:  # left by a step that raised: its step never samples
             self._late_fill[1].result()
             self._late_fill = None
         if inflight is None or mgr is None or not mgr.config.fill_thread:
             return
-        so, handle = inflight[0], inflight[1]
-        if not so.late_bitmask_req_ids:
+        job = self._late_fill_job(inflight[0], inflight[1], ended)
+        if job is None:
             return
-        late, so.late_bitmask_req_ids = so.late_bitmask_req_ids, set()
-        late = late.difference(ended)
-        rids = [r for r in so.num_scheduled_tokens if r in late]
-        target = getattr(self.runner, "late_bitmask_buffer", None)
-        job = mgr.fill_job(rids, out=target(handle, rids) if target is not None else None)
         if self._fill_pool is None:
             self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="xlaserve-grammar-fill")
-        self._late_fill = (handle, self._fill_pool.submit(job))
+        self._late_fill = (inflight[1], self._fill_pool.submit(job))
 
     def _apply_late_fill(self) -> None:
         """Hand the fill thread's masks to the step in flight (its sampling runs now)."""
@@ -733,24 +747,11 @@ class EngineCore:
         self.runner.apply_bitmasks(handle, fut.result())
 
     def _send_late_bitmasks(self, so: SchedulerOutput, handle: Any) -> None:
-        """Fill and hand over the bitmasks of a launched step whose sampling waits for them
-        (`so.late_bitmask_req_ids`); the grammars now hold every earlier token. Requests that
-        finished meanwhile (their matcher is gone) get no row: the runner samples them
-        unconstrained and the scheduler drops that extra token, as for any request that ends
-        while a step is in flight."""
-        if not so.late_bitmask_req_ids:
-            return
-        late, so.late_bitmask_req_ids = so.late_bitmask_req_ids, set()
-        mgr = self._structured
-        rids = [r for r in so.num_scheduled_tokens if r in late]
-        masks: dict = {}
-        if mgr is not None:
-            # A runner may hand out its upload buffer: the masks are then filled where the
-            # device copy reads them (no host copy of R x W words per step).
-            target = getattr(self.runner, "late_bitmask_buffer", None)
-            buf = target(handle, rids) if target is not None else None
-            masks = mgr.fill_bitmasks(rids, out=buf)
-        self.runner.apply_bitmasks(handle, masks)
+        """Fill (on this thread) and hand over the masks of a launched step whose sampling
+        waits for them; the grammars now hold every earlier token (`_late_fill_job`)."""
+        job = self._late_fill_job(so, handle)
+        if job is not None:
+            self.runner.apply_bitmasks(handle, job())
 
     def _grammar_result(
         self, req: Request, new_tokens: list[int], terminated: bool, error: str | None

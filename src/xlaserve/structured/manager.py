@@ -191,7 +191,8 @@ def _verdict(m: Any, token: int, accepted: bool) -> tuple[bool, str | None] | No
 
 class StructuredOutputManager:
     """Compiled-grammar LRU cache + per-sequence GrammarMatchers. Not thread-safe: every method
-    runs on the engine's thread; only `GrammarCompiler.compile_grammar` runs on the worker."""
+    runs on the engine's thread; only `GrammarCompiler.compile_grammar` runs on the worker, and
+    the call `fill_job` returns may run on the engine's fill thread."""
 
     def __init__(
         self,
@@ -399,23 +400,16 @@ class StructuredOutputManager:
             m.rollback(accepted)
 
     def fill_bitmasks(
-        self,
-        req_ids: list[str],
-        drafts: dict[str, list[int]] | None = None,
-        out: np.ndarray | None = None,
+        self, req_ids: list[str], drafts: dict[str, list[int]] | None = None
     ) -> dict[str, np.ndarray]:
         """`fill_bitmask` for a whole step: req_id -> int32 [P, W], views of ONE buffer
         [sum P, W]. The rows of requests without drafts are filled by one xgrammar batch call
         (measured on 2 CPU cores, 8 rows: 25 us vs 37 us for a loop of single fills); rows with
         drafts need accept / rollback between fills, one request at a time. Requests without
-        a matcher are left out.
-
-        `out` (int32 [len(req_ids), W], e.g. a runner's pinned upload buffer): the buffer, row
-        i for req_ids[i], used only when every request has a matcher and none has drafts (it
-        is then filled whole); else a buffer of the manager's own."""
+        a matcher are left out."""
         drafts = drafts or {}
         if not any(drafts.get(rid) for rid in req_ids):  # one row each: one batch fill
-            return self.fill_job(req_ids, out)()
+            return self.fill_job(req_ids)()
         live = [(rid, drafts.get(rid) or []) for rid in req_ids if rid in self._matchers]
         if not live:
             return {}
@@ -442,11 +436,15 @@ class StructuredOutputManager:
     def fill_job(
         self, req_ids: list[str], out: np.ndarray | None = None
     ) -> Callable[[], dict[str, np.ndarray]]:
-        """`fill_bitmasks(req_ids, out=out)` for rows without drafts, in two halves: the
-        matchers and the buffer are taken now, on the caller's thread (later `remove` calls
-        do not touch them); the returned call does the fill, which xgrammar runs with the GIL
-        released (`structured_bench`'s fill row: Python progress 0.95 beside a fill thread),
-        so a worker thread can run it while the engine thread goes on."""
+        """`fill_bitmasks(req_ids)` for rows without drafts, in two halves: the matchers and
+        the buffer are taken now, on the caller's thread (later `remove` calls do not touch
+        them); the returned call does the fill, which xgrammar runs with the GIL released
+        (`structured_bench`'s fill row: Python progress 0.95 beside a fill thread), so a worker
+        thread can run it while the engine thread goes on.
+
+        `out` (int32 [len(req_ids), W], e.g. a runner's pinned upload buffer): the buffer, row
+        i for req_ids[i], used only when every request has a matcher (it is then filled
+        whole); else a buffer of the manager's own."""
         live = [(rid, self._matchers[rid]) for rid in req_ids if rid in self._matchers]
         if not live:
             return lambda: {}
@@ -455,13 +453,12 @@ class StructuredOutputManager:
             # Every row is written in full by the fill: no memset (4 MB at 256 rows of a 128k
             # vocabulary, on the step's critical path).
             out = np.empty(shape, np.int32)
-        buf = out
         plain = [m for _, m in live]
         rows = list(range(len(live)))
-        masks = {rid: buf[i : i + 1] for i, (rid, _) in enumerate(live)}
+        masks = {rid: out[i : i + 1] for i, (rid, _) in enumerate(live)}
 
         def run() -> dict[str, np.ndarray]:
-            self._batch_fill(plain, buf, rows)
+            self._batch_fill(plain, out, rows)
             return masks
 
         return run
@@ -550,7 +547,7 @@ class StructuredOutputManager:
             if accepted and t not in stops:
                 continue
             verdict = _verdict(m, t, bool(accepted))
-            if verdict is not None and verdict != (False, None):
+            if verdict is not None:
                 res[rid] = verdict
         return res
 
