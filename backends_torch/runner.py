@@ -131,7 +131,8 @@ class _Launched(LaunchedStep):
     # Sampling still to run (late grammar bitmasks, `apply_bitmasks`): it takes the masks.
     resume: Callable[[dict], None] | None = None
     # With `resume`: the ids of the sampling requests in row order, and the buffer handed out
-    # by `late_bitmask_buffer`: (pinned slot or None on the CPU, ring index, int32 [R, W] view).
+    # by `late_bitmask_buffer`: (pinned slot or None on the CPU, ring index, int32 [R, W] view),
+    # kept for the step's sampling only when the masks were filled into it.
     sample_rids: list[str] | None = None
     mask_slot: tuple[torch.Tensor | None, int, np.ndarray] | None = None
 
@@ -190,10 +191,8 @@ class TorchModelRunner(RunnerCore):
         self.fused_greedy = fg == "on" or (fg == "auto" and self.device.type == "cuda")
         self._token_ring: PinnedRing | None = None  # pinned host slots for deferred tokens
         self._mask_ring: PinnedRing | None = None  # pinned host slots for late grammar masks
-        # A late step's masks filled in place (`late_bitmask_buffer`): (pinned slot of
-        # _mask_ring or None on the CPU, ring index, int32 [R, W] view) for the `_masked` call
-        # of that step's sampling; how many steps took it (tests, benchmarks).
-        self._masks_in_place: tuple[torch.Tensor | None, int, np.ndarray] | None = None
+        # Late masks filled in place (`late_bitmask_buffer`): the CPU's buffer, and how many
+        # steps' masks went up from there (tests, benchmarks).
         self._cpu_masks: np.ndarray | None = None  # the CPU's reused [max_num_seqs, W] buffer
         self.num_masks_in_place = 0
         # KV offload copy engine (host/disk tiers), made by init_kv_cache when configured.
@@ -479,18 +478,20 @@ class TorchModelRunner(RunnerCore):
         back at launch, runs now with them, applied on the device (no host sync). Masks that
         were filled into the step's `late_bitmask_buffer` go up from there as they are."""
         resume, launched.resume = launched.resume, None
-        slot, launched.mask_slot = launched.mask_slot, None
+        slot = launched.mask_slot
         if resume is None:
+            launched.mask_slot = None
             return
-        if slot is not None and launched.sample_rids:
-            first = bitmasks.get(launched.sample_rids[0])
-            # The manager fills the buffer it was given whole or not at all (fill_bitmasks).
-            if first is not None and first.ctypes.data == slot[2].ctypes.data:
-                self._masks_in_place = slot
+        if slot is not None:
+            first = bitmasks.get(launched.sample_rids[0]) if launched.sample_rids else None
+            # The manager fills the buffer it was given whole or not at all (fill_job): the
+            # slot holds this step's masks iff the first one is its first row.
+            if first is None or first.ctypes.data != slot[2].ctypes.data:
+                launched.mask_slot = None
         try:
-            resume(bitmasks)
+            resume(bitmasks)  # `_masked` reads launched.mask_slot
         finally:
-            self._masks_in_place = None
+            launched.mask_slot = None
 
     def finish(self, launched: _Launched) -> RunnerOutput:
         if launched.resume is not None:  # masks never came (an error in the engine): sample
@@ -669,7 +670,9 @@ class TorchModelRunner(RunnerCore):
                     rows = [self._row(self.requests[order[b][0]]) for b in sample_b]
                     # The raw logits stay for `finish`'s exact non-finite re-check.
                     masked = self._masked(
-                        logits, [so.grammar_bitmask.get(order[b][0]) for b in sample_b]
+                        logits,
+                        [so.grammar_bitmask.get(order[b][0]) for b in sample_b],
+                        launched.mask_slot,
                     )
                     tokens_t = self.sampler.sample_tokens(masked, rows)
                 flat = torch.cat([tokens_t, suspect_t.to(tokens_t.dtype)])
@@ -744,17 +747,22 @@ class TorchModelRunner(RunnerCore):
             rid = order[b][0]
             self._defer_token(launched, rid, self.requests[rid], row)
 
-    def _masked(self, logits: torch.Tensor, masks: list[np.ndarray | None]) -> torch.Tensor:
+    def _masked(
+        self,
+        logits: torch.Tensor,
+        masks: list[np.ndarray | None],
+        in_place: tuple[torch.Tensor | None, int, np.ndarray] | None = None,
+    ) -> torch.Tensor:
         """logits [R, V] with each row's grammar bitmask applied (disallowed -> -inf), a new
         tensor; masks[r]: int32 [1, W] or None (row r unconstrained). The packed rows
         [R, W] go up through pinned memory without waiting for the queued forward, and are
-        unpacked on the device."""
+        unpacked on the device. `in_place`: the step's `late_bitmask_buffer` slot when the
+        masks were filled into it (nothing to pack)."""
         if all(m is None for m in masks):
             return logits
         vocab = logits.shape[1]
         words = (vocab + 31) // 32
         dev = self.device
-        in_place, self._masks_in_place = self._masks_in_place, None
         if in_place is not None and in_place[2].shape != (len(masks), words):
             in_place = None
         if in_place is not None:

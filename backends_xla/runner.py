@@ -67,7 +67,6 @@ from xlaserve.backends_xla.sampler import (
     SamplerOutput,
     SamplingTensors,
     VerifyOutput,
-    needs_extras,
     neutral_extras,
     pack_params,
     packed_stops,
@@ -848,10 +847,7 @@ class XlaModelRunner(RunnerCore):
         reqs, rids, positions, prefixes, drafts, num_drafts = verify_rows(
             reqs, batch.req_ids, batch.drafts, b, k
         )
-        extras = any(
-            needs_extras(r, rid, so.grammar_bitmask) for r, rid in zip(reqs, rids, strict=True)
-        )
-        with_lp = any(r is not None and r.params.logprobs is not None for r in reqs)
+        extras, with_lp, _, _ = step_summary(reqs, rids, so.grammar_bitmask)
         st = self._sampling_tensors(
             reqs, rids, len(reqs), extras, with_lp, so.grammar_bitmask, positions, prefixes
         )
