@@ -52,20 +52,9 @@ def _sampling(
     kept and masked by min_tokens = output_len, as a user's min_tokens masks it."""
     from xlaserve import SamplingParams
 
-    if min_tokens:
-        return SamplingParams(
-            max_tokens=output_len,
-            min_tokens=output_len,
-            temperature=temperature,
-            seed=seed,
-            detokenize=detokenize,
-        )
+    length = {"min_tokens": output_len} if min_tokens else {"ignore_eos": True}
     return SamplingParams(
-        max_tokens=output_len,
-        ignore_eos=True,
-        temperature=temperature,
-        seed=seed,
-        detokenize=detokenize,
+        max_tokens=output_len, temperature=temperature, seed=seed, detokenize=detokenize, **length
     )
 
 
