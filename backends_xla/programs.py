@@ -328,8 +328,11 @@ def compile_programs(
 
 
 # The most matmul rows a program may have to compile without autotuning when
-# KernelConfig.xla_autotune_small_programs is off: the largest decode bucket measured (batch 256).
-UNTUNED_MAX_ROWS = 256
+# KernelConfig.xla_autotune_small_programs is off: the smallest decode bucket (batch 1-16), whose
+# projections run the Pallas decode GEMV anyway. Not 256: untuned, XLA's GEMMs of the batch-256
+# decode step took 203 ms a step against 14.2 ms tuned (H200, 8B shape, 2026-12-05,
+# bench/RESULTS.md); at 16 the cold start-up is 25.0 s to ready and the steps are the tuned ones.
+UNTUNED_MAX_ROWS = 16
 
 
 def compile_options(r: XlaModelRunner, kind: str, n: int) -> dict[str, int] | None:

@@ -480,13 +480,14 @@ class KernelConfig:
     # prompts at max_num_batched_tokens 8192 did not finish in a minute, 22 s tuned;
     # bench/RESULTS.md): a choice for small token budgets, not a default.
     xla_gpu_autotune_level: int = -1
-    # XLA: autotune the GEMMs of programs whose matmuls have at most UNTUNED_MAX_ROWS (256)
-    # rows: the forwards and prompt-logprob programs of <= 256 tokens, the samplers / verifiers
-    # of <= 256 rows. False (default) = those compile with autotuning off (a per-program compile
-    # option; the larger prefill programs keep it; only XLA's GPU compiler reads it). H200, 8B
-    # shape, one lease (2026-12-05, bench/RESULTS.md): cold start-up 42.1 -> 23.4 s to ready
-    # (warm 7.0 s), the XLA / torch ratios the same within the run-to-run noise (batch 1 e2e
-    # 0.895x vs 0.888x tuned, offline 1000 x 256/256 0.878x vs 0.892x).
+    # XLA: autotune the GEMMs of programs whose matmuls have at most UNTUNED_MAX_ROWS (16)
+    # rows: the forwards and prompt-logprob programs of <= 16 tokens, the samplers / verifiers
+    # of <= 16 rows (batch 1-16, whose projections take the Pallas decode GEMV). False (default)
+    # = those compile with autotuning off (a per-program compile option; the larger programs
+    # keep it; only XLA's GPU compiler reads it). H200, 8B shape (2026-12-05, bench/RESULTS.md):
+    # cold start-up 25.0 s to ready, warm 5.7 s; offline 1000 x 256/256 11,816 tok/s against
+    # 11,832 with every program tuned (same call).
+    # (The bound was 256 first: its untuned batch-256 decode GEMMs took 203 ms a step.)
     xla_autotune_small_programs: bool = False
     # XLA: the smallest token bucket (a power of 2): the decode step of a small batch is padded
     # to it, so it sets the M of every projection's matmul at batch 1. 0 = auto: on the CPU a
