@@ -176,6 +176,10 @@ def test_reference_matches_numpy(page_size, hq, hkv, dtype, sliding_window, soft
         )  # fmt: skip
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="what impl='auto' picks on a CPU backend (GPU / TPU pick the kernel)",
+)
 def test_auto_runs_no_kernel_on_cpu_and_the_kernel_when_asked() -> None:
     """Checked on the traced program (no compile): "auto" on a CPU backend has no pallas_call;
     "pallas_tpu" has exactly one; both agree on the output shape and dtype."""
@@ -188,7 +192,6 @@ def test_auto_runs_no_kernel_on_cpu_and_the_kernel_when_asked() -> None:
             )
         )
 
-    assert jax.default_backend() == "cpu"
     assert "pallas_call" not in jaxpr("auto")
     assert jaxpr("pallas_tpu").count("pallas_call[") == 1
     for impl in ("auto", "pallas_tpu"):
@@ -229,4 +232,5 @@ def test_write_kv_then_attend() -> None:
     args = (case.q, k2, v2, *case.args()[3:])
     # The reference here: the kernel is swept above, and every interpret compile costs seconds.
     out = ragged_paged_attention(*args, sm_scale=0.125, impl="reference")
-    np.testing.assert_allclose(np.asarray(out), np_attention(case, 0.125), atol=2e-5, rtol=2e-5)
+    atol, rtol = TOLERANCE[jnp.float32]  # TF32 dots off the CPU (H200, 2026-12-05)
+    np.testing.assert_allclose(np.asarray(out), np_attention(case, 0.125), atol=atol, rtol=rtol)
