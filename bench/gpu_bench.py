@@ -477,6 +477,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     # The XLA backend as a user runs it: the xlaserve stage's arguments, compiled buckets, no
     # bucket or eager override (issue 33's side-by-side figure; --stages xlaserve,xla_user).
     "xla_user": ({"backend": "xla", "max_model_len": 2048}, "batch1+offline"),
+    # Its batch-1 row alone (A/Bs of the decode GEMV tiles against the `b1` torch row).
+    "xla_user_b1": ({"backend": "xla", "max_model_len": 2048}, "batch1"),
+    "xla_user_offline": ({"backend": "xla", "max_model_len": 2048}, "offline"),
     # xla_user with the Pallas decode GEMV in the Flax linears forced on (issue 33; xla_user
     # itself runs KernelConfig.xla_decode_gemv's default, or XLASERVE_XLA_DECODE_GEMV if set).
     "xla_user_gemv": (

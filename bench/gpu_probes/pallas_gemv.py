@@ -7,7 +7,8 @@ per shape with XLA's time, the best config and its time.
     python -m xlaserve.bench.gpu_probes.pallas_gemv --capped --shapes gate,down  # <= 6 each
 
 The full grid compiles up to 96 configs per shape (~100 s a shape on the H200); `--capped` times
-the hand-picked CAPPED list (TUNED's entry first, then its neighbours: <= 6 configs a shape).
+the hand-picked CAPPED list (TUNED's entry first, then its neighbours; the first `--max-configs`,
+default 6).
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ SHAPES = {
 CAPPED: dict[str, list[tuple[int, int, int, int, int]]] = {
     "tiny": [(32, 128, 1, 4, 3), (64, 256, 2, 4, 3)],
     "qkv": [(32, 256, 1, 4, 3), (32, 256, 1, 4, 5), (64, 256, 1, 4, 3), (32, 256, 2, 4, 3)],
-    "o": [(32, 256, 1, 4, 5), (32, 256, 1, 4, 3), (32, 256, 2, 4, 3), (16, 256, 1, 4, 3)],
+    "o": [(32, 256, 1, 4, 5), (32, 256, 1, 4, 3), (32, 256, 2, 4, 3), (16, 256, 1, 4, 3),
+          (16, 256, 1, 4, 5), (16, 512, 1, 4, 3), (16, 256, 2, 4, 4), (32, 512, 1, 4, 3),
+          (32, 128, 2, 4, 5), (32, 256, 2, 4, 5)],
     "gate": [(64, 256, 1, 4, 3), (32, 256, 1, 4, 3), (32, 256, 1, 4, 5), (64, 256, 1, 8, 3),
              (32, 128, 1, 4, 5), (32, 256, 2, 4, 3)],
     "gate_up": [(32, 256, 1, 4, 3), (64, 256, 1, 4, 3), (64, 256, 1, 8, 3)],
     "down": [(32, 256, 1, 4, 5), (32, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 256, 4, 4, 3),
-             (64, 256, 2, 4, 3), (16, 256, 1, 4, 5)],
+             (64, 256, 2, 4, 3), (16, 256, 1, 4, 5), (32, 256, 1, 4, 6), (32, 512, 1, 4, 4),
+             (16, 512, 1, 4, 4), (32, 256, 2, 4, 5)],
     "kv": [(16, 256, 4, 4, 3), (32, 256, 4, 4, 3), (32, 256, 2, 4, 3), (32, 256, 8, 4, 3),
            (32, 256, 1, 4, 3), (64, 256, 8, 4, 3)],
     "lm_head": [(32, 256, 1, 4, 3), (64, 256, 1, 4, 3), (32, 256, 1, 4, 5), (64, 256, 1, 8, 3)],
@@ -65,7 +69,12 @@ def _time(fn, x, ws, iters: int) -> float:  # noqa: ANN001
 
 
 def sweep(
-    names: list[str], m: int = 16, iters: int = 10, capped: bool = False, out: str = ""
+    names: list[str],
+    m: int = 16,
+    iters: int = 10,
+    capped: bool = False,
+    out: str = "",
+    max_configs: int = 6,
 ) -> dict[str, Any]:
     """{shape name: {n, k, xla_us, best, tuned, rows}}, printing one JSON line per shape and
     rewriting `out` (when given) after each shape, so a run cut short keeps what it measured."""
@@ -98,7 +107,7 @@ def sweep(
         nbytes = n * k * 2
         rows = []
         if capped:
-            grid = CAPPED[name][:6]
+            grid = CAPPED[name][:max_configs]
         else:
             grid = list(itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 5)))
         for bn, bk, split, warps, stages in grid:
@@ -140,20 +149,25 @@ def sweep(
 
 
 # Merged kernels (issue 33): name -> (N_i..., K); "gated" ones run gemv_gated(gate, up, silu).
-# <= 6 configs each, the TUNED_MULTI / TUNED_GATED pick first (split-K only for gemv_multi).
+# The first --max-configs (default 6) each, the TUNED_MULTI / TUNED_GATED pick first (split-K only for gemv_multi).
 MERGED = {"tiny_multi": ((64, 32, 32), 512), "qkv_multi": ((4096, 1024, 1024), 4096),
           "tiny_gated": ((64,), 512), "gate_up_gated": ((14336,), 4096)}  # fmt: skip
 MERGED_CAPPED: dict[str, list[tuple[int, int, int, int, int]]] = {
     "tiny_multi": [(32, 128, 1, 4, 3), (32, 256, 2, 4, 3)],
     "qkv_multi": [(32, 256, 1, 4, 3), (32, 256, 1, 4, 5), (16, 256, 1, 4, 3), (32, 256, 2, 4, 3),
-                  (64, 256, 1, 4, 3), (16, 256, 2, 4, 3)],
+                  (64, 256, 1, 4, 3), (16, 256, 2, 4, 3), (16, 256, 1, 4, 5), (16, 512, 1, 4, 3),
+                  (32, 512, 1, 4, 3), (32, 256, 2, 4, 5), (16, 256, 2, 4, 5), (32, 128, 2, 4, 6)],
     "tiny_gated": [(32, 128, 1, 4, 3), (64, 256, 1, 4, 3)],
     "gate_up_gated": [(64, 256, 1, 4, 3), (32, 256, 1, 4, 3), (32, 256, 1, 4, 5),
-                      (64, 256, 1, 8, 3), (64, 128, 1, 4, 4), (128, 256, 1, 8, 3)],
+                      (64, 256, 1, 8, 3), (64, 128, 1, 4, 4), (128, 256, 1, 8, 3),
+                      (32, 256, 1, 4, 4), (64, 256, 1, 4, 4), (32, 512, 1, 4, 3),
+                      (16, 256, 1, 4, 5), (64, 128, 1, 4, 6), (32, 128, 1, 4, 6)],
 }  # fmt: skip
 
 
-def sweep_merged(names: list[str], m: int = 16, iters: int = 10, out: str = "") -> dict[str, Any]:
+def sweep_merged(
+    names: list[str], m: int = 16, iters: int = 10, out: str = "", max_configs: int = 6
+) -> dict[str, Any]:
     """{name: {xla_us, rows}}: XLA's sibling dots (which it merges into one fusion) against the
     merged Pallas kernel over MERGED_CAPPED, one JSON line per shape (checked vs the reference)."""
     import jax
@@ -187,7 +201,7 @@ def sweep_merged(names: list[str], m: int = 16, iters: int = 10, out: str = "") 
         want = ref(ws[0])
         t_xla = _time(xla, x, ws, iters)
         rows = []
-        for c in MERGED_CAPPED[name][:6]:
+        for c in MERGED_CAPPED[name][:max_configs]:
             cfg = g.GemvConfig(*c)
             try:
                 if gated:
@@ -220,13 +234,14 @@ def main() -> None:
     p.add_argument("--m", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
-    p.add_argument("--capped", action="store_true", help="CAPPED's <= 6 configs a shape")
+    p.add_argument("--capped", action="store_true", help="CAPPED's first --max-configs a shape")
     p.add_argument("--merged", action="store_true", help="--shapes from MERGED (issue 33)")
+    p.add_argument("--max-configs", type=int, default=6, help="capped lists: the first N")
     a = p.parse_args()
     if a.merged:
-        sweep_merged(a.shapes.split(","), a.m, a.iters, a.out)
+        sweep_merged(a.shapes.split(","), a.m, a.iters, a.out, a.max_configs)
     else:
-        sweep(a.shapes.split(","), a.m, a.iters, a.capped, a.out)
+        sweep(a.shapes.split(","), a.m, a.iters, a.capped, a.out, a.max_configs)
 
 
 if __name__ == "__main__":
