@@ -95,8 +95,18 @@ def test_fake_runner_async_grammar_equals_sync(tiny_model_dir, fill_thread: bool
     params = _params()
     got = {}
     engines: dict[str, LLMEngine] = {}
+    pending_on_return = []  # steps that returned with a fill still running on the fill thread
     for mode in ("off", "on"):
         llm = _fake_llm(tiny_model_dir, mode, fill_thread)
+        core = llm.llm_engine.core
+        step = core.step
+
+        def watched(step=step, core=core) -> list:  # noqa: ANN001
+            outs = step()
+            pending_on_return.append(core._late_fill is not None)
+            return outs
+
+        core.step = watched
         outs = _generate(llm, prompts, params)
         _check(params, outs)
         got[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
@@ -109,6 +119,9 @@ def test_fake_runner_async_grammar_equals_sync(tiny_model_dir, fill_thread: bool
     assert eng.scheduler.num_preemptions_total > 0
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
     assert engines["off"].runner.num_late_masks == 0
+    # The fill thread's masks go to their step at the next launch (or that step's finish): a
+    # step returns while they are filled, so the fill overlaps the caller's time too.
+    assert (sum(pending_on_return) > 20) == fill_thread
 
 
 def test_fake_runner_async_grammar_abort_mid_flight(tiny_model_dir) -> None:  # noqa: ANN001

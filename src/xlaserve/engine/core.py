@@ -503,16 +503,20 @@ class EngineCore:
             if overlap:  # launch the next step first: the device stays busy while we wait
                 so = self._schedule(lookahead=True)
                 if so is not None:
+                    # prev's masks, filled on the fill thread since the last call, go to its
+                    # sampling now: the new step's inputs read prev's tokens on the device.
+                    self._apply_late_fill()
                     self._inflight = self._launch(so)
                     self.num_overlapped_steps += 1
+            self._apply_late_fill()  # (no launch this call: prev samples before it finishes)
             outputs = failed + self._finish_step(prev, self._start_late_fill)
-            if self._late_fill is not None:  # started once the grammars held step N's tokens
-                self._apply_late_fill()
-            elif self._inflight is not None:  # the grammars now hold step N's tokens
+            if self._late_fill is None and self._inflight is not None:
+                # No fill thread: the grammars now hold step N's tokens, fill here.
                 self._send_late_bitmasks(self._inflight[0], self._inflight[1])
             if self._inflight is not None and not self._live:
                 # Nothing left to report: the step in flight holds only dropped extra tokens.
                 last, self._inflight = self._inflight, None
+                self._apply_late_fill()
                 self._finish_step(last)
             return outputs
         so = self._schedule(lookahead=overlap)
@@ -724,9 +728,12 @@ class EngineCore:
 
     def _start_late_fill(self, ended: Iterable[str] = ()) -> None:
         """The step in flight's late masks filled on the fill thread, from now (the grammars
-        hold every earlier token) while this thread goes on; the step's sampling gets them in
-        `_apply_late_fill`. Without the thread: nothing (`_send_late_bitmasks` fills them on
-        the engine thread after the outputs)."""
+        hold every earlier token) while this thread goes on: through the rest of this step's
+        outputs, the front's output processing and the next step's scheduling. The step's
+        sampling gets them in `_apply_late_fill`, as late as it can: right before the next
+        launch (whose inputs read the step's tokens) or the step's own finish. Without the
+        thread: nothing (`_send_late_bitmasks` fills them on the engine thread after the
+        outputs)."""
         inflight, mgr = self._inflight, self._structured
         if self._late_fill is not None:  # left by a step that raised: its step never samples
             self._late_fill[1].result()
@@ -741,8 +748,10 @@ class EngineCore:
         self._late_fill = (inflight[1], self._fill_pool.submit(job))
 
     def _apply_late_fill(self) -> None:
-        """Hand the fill thread's masks to the step in flight (its sampling runs now)."""
-        assert self._late_fill is not None
+        """Hand the fill thread's masks to the step they are for (its sampling runs now); a
+        no-op when no fill is pending."""
+        if self._late_fill is None:
+            return
         (handle, fut), self._late_fill = self._late_fill, None
         self.runner.apply_bitmasks(handle, fut.result())
 
