@@ -63,6 +63,11 @@ def test_long_context_tiny_every_row(tmp_path: Path) -> None:
     for key in ("triton_us", "triton_plain_us", "sdpa_us", "triton_vs_sdpa_time", "paged_sdpa_us"):
         assert _positive(k["prefill"][key]), (key, k["prefill"])
     assert k["prefill"]["paged_sdpa_max_abs_diff_vs_triton"] < 1e-4  # float32 on the CPU
+    ch = k["prefill_chunk"]  # the later chunk over a cached prefix (48 tokens: 26 + 22)
+    assert (ch["first_chunk"], ch["queries"]) == (26, 22)
+    assert _positive(ch["triton_us"]) and _positive(ch["paged_sdpa_us"]), ch
+    assert ch["paged_sdpa_max_abs_diff_vs_triton"] < 1e-4
+    assert "flash_eligible" in ch or "flash_eligible_error" in ch
     for ctx, row in k["decode"].items():
         for dtype in ("bf16", "fp8"):
             for s in (1, 2):
