@@ -400,6 +400,20 @@ def _timer_us(fn: Any, reps: int) -> float:
     return _median(times)
 
 
+def _prefill_case(n: int, q_len: int, shape: tuple[int, int, int], g: Any) -> tuple[Any, ...]:
+    """One sequence's prefill chunk: its last q_len queries over an n-token paged context.
+    (q [q_len, Hq, D], k / v caches, block table [1, N], query_start_loc, seq_lens)."""
+    import torch
+
+    hq, _, d = shape
+    k, v, bt = _paged_cache(n, shape, g)
+    dev, dtype = k.device, k.dtype
+    q = torch.randn(q_len, hq, d, generator=g).to(dev, dtype)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+    sl = torch.tensor([n], dtype=torch.int32, device=dev)
+    return q, k, v, bt, qsl, sl
+
+
 def _kernel_prefill(n: int, shape: tuple[int, int, int], reps: int, g: Any) -> dict[str, Any]:
     """Causal prefill of one n-token sequence, one launch of the paged kernel (shuffled block
     table, page 16) against torch SDPA on the same tensors (K/V repeated to the q heads before
@@ -412,11 +426,7 @@ def _kernel_prefill(n: int, shape: tuple[int, int, int], reps: int, g: Any) -> d
     from xlaserve.kernels_cuda.prefill_sdpa import sdpa_prefill
 
     hq, hkv, d = shape
-    k, v, bt = _paged_cache(n, shape, g)
-    dev, dtype = k.device, k.dtype
-    q = torch.randn(n, hq, d, generator=g).to(dev, dtype)
-    qsl = torch.tensor([0, n], dtype=torch.int32, device=dev)
-    sl = torch.tensor([n], dtype=torch.int32, device=dev)
+    q, k, v, bt, qsl, sl = _prefill_case(n, n, shape, g)
     scale = d**-0.5
     flops = 4 * hq * d * n * (n + 1) / 2  # QK^T and PV over the causal lower triangle
     res: dict[str, Any] = {"tokens": n, "causal_flops": flops}
@@ -472,11 +482,7 @@ def _kernel_prefill_chunk(
 
     hq, hkv, d = shape
     q_len = n - first
-    k, v, bt = _paged_cache(n, shape, g)
-    dev, dtype = k.device, k.dtype
-    q = torch.randn(q_len, hq, d, generator=g).to(dev, dtype)
-    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
-    sl = torch.tensor([n], dtype=torch.int32, device=dev)
+    q, k, v, bt, qsl, sl = _prefill_case(n, q_len, shape, g)
     scale = d**-0.5
     # Query i (0-based in the chunk) sees first + i + 1 keys.
     flops = 4 * hq * d * (q_len * first + q_len * (q_len + 1) / 2)
