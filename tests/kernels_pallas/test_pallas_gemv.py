@@ -45,17 +45,17 @@ def test_default_configs_cover_the_8b_projections() -> None:
 
 
 def test_capped_sweep_lists_fit_their_shapes_and_start_with_the_tuned_pick() -> None:
-    """bench/gpu_probes/pallas_gemv.py --capped: <= 6 configs a shape (a full sweep burned 205 s
-    of device time), each one the kernel accepts at M = 16, TUNED's entry first where it has
-    one, and every Flax 8B projection shape in TUNED (what "auto" would turn on)."""
+    """bench/gpu_probes/pallas_gemv.py --capped: <= CAPPED_MAX configs a shape (a full sweep
+    burned 205 s of device time), each one the kernel accepts at M = 16, TUNED's entry first
+    where it has one, and every Flax 8B projection shape in TUNED (what "auto" would turn on)."""
     import dataclasses
 
-    from xlaserve.bench.gpu_probes.pallas_gemv import CAPPED, SHAPES
+    from xlaserve.bench.gpu_probes.pallas_gemv import CAPPED, CAPPED_MAX, SHAPES
     from xlaserve.kernels_pallas.gemv import TUNED
 
     for name, cfgs in CAPPED.items():
         n, k = SHAPES[name]
-        assert 1 <= len(cfgs) <= 6, name
+        assert 1 <= len(cfgs) <= CAPPED_MAX and len(set(cfgs)) == len(cfgs), name
         assert all(gemv_supported(16, n, k, GemvConfig(*c)) for c in cfgs), name
         if (n, k) in TUNED:
             assert cfgs[0] == dataclasses.astuple(TUNED[(n, k)]), name

@@ -83,15 +83,23 @@ def test_multi_weight_gemvs_refuse_what_they_cannot_tile() -> None:
 
 
 def test_merged_capped_sweep_fits_and_runs_on_the_cpu() -> None:
-    """bench/gpu_probes/pallas_gemv.py --merged: <= 6 configs a shape, the tuned pick first, each
-    accepted by its kernel; the tiny shapes run end to end (interpreter) with a correct best."""
-    from xlaserve.bench.gpu_probes.pallas_gemv import MERGED, MERGED_CAPPED, sweep_merged
+    """bench/gpu_probes/pallas_gemv.py --merged: <= CAPPED_MAX configs a shape, no repeats, the
+    tuned pick first, each accepted by its kernel; the tiny shapes run end to end (interpreter)
+    with a correct best."""
+    from xlaserve.bench.gpu_probes.pallas_gemv import (
+        CAPPED_MAX,
+        MERGED,
+        MERGED_CAPPED,
+        sweep_merged,
+    )
     from xlaserve.kernels_pallas.gemv import TUNED_GATED, TUNED_MULTI, gemv_supported
 
     for name, cfgs in MERGED_CAPPED.items():
         ns, k = MERGED[name]
-        assert 1 <= len(cfgs) <= 6 and all(
-            gemv_supported(16, n, k, GemvConfig(*c)) for c in cfgs for n in ns
+        assert (
+            1 <= len(cfgs) <= CAPPED_MAX
+            and len(set(cfgs)) == len(cfgs)
+            and all(gemv_supported(16, n, k, GemvConfig(*c)) for c in cfgs for n in ns)
         ), name
         pick = (TUNED_GATED if name.endswith("_gated") else TUNED_MULTI).get((sum(ns), k))
         if pick is not None:
