@@ -40,14 +40,14 @@ from xlaserve.backends_torch.sampler import (
     PinnedRing,
     Sampler,
     SamplingRow,
-    argmax_only_step,
-    deferrable_step,
+    defer_ok,
     forbidden_from_bytes,
     forbidden_tokens,
     is_plain_greedy,
     nonfinite_rows,
     prompt_logprobs,
     sample_requests,
+    stop_mask_until,
     to_device,
 )
 from xlaserve.config import EngineConfig, KernelConfig
@@ -112,6 +112,8 @@ class _ReqState(ReqState):
     extra: dict = field(default_factory=dict)
     # Per-request constants of the sampling fast path (set from params at creation).
     plain_greedy: bool = False  # sampler.is_plain_greedy(params)
+    defer_ok: bool = False  # sampler.defer_ok(params)
+    stop_mask_until: int = 0  # sampler.stop_mask_until(params)
     lora_slot: int = -1  # NewRequestData.lora_slot (-1: the base model)
 
 
@@ -408,6 +410,8 @@ class TorchModelRunner(RunnerCore):
             emit_prompt_logprobs=p.prompt_logprobs is not None
             and len(nr.token_ids) == nr.num_prompt_tokens,
             plain_greedy=is_plain_greedy(p),
+            defer_ok=defer_ok(p),
+            stop_mask_until=stop_mask_until(p),
             lora_slot=nr.lora_slot,
         )
 
@@ -632,19 +636,22 @@ class TorchModelRunner(RunnerCore):
         # Fast path: only plain greedy requests (sampler.is_plain_greedy; no drafts, bitmask or
         # active min_tokens masking): tokens are the argmax of the raw logits, no SamplingRows.
         # Deferred (async scheduling): every row samples on the device without host data.
+        # The row rules are sampler.argmax_only_step / deferrable_step over the per-request
+        # constants cached at admission (_ReqState): a few attribute reads a row.
         fast = deferrable = True
+        masks = so.grammar_bitmask
         for b in sample_b:
-            rid = order[b][0]
-            st = self.requests[rid]
-            n_out = len(st.token_ids) - st.num_prompt_tokens
-            has_mask = rid in so.grammar_bitmask
             if drafts[b]:
                 fast = deferrable = False
                 break
-            if fast and not argmax_only_step(st.params, st.plain_greedy, n_out, has_mask):
+            rid = order[b][0]
+            st = self.requests[rid]
+            until = st.stop_mask_until
+            stop_masked = until and len(st.token_ids) - st.num_prompt_tokens < until
+            if fast and (not st.plain_greedy or stop_masked or rid in masks):
                 fast = False
             # A deferred step applies its bitmask rows on the device (`_masked`): no host data.
-            if defer and not deferrable_step(st.params, n_out, has_bitmask=False):
+            if defer and (stop_masked or not st.defer_ok):
                 deferrable = False
             if not (fast or (defer and deferrable)):
                 break

@@ -57,6 +57,21 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     )
 
 
+def stop_mask_until(params: SamplingParams) -> int:
+    """The output length below which min_tokens masks the stop tokens (0: never), i.e.
+    `params.masks_stop_tokens(n)` == (n < stop_mask_until(params)), for callers that cache it."""
+    return params.min_tokens if params.all_stop_token_ids() else 0
+
+
+def defer_ok(params: SamplingParams) -> bool:
+    """`deferrable_step`'s per-request part (no penalties, logit_bias, token constraints or
+    logprobs), for callers that cache it."""
+    p = params
+    return not (
+        p.needs_penalties or p.logit_bias or p.has_token_constraints or p.logprobs is not None
+    )
+
+
 def argmax_only_step(
     params: SamplingParams, plain_greedy: bool, num_output: int, has_bitmask: bool
 ) -> bool:
@@ -70,15 +85,8 @@ def deferrable_step(params: SamplingParams, num_output: int, has_bitmask: bool) 
     """True when this step's token needs no host data and no host sync to sample (async
     scheduling): no bitmask, penalties, logit_bias, logprobs or active min_tokens masking;
     greedy or temperature / top_k / top_p / min_p sampling."""
-    p = params
-    return not (
-        has_bitmask
-        or p.needs_penalties
-        or p.logit_bias
-        or p.has_token_constraints  # bad_words / processors read the output tokens
-        or p.logprobs is not None
-        or p.masks_stop_tokens(num_output)
-    )
+    # (bad_words / logits processors, the token constraints, read the output tokens.)
+    return not (has_bitmask or params.masks_stop_tokens(num_output)) and defer_ok(params)
 
 
 def nonfinite_rows(logits: torch.Tensor | None, suspect: list[int] | list[bool]) -> set[int]:

@@ -115,7 +115,12 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
             seed=0,
         )
     engine = llm.llm_engine
-    sp = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    sp = SamplingParams(
+        max_tokens=args.output_len,
+        min_tokens=args.min_tokens,
+        temperature=args.temperature,
+        ignore_eos=True,
+    )
     g = np.random.default_rng(0)
     # Warm-up (allocator, first-call paths).
     llm.generate([{"prompt_token_ids": g.integers(2, 300, args.input_len).tolist()}] * 4, sp, False)
@@ -166,6 +171,7 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "vocab": args.vocab,
         "temperature": args.temperature,
+        "min_tokens": args.min_tokens,
         "final_only": final_only,
         "steps": len(phases["step"]),
         "wall_s": wall,
@@ -186,7 +192,9 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     roots = {"after": _REPO, "before": os.path.abspath(args.compare)}
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in roots}
     base = [sys.executable, "-m", "xlaserve.bench.host_overhead"]
-    for k in ("batch", "vocab", "layers", "input_len", "output_len", "threads", "temperature"):
+    keys = ("batch", "vocab", "layers", "input_len", "output_len", "min_tokens", "threads",
+            "temperature")  # fmt: skip
+    for k in keys:
         base += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.final_only:
         base.append("--final-only")
@@ -225,6 +233,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument(
+        "--min-tokens", type=int, default=0,
+        help="min_tokens of every request (gpu_bench forces its lengths this way, EOS ignored)",
+    )  # fmt: skip
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy; > 0: the sampling path"
     )

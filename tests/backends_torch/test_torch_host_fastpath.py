@@ -154,3 +154,38 @@ def test_build_inputs_matches_python_reference(hf_model_dir) -> None:
         assert md.query_start_loc.dtype == md.seq_lens.dtype == torch.int32
         assert md.max_query_len == max(len(c[0]) for c in chunks)
         assert md.max_seq_len == max(r_lens)
+
+
+def test_cached_row_flags_equal_the_step_rules() -> None:
+    """The runner's per-request constants (defer_ok, stop_mask_until, cached at admission)
+    decide each step's rows as sampler.deferrable_step / argmax_only_step do, for every
+    output length around min_tokens and every kind of request."""
+    from xlaserve.backends_torch.sampler import (
+        argmax_only_step,
+        defer_ok,
+        deferrable_step,
+        is_plain_greedy,
+        stop_mask_until,
+    )
+
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_tokens=3),  # EOS masked for 3 tokens
+        SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True),  # nothing to mask
+        SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True, stop_token_ids=[7]),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+        SamplingParams(temperature=0.0, bad_words=["x"]),
+    ]
+    for p in kinds:
+        p.eos_token_ids = {2}  # the engine sets it from the model
+        until, ok, greedy = stop_mask_until(p), defer_ok(p), is_plain_greedy(p)
+        for n in range(6):
+            masked = n < until
+            assert masked == p.masks_stop_tokens(n), (p, n)
+            assert (ok and not masked) == deferrable_step(p, n, has_bitmask=False), (p, n)
+            for bm in (False, True):
+                want = argmax_only_step(p, greedy, n, bm)
+                assert (greedy and not masked and not bm) == want, (p, n, bm)
