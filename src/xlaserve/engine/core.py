@@ -735,9 +735,6 @@ class EngineCore:
         thread: nothing (`_send_late_bitmasks` fills them on the engine thread after the
         outputs)."""
         inflight, mgr = self._inflight, self._structured
-        if self._late_fill is not None:  # left by a step that raised: its step never samples
-            self._late_fill[1].result()
-            self._late_fill = None
         if inflight is None or mgr is None or not mgr.config.fill_thread:
             return
         job = self._late_fill_job(inflight[0], inflight[1], ended)
