@@ -342,10 +342,12 @@ class StructuredOutputConfig:
     # 4.5 us on one thread, 100+ us on more.
     bitmask_fill_threads: int = 0
     # Async steps with late masks: the fill of the next step's masks runs on a worker thread
-    # as soon as the grammars took this step's tokens, while the engine thread builds this
-    # step's outputs (xgrammar's fill releases the GIL); False = on the engine thread after
-    # them. Off until measured on a GPU: on the 2-core dev host (batch 256, 128k vocab) it
-    # gained nothing (bench/RESULTS.md, fifteenth session); `structured_bench --fill-thread`.
+    # as soon as the grammars took this step's tokens (xgrammar's fill releases the GIL) and
+    # goes to that step right before the next launch, so it overlaps the rest of the step's
+    # outputs, the output processing and the next schedule; False = on the engine thread
+    # after the outputs. Off: handed over right after the outputs (the first placement) it
+    # gained nothing at batch 256 on the H200 (bench/RESULTS.md, sixteenth session); the
+    # present placement is not measured on a GPU yet (`structured_bench --fill-thread`).
     fill_thread: bool = False
     # Jump-forward decoding: where the grammar admits exactly one token at the next positions,
     # append those tokens without a forward step each (exact: the sampler could pick nothing
