@@ -118,11 +118,11 @@ def analyse(events: list[Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from xlaserve import LLM, SamplingParams
+    from xlaserve.bench.common import random_prompts
     from xlaserve.bench.gpu_bench import write_model_dir
 
     cuda = torch.cuda.is_available()
@@ -135,12 +135,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(**kw)
     engine = llm.llm_engine
     vocab = engine.spec.vocab_size
-    g = np.random.default_rng(0)
     n_out = args.warmup + args.steps + 8
     sp = SamplingParams(max_tokens=n_out, min_tokens=n_out, temperature=0.0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": g.integers(2, vocab, 16).tolist()}], sp, use_tqdm=False)
-    for i, p in enumerate(g.integers(2, vocab, (args.batch, args.prompt_len)).tolist()):
-        engine.add_request(f"gap-{i}", {"prompt_token_ids": p}, sp)
+    llm.generate(random_prompts(1, 16, vocab, 1), sp, use_tqdm=False)
+    for i, p in enumerate(random_prompts(args.batch, args.prompt_len, vocab, 0)):
+        engine.add_request(f"gap-{i}", p, sp)
     for _ in range(args.warmup):  # the prefill and the first decode steps
         engine.step()
     _mark(engine, record_function)
