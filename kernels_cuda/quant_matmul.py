@@ -58,26 +58,42 @@ def _tiles(m: int) -> tuple[int, int, int]:
     return TILES["decode"] if m <= 16 else TILES["prefill"]
 
 
-# int8 weight-only tl.dot (M above the GEMV): `scaled_mm.DotTiles` per M bucket (the scheduler's
-# 16-256 mixed steps and 512-16384 prefill / large-batch steps), the first with M <= max M wins.
-# The int8 -> bf16 weight conversion sits in the K loop, so big tiles (128 rows of x per
-# converted weight tile), a grouped launch order (weight tiles reused from L2 across GROUP_M M
-# tiles) and a pipelined K loop (num_stages) decide large-M speed; the old (64, 64, 64) tile with
-# 4 warps and no grouping measured 0.44x bf16 offline (H200). Re-tune from
-# `bench/quant_bench.py --gemm`.
-INT8_DOT_TILES: tuple[tuple[int, tuple[int, ...]], ...] = (
-    (16, (16, 64, 128, 1, 4, 4)),
-    (64, (64, 64, 128, 8, 4, 4)),
-    (256, (64, 128, 128, 8, 4, 4)),
-    (1 << 62, (128, 128, 64, 8, 8, 4)),
+# int8 weight-only tl.dot (M above the GEMV): `Int8DotTiles` per M bucket (the scheduler's 16-256
+# mixed steps and 512-16384 prefill / large-batch steps), the first with M <= max M wins. The
+# int8 -> bf16 weight conversion sits in the K loop. With swap_ab the kernel computes y^T = W x^T
+# (`_int8_mm_swap_kernel`): on Hopper wgmma then takes the converted weight from registers,
+# where the plain kernel (`_int8_mm_kernel`) stores it back to shared memory first (checked in
+# its sm_90 PTX: st.shared + ldmatrix per K step), and the tokens sit on the dot's N side, so
+# M = 16 fills an m64n16 instruction instead of a quarter of an m64 one. Big tiles (many rows
+# of x per converted weight tile), a grouped launch order (weight tiles reused from L2) and a
+# pipelined K loop (num_stages) decide large-M speed; the old (64, 64, 64) tile with 4 warps
+# and no grouping measured 0.44x bf16 offline (H200). Re-tune from
+# `bench/gpu_probes/int8_gemm_sweep.py`.
+class Int8DotTiles(NamedTuple):
+    """One launch of the int8 weight-only tl.dot kernel. block_m: rows of x (tokens), block_n:
+    weight rows, block_k: the K step (powers of two >= 16); group_m: tiles that share a sweep
+    (grouped launch order); swap_ab: run `_int8_mm_swap_kernel` (see above)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    swap_ab: bool = False
+
+
+INT8_DOT_TILES: tuple[tuple[int, Int8DotTiles], ...] = (
+    (16, Int8DotTiles(16, 64, 128, 1, 4, 4)),
+    (64, Int8DotTiles(64, 64, 128, 8, 4, 4)),
+    (256, Int8DotTiles(64, 128, 128, 8, 4, 4)),
+    (1 << 62, Int8DotTiles(128, 128, 64, 8, 8, 4)),
 )
 
 
-def int8_dot_tiles(m: int) -> tuple[int, int, int, int, int, int]:
-    """The default (block_m, block_n, block_k, group_m, num_warps, num_stages) of the int8
-    weight-only tl.dot kernel for an M-row product."""
-    t = next(t for max_m, t in INT8_DOT_TILES if m <= max_m)
-    return tuple(t) + (8, 4, 3)[len(t) - 3 :]
+def int8_dot_tiles(m: int) -> Int8DotTiles:
+    """The default tiles of the int8 weight-only tl.dot kernel for an M-row product."""
+    return next(t for max_m, t in INT8_DOT_TILES if m <= max_m)
 
 
 # GEMV path (decode): possible for 1 <= M <= GEMV_MAX_M. Larger M has enough rows per weight tile
@@ -125,12 +141,12 @@ GEMV_DEFAULT_MAX_M: dict[str, int] = {"int8": 1, "int4": 4, "fp8": 1}
 
 def use_gemv(fmt: str, m: int, tiles: GemvTiles | tuple | None = None) -> bool:
     """Whether an M-row matmul of format fmt takes the GEMV: the default up to
-    GEMV_DEFAULT_MAX_M[fmt]; with a tiles override, iff it is a GEMV config (4 or 5 values) and
-    M <= GEMV_MAX_M."""
+    GEMV_DEFAULT_MAX_M[fmt]; with a tiles override, iff it is a GEMV config (4 or 5 values, not
+    an `Int8DotTiles`) and M <= GEMV_MAX_M."""
     if not 1 <= m <= GEMV_MAX_M:
         return False
     if tiles is not None:
-        return len(tiles) >= 4
+        return len(tiles) >= 4 and not isinstance(tiles, Int8DotTiles)
     return m <= GEMV_DEFAULT_MAX_M[fmt]
 
 
@@ -199,17 +215,19 @@ def _check_gemv_tiles(name: str, tiles: GemvTiles | tuple) -> GemvTiles:
 
 def _check_dot_tiles(name: str, tiles: tuple, extra: bool = False) -> tuple[int, ...]:
     """A user (BLOCK_M, BLOCK_N, BLOCK_K) override of the tl.dot path (extra: optionally
-    followed by group_m, num_warps, num_stages: the int8 kernel); ValueError when bad."""
-    n_ok = 3 <= len(tiles) <= 6 if extra and isinstance(tiles, tuple) else len(tiles) == 3
+    followed by group_m, num_warps, num_stages, swap_ab: the int8 kernel's `Int8DotTiles`);
+    ValueError when bad."""
+    n_ok = 3 <= len(tiles) <= 7 if extra and isinstance(tiles, tuple) else len(tiles) == 3
     if (
         not isinstance(tiles, tuple)
         or not n_ok
         or not all(isinstance(v, int) and _is_pow2(v) and 16 <= v <= 256 for v in tiles[:3])
-        or not all(isinstance(v, int) and v >= 1 for v in tiles[3:])
+        or not all(isinstance(v, int) and v >= 1 for v in tiles[3:6])
+        or not all(isinstance(v, bool) or v in (0, 1) for v in tiles[6:])
     ):
         raise ValueError(
             f"{name}: tl.dot tiles (M > {GEMV_MAX_M}) must be (BLOCK_M, BLOCK_N, BLOCK_K"
-            f"{'[, group_m, num_warps, num_stages]' if extra else ''}), "
+            f"{'[, group_m, num_warps, num_stages, swap_ab]' if extra else ''}), "
             f"powers of two in 16..256, got {tiles!r}"
         )
     return tiles
@@ -299,6 +317,42 @@ def _int8_mm_kernel(
         y_ptr + rm[:, None] * stride_ym + rn[None, :],
         acc.to(y_ptr.dtype.element_ty),
         mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+@triton.jit
+def _int8_mm_swap_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    # y^T = W x^T: the converted weight tile is the dot's FIRST operand. Hopper's wgmma takes
+    # that operand from registers (where the int8 -> bf16 conversion leaves it) and only the
+    # second from shared memory, so the weight is not written back to shared memory after its
+    # conversion. Tokens are the dot's N side (BLOCK_M >= 16 rows, no 64-row minimum), weights
+    # its M side. Grouped order over weight tiles (grouped_mm_tile with the operands swapped).
+    rn, rm, n_ok, m_ok, w_ptrs, x_ptrs = grouped_mm_tile(
+        w_ptr, x_ptr, N, M, stride_wn, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, GROUP_M
+    )
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + rk < K
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+        x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+        acc += tl.dot(w.to(x.dtype), x)  # int8 values are exact in fp16/bf16/fp32
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    s = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    out = tl.trans(acc * s[:, None])
+    tl.store(
+        y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+        out.to(y_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
     )
 
 
@@ -603,7 +657,7 @@ def int8_matmul(
 
     M <= GEMV_DEFAULT_MAX_M["int8"] runs the GEMV kernel, larger M the tl.dot one (`use_gemv`).
     tiles overrides the config: a `GemvTiles` (or its tuple; M <= GEMV_MAX_M) runs the GEMV,
-    (BLOCK_M, BLOCK_N, BLOCK_K) the tl.dot kernel.
+    an `Int8DotTiles` (or a prefix of its fields, from (BLOCK_M, BLOCK_N, BLOCK_K)) the tl.dot one.
     """
     check_device("int8_matmul", x, qweight, scales)
     check_dtype("int8_matmul x", x, FLOAT_DTYPES)
@@ -629,24 +683,23 @@ def _int8_dot(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    tiles: tuple[int, ...] | None = None,
+    tiles: Int8DotTiles | tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """The tl.dot int8 path on validated inputs (any M; benchmarks time it at small M too).
-    tiles: (block_m, block_n, block_k[, group_m, num_warps, num_stages]); None = the
-    INT8_DOT_TILES bucket of M."""
+    tiles: `Int8DotTiles` or a prefix of its fields; None = the INT8_DOT_TILES bucket of M."""
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    t = int8_dot_tiles(m) if tiles is None else tuple(tiles) + (8, 4, 3)[len(tiles) - 3 :]
-    bm, bn, bk, gm, warps, stages = t
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _int8_mm_kernel[grid](
+    t = int8_dot_tiles(m) if tiles is None else Int8DotTiles(*tiles)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    kernel = _int8_mm_swap_kernel if t.swap_ab else _int8_mm_kernel
+    kernel[grid](
         x, qweight, scales, y, m, n, k,
         x.stride(0), qweight.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, UPCAST=upcast_dot(x.dtype),
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        UPCAST=upcast_dot(x.dtype), num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return y
 

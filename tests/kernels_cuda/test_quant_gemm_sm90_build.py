@@ -37,11 +37,12 @@ def build(fn, sig, consts, warps, stages):
 
 def one(kind):
   if kind == "int8_weight_only":
-      bm, bn, bk, gm, warps, stages = qm.int8_dot_tiles(1 << 20)
+      bm, bn, bk, gm, warps, stages, swap = qm.int8_dot_tiles(1 << 20)
       sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
              "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-      k = build(qm._int8_mm_kernel, sig,
-                dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, UPCAST=False), warps, stages)
+      fn = qm._int8_mm_swap_kernel if swap else qm._int8_mm_kernel
+      k = build(fn, sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, UPCAST=False),
+                warps, stages)
       stage_bytes = bm * bk * 2 + bk * bn  # a bf16 x tile and an int8 weight tile
   else:
       fmt = "int8" if kind == "int8" else "fp8"

@@ -324,7 +324,25 @@ def test_int8_weight_only_dot_tile_buckets(m: int) -> None:
     ref = qm.int8_matmul_ref(x, wq, ws)
     assert _rel(qm.int8_matmul(x, wq, ws), ref) < 1e-5
     assert _rel(qm.int8_matmul(x, wq, ws, tiles=(32, 32, 32, 3, 4, 2)), ref) < 1e-5
-    assert qm.int8_dot_tiles(m) == next(t for mm, t in qm.INT8_DOT_TILES if m <= mm)[:6]
+    assert qm.int8_dot_tiles(m) == next(t for mm, t in qm.INT8_DOT_TILES if m <= mm)
+
+
+@pytest.mark.parametrize("m", [3, 16, 40, 100])
+@pytest.mark.parametrize("tiles", [(16, 64, 32, 1, 4, 2, True), (32, 64, 64, 3, 4, 2, True)])
+def test_int8_weight_only_swap_ab_kernel(m: int, tiles: tuple) -> None:
+    """The swapped kernel (y^T = W x^T, the weight as the dot's first operand) matches the
+    reference on ragged M / N / K edges, M below the GEMV bound included (an `Int8DotTiles` there
+    runs the tl.dot kernel, not the GEMV)."""
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    n, k = 136, 200
+    wq, ws = _w8("int8", n, k, m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV)
+    ref = qm.int8_matmul_ref(x, wq, ws)
+    t = qm.Int8DotTiles(*tiles)
+    assert not qm.use_gemv("int8", m, t)
+    assert _rel(qm.int8_matmul(x, wq, ws, tiles=t), ref) < 1e-5
+    assert _rel(qm._int8_dot(x, wq, ws, t), ref) < 1e-5
 
 
 @pytest.mark.gpu
