@@ -60,19 +60,20 @@ def _tiles(m: int) -> tuple[int, int, int]:
 
 # int8 weight-only tl.dot (M above the GEMV): `Int8DotTiles` per M bucket (the scheduler's 16-256
 # mixed steps and 512-16384 prefill / large-batch steps), the first with M <= max M wins. The
-# int8 -> bf16 weight conversion sits in the K loop. With swap_ab the kernel computes y^T = W x^T
-# (`_int8_mm_swap_kernel`): on Hopper wgmma then takes the converted weight from registers,
-# where the plain kernel (`_int8_mm_kernel`) stores it back to shared memory first (checked in
-# its sm_90 PTX: st.shared + ldmatrix per K step), and the tokens sit on the dot's N side, so
-# M = 16 fills an m64n16 instruction instead of a quarter of an m64 one. Big tiles (many rows
-# of x per converted weight tile), a grouped launch order (weight tiles reused from L2) and a
-# pipelined K loop (num_stages) decide large-M speed; the old (64, 64, 64) tile with 4 warps
-# and no grouping measured 0.44x bf16 offline (H200). Re-tune from
-# `bench/gpu_probes/int8_gemm_sweep.py`.
+# int8 -> bf16 weight conversion sits in the K loop. swap_ab computes y^T = W x^T
+# (`_int8_mm_kernel`'s SWAP_AB): on Hopper wgmma then takes the converted weight from registers,
+# where the plain order stores it back to shared memory first (its sm_90 PTX: st.shared and
+# ldmatrix in the K loop, both operands as smem descriptors), and the tokens sit on the dot's N
+# side, so M = 16 fills an m64n16 instruction instead of a quarter of an m64 one. Big tiles
+# (many rows of x per converted weight tile), a grouped launch order (weight tiles reused from
+# L2) and a pipelined K loop (num_stages) decide large-M speed; the old (64, 64, 64) tile with 4
+# warps and no grouping measured 0.44x bf16 offline (H200). The table below is the plain order,
+# as measured; swap_ab is not yet measured on a GPU. Re-tune from
+# `bench/gpu_probes/quant_gemm_sweep.py`.
 class Int8DotTiles(NamedTuple):
     """One launch of the int8 weight-only tl.dot kernel. block_m: rows of x (tokens), block_n:
     weight rows, block_k: the K step (powers of two >= 16); group_m: tiles that share a sweep
-    (grouped launch order); swap_ab: run `_int8_mm_swap_kernel` (see above)."""
+    (grouped launch order); swap_ab: y^T = W x^T (see above)."""
 
     block_m: int
     block_n: int
@@ -293,66 +294,50 @@ def _int8_mm_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
-    # 1-D grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM
-    # about once per GROUP_M M tiles.
-    rm, rn, m_ok, n_ok, x_ptrs, w_ptrs = grouped_mm_tile(
-        x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
-    )
+    # 1-D grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM about
+    # once per GROUP_M tiles. Plain: acc [BLOCK_M, BLOCK_N] = x @ W^T. SWAP_AB: acc [BLOCK_N,
+    # BLOCK_M] = W @ x^T, the converted weight as the dot's FIRST operand: Hopper's wgmma takes
+    # that operand from registers, where the int8 -> bf16 conversion leaves it (the plain
+    # order stores it back to shared memory first), and tokens sit on the dot's N side (no
+    # 64-row minimum). Either way a is [BLOCK_A, BLOCK_K] and b [BLOCK_K, BLOCK_B].
+    if SWAP_AB:
+        ra, rb, a_ok, b_ok, a_ptrs, b_ptrs = grouped_mm_tile(
+            w_ptr, x_ptr, N, M, stride_wn, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, GROUP_M
+        )
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        ra, rb, a_ok, b_ok, a_ptrs, b_ptrs = grouped_mm_tile(
+            x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
+        )
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + rk < K
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0)
-        if UPCAST:
-            x = x.to(tl.float32)
-        acc += tl.dot(x, w.to(x.dtype))  # int8 values are exact in fp16/bf16/fp32
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    acc = acc * s[None, :]
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
-    )
-
-
-@triton.jit
-def _int8_mm_swap_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
-):  # fmt: skip
-    # y^T = W x^T: the converted weight tile is the dot's FIRST operand. Hopper's wgmma takes
-    # that operand from registers (where the int8 -> bf16 conversion leaves it) and only the
-    # second from shared memory, so the weight is not written back to shared memory after its
-    # conversion. Tokens are the dot's N side (BLOCK_M >= 16 rows, no 64-row minimum), weights
-    # its M side. Grouped order over weight tiles (grouped_mm_tile with the operands swapped).
-    rn, rm, n_ok, m_ok, w_ptrs, x_ptrs = grouped_mm_tile(
-        w_ptr, x_ptr, N, M, stride_wn, stride_xm, BLOCK_N, BLOCK_M, BLOCK_K, GROUP_M
-    )
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k0 + rk < K
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
-        x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-        acc += tl.dot(w.to(x.dtype), x)  # int8 values are exact in fp16/bf16/fp32
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    s = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    out = tl.trans(acc * s[:, None])
+        a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & b_ok[None, :], other=0)
+        # int8 values are exact in fp16 / bf16 / fp32; the weight takes x's dtype
+        if SWAP_AB:
+            if UPCAST:
+                b = b.to(tl.float32)
+            acc += tl.dot(a.to(b.dtype), b)
+        else:
+            if UPCAST:
+                a = a.to(tl.float32)
+            acc += tl.dot(a, b.to(a.dtype))
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SWAP_AB:
+        out = tl.trans(acc * tl.load(s_ptr + ra, mask=a_ok, other=0.0).to(tl.float32)[:, None])
+        rm, rn = rb, ra
+    else:
+        out = acc * tl.load(s_ptr + rb, mask=b_ok, other=0.0).to(tl.float32)[None, :]
+        rm, rn = ra, rb
     tl.store(
         y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
         out.to(y_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
     )
 
 
@@ -694,12 +679,12 @@ def _int8_dot(
         return y
     t = int8_dot_tiles(m) if tiles is None else Int8DotTiles(*tiles)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    kernel = _int8_mm_swap_kernel if t.swap_ab else _int8_mm_kernel
-    kernel[grid](
+    _int8_mm_kernel[grid](
         x, qweight, scales, y, m, n, k,
         x.stride(0), qweight.stride(0), y.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        UPCAST=upcast_dot(x.dtype), num_warps=t.num_warps, num_stages=t.num_stages,
+        UPCAST=upcast_dot(x.dtype), SWAP_AB=bool(t.swap_ab),
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return y
 

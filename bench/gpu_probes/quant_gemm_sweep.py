@@ -7,7 +7,7 @@ Families (each timed as a layer pays it: the w8a8 rows include the per-token act
 quantization):
 - ``int8``: weight-only int8, the tl.dot kernel. The committed table's pick for the M
   (`quant_matmul.int8_dot_tiles`) and candidate `Int8DotTiles`, plain and swapped (swap_ab: the
-  converted weight as the dot's first operand, see `quant_matmul._int8_mm_swap_kernel`).
+  converted weight as the dot's first operand, see `quant_matmul._int8_mm_kernel`).
 - ``int8_w8a8``: torch._int_mm (cuBLASLt) + the scale epilogue, and the Triton `scaled_mm` with
   the table's tiles and candidates.
 - ``fp8``: torch._scaled_mm (row-wise scales) and the Triton `scaled_mm` with candidates.

@@ -19,7 +19,7 @@ import_or_skip("torch")
 import_or_skip("triton")
 
 SCRIPT = r"""
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -36,13 +36,14 @@ def build(fn, sig, consts, warps, stages):
                           options={"num_warps": warps, "num_stages": stages})
 
 def one(kind):
-  if kind == "int8_weight_only":
+  if kind.startswith("int8_weight_only"):
       bm, bn, bk, gm, warps, stages, swap = qm.int8_dot_tiles(1 << 20)
+      if kind.endswith("swap") != swap:  # the other operand order, same tiles
+          swap = not swap
       sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
              "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-      fn = qm._int8_mm_swap_kernel if swap else qm._int8_mm_kernel
-      k = build(fn, sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, UPCAST=False),
-                warps, stages)
+      k = build(qm._int8_mm_kernel, sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                UPCAST=False, SWAP_AB=swap), warps, stages)
       stage_bytes = bm * bk * 2 + bk * bn  # a bf16 x tile and an int8 weight tile
   else:
       fmt = "int8" if kind == "int8" else "fp8"
@@ -58,14 +59,17 @@ def one(kind):
       k = build(sm._scaled_mm_kernel, sig, consts, t.num_warps, t.num_stages)
       stage_bytes = (t.block_m + t.block_n) * t.block_k  # two 8-bit tiles
   ptx = k.asm["ptx"]
+  wg = re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*(\S)", ptx)
   return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
-          "shared": k.metadata.shared, "stage_bytes": stage_bytes}
+          "shared": k.metadata.shared, "stage_bytes": stage_bytes,
+          "a_from_registers": bool(wg and wg.group(1) == "{"),
+          "st_shared": len(re.findall(r"^\s*st\.shared", ptx, re.M))}
 
 print(json.dumps({kind: one(kind) for kind in sys.argv[1:]}))
 """
 
 
-KINDS = ("int8", "fp8", "fp8_block", "int8_weight_only")
+KINDS = ("int8", "fp8", "fp8_block", "int8_weight_only", "int8_weight_only_swap")
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +92,12 @@ def test_large_m_tiles_build_pipelined_wgmma(builds: dict, kind: str) -> None:
     assert got["cp_async"], got  # the K loop's loads are asynchronous copies
     # Several stages of the K loop in shared memory (unpipelined: exactly one).
     assert got["shared"] >= 2 * got["stage_bytes"], got
+
+
+def test_int8_weight_only_operand_order(builds: dict) -> None:
+    """The reason for swap_ab (quant_matmul.INT8_DOT_TILES' comment): in the plain order the
+    converted int8 weight is wgmma's shared-memory B operand, so every K step stores it back to
+    shared memory; swapped, it is the register A operand and the K loop stores nothing."""
+    plain, swap = builds["int8_weight_only"], builds["int8_weight_only_swap"]
+    assert not plain["a_from_registers"] and plain["st_shared"] >= 4, plain
+    assert swap["a_from_registers"] and swap["st_shared"] <= 1, swap
