@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -77,6 +76,7 @@ from xlaserve.backends_xla.sampler import (
     verify_rows,
 )
 from xlaserve.backends_xla.utils import (
+    SWITCH_INTERVAL,
     apply_xla_gpu_flags,
     dispatch_thread_on,
     make_mesh,
@@ -263,15 +263,12 @@ class XlaModelRunner(RunnerCore):
         # the Future of the last step it was given (`_dispatch_step`, `_drain`).
         self._dispatcher: ThreadPoolExecutor | None = None
         self._dispatched: Future | None = None
-        self._switch_interval: float | None = None  # the interpreter's, restored at shutdown
         if self.multihost is None and dispatch_thread_on(
             config.kernels.xla_dispatch_thread, self.platform
         ):
             self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="xla-dispatch")
-            si = config.kernels.xla_dispatch_switch_interval_us / 1e6
-            if 0 < si < sys.getswitchinterval():
-                self._switch_interval = sys.getswitchinterval()
-                sys.setswitchinterval(si)
+            # A shorter GIL switch interval while this runner lives (counted across runners).
+            SWITCH_INTERVAL.hold(self, config.kernels.xla_dispatch_switch_interval_us / 1e6)
 
     # ---------------------------------------------------------------- set-up
     def load_model(self) -> None:
@@ -494,9 +491,7 @@ class XlaModelRunner(RunnerCore):
         if self._dispatcher is not None:
             self._dispatcher.shutdown(wait=True)
             self._dispatcher = None
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+        SWITCH_INTERVAL.release(self)
         self.wait_compiled()  # its compiles use the weights and the executable cache below
         for cache in self.exec_cache_writers:  # finish writing this start-up's executables
             cache.join(timeout=EXEC_CACHE_JOIN_S)

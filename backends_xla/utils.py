@@ -6,6 +6,8 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,43 @@ def dispatch_thread_on(mode: str, platform: str) -> bool:
     thread of its own: "on" / "off", or "auto" = everywhere but the CPU (`platform` is
     jax.default_backend())."""
     return mode == "on" or (mode == "auto" and platform != "cpu")
+
+
+class SwitchIntervalHolds:
+    """The interpreter's GIL switch interval is process-wide, but each runner with a dispatch
+    thread asks for a shorter one while it lives. Holds are counted: the interval is the
+    smallest one held (never raised above the interpreter's own), and the interpreter's own
+    comes back only when the last holder lets go (two runners in one process: the first
+    shutdown must not undo the second's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, float] = {}  # id(owner) -> the interval it asked for (s)
+        self._original: float | None = None
+
+    def hold(self, owner: object, interval_s: float) -> None:
+        """owner asks for interval_s (ignored unless 0 < interval_s < the current interval)."""
+        with self._lock:
+            base = self._original if self._held else sys.getswitchinterval()
+            if base is None or not 0 < interval_s < base:
+                return
+            self._original = base
+            self._held[id(owner)] = interval_s
+            sys.setswitchinterval(min(self._held.values()))
+
+    def release(self, owner: object) -> None:
+        """owner's hold ends (a no-op when it holds none)."""
+        with self._lock:
+            if self._held.pop(id(owner), None) is None:
+                return
+            if self._held:
+                sys.setswitchinterval(min(self._held.values()))
+            else:
+                sys.setswitchinterval(self._original)
+                self._original = None
+
+
+SWITCH_INTERVAL = SwitchIntervalHolds()
 
 
 def token_buckets(min_bucket: int, largest: int, platform: str) -> list[int]:

@@ -112,3 +112,30 @@ def test_small_programs_compile_untuned_when_asked(
                 xla_autotune_small_programs=True).compile_all()  # fmt: skip
     assert seen and all(o is None for o in seen)
     assert KernelConfig().xla_autotune_small_programs is False
+
+
+def test_switch_interval_holds_are_counted() -> None:
+    """Two runners in one process: the first shutdown keeps the second's interval; the
+    interpreter's own comes back after the last; an interval above it is never set."""
+    import sys
+
+    from xlaserve.backends_xla.utils import SwitchIntervalHolds
+
+    holds = SwitchIntervalHolds()
+    own = sys.getswitchinterval()
+    a, b, c = object(), object(), object()
+    try:
+        holds.hold(a, own / 10)
+        holds.hold(b, own / 5)
+        assert sys.getswitchinterval() == pytest.approx(own / 10)
+        holds.hold(c, own * 2)  # above the interpreter's: ignored, holds nothing
+        assert sys.getswitchinterval() == pytest.approx(own / 10)
+        holds.release(a)  # b still holds its interval
+        assert sys.getswitchinterval() == pytest.approx(own / 5)
+        holds.release(c)  # held nothing: no-op
+        holds.release(b)
+        assert sys.getswitchinterval() == pytest.approx(own)
+        holds.release(b)  # a second release: no-op
+        assert sys.getswitchinterval() == pytest.approx(own)
+    finally:
+        sys.setswitchinterval(own)
