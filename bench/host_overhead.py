@@ -104,13 +104,15 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
         write_model(d, args.vocab, args.layers)
         llm = LLM(
             model=d,
-            backend="torch",
+            backend=args.backend,
             load_format="dummy",
             dtype="float32",
             max_num_seqs=args.batch,
             max_num_batched_tokens=max(2048, args.batch * args.input_len),
             block_size=16,
             num_kv_blocks=args.batch * (-(-(args.input_len + args.output_len) // 16) + 1),
+            # Each request's whole length fits (small batches: the cache covers max_model_len).
+            max_model_len=16 * (-(-(args.input_len + args.output_len) // 16) + 1),
             enable_prefix_caching=False,
             seed=0,
         )
@@ -133,12 +135,17 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
         # LLM.generate may pass final_only itself (newer trees): force it either way.
         engine.step = lambda *a, **k: step(*a, **{**k, "final_only": True})
     phases: dict[str, list[float]] = {
-        k: [] for k in ("step", "schedule", "execute", "sample", "update", "front")
+        k: []
+        for k in ("step", "schedule", "execute", "launch", "finish", "sample", "update", "front")
     }
     cpu: dict[str, list[float]] = {k: [] for k in phases}
     _timed(engine, "step", phases["step"], cpu["step"])
     _timed(engine.scheduler, "schedule", phases["schedule"], cpu["schedule"])
-    _timed(engine.runner, "execute", phases["execute"], cpu["execute"])
+    # Synchronous steps call runner.execute; async scheduling launch + finish (a launch of
+    # step N+1 and the finish of step N in one engine step).
+    for part in ("execute", "launch", "finish"):
+        if hasattr(engine.runner, part):
+            _timed(engine.runner, part, phases[part], cpu[part])
     if hasattr(engine.runner, "_sample"):
         _timed(engine.runner, "_sample", phases["sample"], cpu["sample"])
     _timed(engine.scheduler, "update_from_output", phases["update"], cpu["update"])
@@ -158,16 +165,18 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
 
     def medians(ph: dict[str, list[float]]) -> dict[str, float]:
         med = {k: 1e3 * statistics.median(v[dec]) for k, v in ph.items() if len(v) > 1}
-        med["output_processing"] = med["step"] - med["schedule"] - med["execute"] - med["update"]
+        runner = sum(med.get(k, 0.0) for k in ("execute", "launch", "finish"))
+        med["output_processing"] = med["step"] - med["schedule"] - runner - med["update"]
         if "front" in med:  # the rest: the core's CoreOutputs, stop / finish bookkeeping
             med["output_processing_core"] = med["output_processing"] - med["front"]
-        if "sample" in med:
+        if "sample" in med and "execute" in med:
             med["execute_minus_sample"] = med["execute"] - med["sample"]
         return med
 
     med, med_cpu = medians(phases), medians(cpu)
     res: dict[str, Any] = {
         "root": args.root or _REPO,
+        "backend": args.backend,
         "batch": args.batch,
         "vocab": args.vocab,
         "temperature": args.temperature,
@@ -193,7 +202,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in roots}
     base = [sys.executable, "-m", "xlaserve.bench.host_overhead"]
     keys = ("batch", "vocab", "layers", "input_len", "output_len", "min_tokens", "threads",
-            "temperature")  # fmt: skip
+            "temperature", "backend")  # fmt: skip
     for k in keys:
         base += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.final_only:
@@ -229,6 +238,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--backend", default="torch", choices=["torch", "xla"])
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=16)
