@@ -441,6 +441,9 @@ BAD = [
     ),
     ("/v1/nothing", {}, 404, None),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    # pooling endpoints on a generation server: a 400 that names --runner pooling
+    ("/v1/embeddings", {"input": "x"}, 400, None),
+    ("/v1/rerank", {"query": "x", "documents": ["y"]}, 400, None),
 ]
 
 
@@ -454,6 +457,8 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param) -> No
     err = json.loads(data)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+    if path in ("/v1/embeddings", "/v1/rerank"):
+        assert err["code"] == "wrong_runner" and "--runner pooling" in err["message"], err
     # the server keeps serving
     assert greedy(server, "ok", 2).usage.completion_tokens == 2
 

@@ -409,6 +409,15 @@ def _engine(request: web.Request) -> AsyncLLM:
     return engine
 
 
+async def _not_pooling(request: web.Request) -> web.Response:
+    raise APIError(
+        400,
+        f"{request.path} needs a pooling model server: this one runs --runner generate "
+        "(start it with --runner pooling to serve embeddings, pooling, score and rerank)",
+        code="wrong_runner",
+    )
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n".encode()
@@ -1330,10 +1339,13 @@ def build_app(
     engine.lora_registry = serving_lora.build_registry(engine, config.lora_modules)
     if engine.lora_registry is not None:
         serving_lora.add_routes(app, engine.lora_registry)
-    if config.runner == "pooling":
-        from xlaserve.entrypoints.openai import serving_pooling
+    from xlaserve.entrypoints.openai import serving_pooling
 
+    if config.runner == "pooling":
         serving_pooling.add_routes(app, engine, config.pooling_type, config.pooling_normalize)
+    else:  # a clear error, not a bare 404, for the pooling endpoints of a generation server
+        for path in serving_pooling.POOLING_PATHS:
+            app.router.add_post(path, _not_pooling)
 
     if owns_engine:
 

@@ -280,12 +280,20 @@ async def create_rerank(request: web.Request) -> web.Response:
     )
 
 
+# The pooling endpoints: path -> handler name (a generation server answers them with a 400).
+POOLING_PATHS: dict[str, str] = {
+    "/v1/embeddings": "create_embedding",
+    "/pooling": "create_pooling",
+    "/score": "create_score",
+    "/v1/score": "create_score",
+    "/rerank": "create_rerank",
+    "/v1/rerank": "create_rerank",
+    "/v2/rerank": "create_rerank",
+}
+
+
 def add_routes(app: web.Application, engine: Any, kind: str, normalize: bool) -> None:  # noqa: ANN401
     """Load the pooling forward over `engine`'s model and register the pooling routes."""
     app[POOLER_KEY] = Pooler(engine, kind, normalize)
-    app.router.add_post("/v1/embeddings", create_embedding)
-    app.router.add_post("/pooling", create_pooling)
-    for path in ("/score", "/v1/score"):
-        app.router.add_post(path, create_score)
-    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        app.router.add_post(path, create_rerank)
+    for path, handler in POOLING_PATHS.items():
+        app.router.add_post(path, globals()[handler])
