@@ -63,6 +63,7 @@ import time
 from typing import Any
 
 from xlaserve.bench.common import run_stage as run_bench_stage
+from xlaserve.bench.timing import graph_time_us
 
 STAGES = ("bf16", "hf", "fp8kv", "ctx128k", "kernels", "splits32", "sdpa")
 ENGINE_STAGES: dict[str, dict[str, Any]] = {
@@ -379,25 +380,10 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _timer_us(fn: Any, reps: int) -> float:
-    """Median microseconds of fn() (CUDA events on the GPU, wall time on the CPU), after one
-    warm-up call (compiles)."""
-    import torch
-
-    fn()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e6)
-    return _median(times)
+    """Median microseconds of fn(), replayed from a CUDA graph (`bench.timing`: one eager call
+    between two events times the host's launch of a microsecond decode kernel, not the kernel);
+    wall time on the CPU."""
+    return graph_time_us([fn], reps)
 
 
 def _prefill_case(n: int, q_len: int, shape: tuple[int, int, int], g: Any) -> tuple[Any, ...]:

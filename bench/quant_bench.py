@@ -48,6 +48,7 @@ import time
 from typing import Any
 
 from xlaserve.bench.common import run_stage as run_bench_stage
+from xlaserve.bench.timing import graph_time_us
 
 ROWS: dict[str, dict[str, Any]] = {
     "bf16": {},
@@ -225,51 +226,12 @@ GRAPH_CALLS = 10  # back-to-back calls per timed CUDA-graph replay
 
 
 def _timer(fn: Any, reps: int) -> float:
-    """Median microseconds of one fn() call. GPU: fn is captured GRAPH_CALLS times into one CUDA
-    graph (as the engine's decode steps run: no host launch gaps between kernels, which a
-    single call between two events measures instead of the kernels) and each replay is timed
-    with CUDA events; eager back-to-back calls where capture fails. CPU: wall time."""
+    """Median microseconds of one fn() call: GRAPH_CALLS calls captured into one CUDA graph (as
+    the engine's decode steps run: no host launch gaps, which a single call between two events
+    measures instead of the kernels; `bench.timing`); wall time of one call on the CPU."""
     import torch
 
-    fn()  # compile / warm
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        run: Any = None
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()  # warm on the capture stream
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(GRAPH_CALLS):
-                    fn()
-            run = graph.replay
-        except Exception:  # noqa: BLE001 - not capturable (host sync inside): eager calls
-            torch.cuda.synchronize()
-
-            def run() -> None:
-                for _ in range(GRAPH_CALLS):
-                    fn()
-
-        run()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / GRAPH_CALLS)
-        return _median(times)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e6)
-    return _median(times)
+    return graph_time_us([fn] * (GRAPH_CALLS if torch.cuda.is_available() else 1), reps)
 
 
 def gemm_variants(x: Any, k: int, n: int, dev: str) -> dict[str, Any]:

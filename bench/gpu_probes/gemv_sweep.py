@@ -19,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from xlaserve.bench.timing import graph_time_us
 from xlaserve.kernels_cuda.dense_gemv import dense_gemv
 from xlaserve.kernels_cuda.quant_matmul import GemvTiles
 
@@ -37,30 +38,8 @@ CFGS = [
 ]
 
 
-def timed(fn, ws, x, reps=5):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for w in ws[:2]:
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in ws:
-            fn(x, w)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(ws))
-    ts.sort()
-    return ts[len(ts) // 2]
+def timed(fn, ws, x, reps=5):  # noqa: ANN001, ANN201
+    return graph_time_us([lambda w=w: fn(x, w) for w in ws], reps)
 
 
 res = {}

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from xlaserve.bench.timing import graph_time_us
 
 # (BLOCK_N, num_warps, num_stages, splits): the current table (64, 4, 3) at the graph's 16
 # splits and the measured optima 32 / 64, the long-decode table (128, 4, 4), and neighbours.
@@ -78,35 +78,6 @@ def _inputs(s: Shape, dev: str, dtype: Any) -> dict[str, Any]:
     )
 
 
-def _time_us(fn: Any, reps: int, cuda: bool) -> float:
-    """Median microseconds of one CUDA-graph replay of fn (wall time of fn on the CPU)."""
-    import torch
-
-    fn()  # compile outside the capture
-    if not cuda:
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e6)
-        return statistics.median(ts)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
-
-
 def run(tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS)) -> dict[str, Any]:
     """Every config on every shape; rows plus the best config per shape."""
     import torch
@@ -138,7 +109,7 @@ def run(tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS))
                     num_kv_splits=splits, launch_config=cfg,
                 )  # fmt: skip
 
-            us = _time_us(fn, reps, cuda)
+            us = graph_time_us([fn], reps, cuda)
             fn()
             res = out.float().clone()
             first = res if first is None else first

@@ -28,9 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from typing import Any
+
+from xlaserve.bench.timing import graph_time_us
 
 # (K, N) of the Llama-3.1-8B linears.
 SHAPES: dict[str, tuple[int, int]] = {
@@ -91,44 +91,6 @@ def _tiles_of(label: str) -> list | None:
     return [
         v.strip() == "True" if v.strip() in ("True", "False") else int(v) for v in inner.split(",")
     ]
-
-
-def _time_us(fns: list[Any], reps: int, cuda: bool) -> float:
-    """Median microseconds of one call: fns (one per weight copy) called in turn, captured
-    len(fns) at a time into a CUDA graph on the GPU; wall time of fns[0] on the CPU."""
-    import torch
-
-    if not cuda:
-        fns[0]()
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fns[0]()
-            ts.append((time.perf_counter() - t) * 1e6)
-        return statistics.median(ts)
-    for f in fns:
-        f()  # compile outside the capture
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fns[0]()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return statistics.median(ts)
 
 
 def _weights(k: int, n: int, copies: int, dev: str) -> list[dict[str, Any]]:
@@ -230,7 +192,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 dev, torch.bfloat16 if cuda else torch.float32
             )
             calls = [ws[i % copies] for i in range(max(copies, args.calls if cuda else 1))]
-            base = _time_us([lambda d=d, x=x: F.linear(x, d["w"]) for d in calls], args.reps, cuda)
+            base = graph_time_us(
+                [lambda d=d, x=x: F.linear(x, d["w"]) for d in calls], args.reps, cuda
+            )
             ref = F.linear(x, ws[0]["w"]).float()
             print(f"{sname} M={m}: bf16 {base:.1f} us", flush=True)
             rows.append(dict(shape=sname, k=k, n=n, m=m, family="bf16", config="F.linear",
@@ -241,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row: dict[str, Any] = dict(shape=sname, k=k, n=n, m=m, family=fam, config=label)
                     row["tiles"] = _tiles_of(label)
                     try:
-                        us = _time_us(
+                        us = graph_time_us(
                             [lambda d=d, x=x, fn=fn: fn(x, d) for d in calls], args.reps, cuda
                         )
                         y = fn(x, ws[0]).float()

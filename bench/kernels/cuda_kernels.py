@@ -19,13 +19,13 @@ import argparse
 import functools
 import json
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from xlaserve.bench.timing import event_time_us, graph_time_us
 from xlaserve.kernels_cuda.activation import silu_and_mul, silu_and_mul_ref
 from xlaserve.kernels_cuda.fused_moe import fused_experts
 from xlaserve.kernels_cuda.kv_write import write_kv, write_kv_ref
@@ -40,18 +40,7 @@ from xlaserve.kernels_cuda.rotary import (
 
 def time_ms(fn: Callable[[], Any], iters: int, warmup: int = 5) -> float:
     """Median milliseconds of fn() over iters runs, each timed by its own CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return event_time_us(fn, iters, warmup) / 1e3
 
 
 def _attention_case(
@@ -244,14 +233,7 @@ _QGEMV_STREAM_BYTES = 256 << 20
 def _graph_ms(calls: list[Callable[[], Any]], iters: int) -> float:
     """Median ms per call of `calls` run back to back, replayed from one CUDA graph: no CPU
     launch gaps (decode runs graphs too), so microsecond kernels are timed, not the launcher."""
-    for call in calls:  # compile / warm up outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return time_ms(graph.replay, iters) / len(calls)
+    return graph_time_us(calls, iters) / 1e3
 
 
 def _copies(nbytes: int) -> int:

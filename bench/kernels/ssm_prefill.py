@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from xlaserve.bench.timing import event_time_us
 
 # name -> (C conv channels, Hs, P, N, G); C = d_inner + 2 G N.
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -42,23 +42,7 @@ K = 4
 
 def time_ms(fn: Callable[[], Any], iters: int, cuda: bool, warmup: int = 2) -> float:
     """Median milliseconds of fn() over iters runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return event_time_us(fn, iters, warmup, cuda) / 1e3
 
 
 def _row(
