@@ -82,9 +82,12 @@ ATTENTION_CONFIGS: dict[str, dict[int, dict[str, int]]] = {
 # at batch 1 each program walks many tiles serially, and more bytes in flight per program hide
 # HBM latency. Keyed by head-dim bucket; a bucket absent here keeps ATTENTION_CONFIGS["decode"]
 # (D=256: shared memory). Tune from bench/gpu_probes/long_decode_sweep.py's "best" lines.
-# Off until bench/gpu_probes/long_decode_sweep.py has run on a GPU (the tiles are untested by
-# real Triton and unmeasured); tests switch it on to check the pick and the kernel's results.
-LONG_DECODE_ENABLED = False
+# Measured (H200, CUDA-graph replays, bf16 cache, bench/RESULTS.md fifteenth session): these
+# tiles beat the decode table's (64, 4 warps, 3 stages) at every shape and split count swept:
+# 30k keys batch 1 56.0 vs 68.0 us (16 splits) and 45.7 vs 50.7 (32); 131k 196 vs 248 and 142
+# vs 156; 8k batch 32 281 vs 310 and 292 vs 329. Quantized caches keep the decode table: the
+# sweep did not cover them, and a 128-key tile of fp32-dequantized V is twice the registers.
+LONG_DECODE_ENABLED = True
 LONG_DECODE_MIN_SPLITS = 16
 LONG_DECODE_CONFIGS: dict[int, dict[str, int]] = {
     64: {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
@@ -527,11 +530,13 @@ def attention_launch_config(
     interpret: bool,
     num_kv_splits: int = 1,
     override: dict[str, int] | None = None,
+    quant: bool = False,
 ) -> dict[str, int]:
     """Pick BLOCK_M/BLOCK_N/num_warps/num_stages (+ derived BLOCK_Q) for one launch.
 
-    Decode launches with >= LONG_DECODE_MIN_SPLITS splits take LONG_DECODE_CONFIGS; override
-    (tests, bench sweeps) replaces the table pick, keys BLOCK_M/BLOCK_N/num_warps/num_stages.
+    Decode launches with >= LONG_DECODE_MIN_SPLITS splits over an unquantized cache (quant
+    False) take LONG_DECODE_CONFIGS; override (tests, bench sweeps) replaces the table pick,
+    keys BLOCK_M/BLOCK_N/num_warps/num_stages.
     """
     kind = "decode" if max_query_len <= 1 else "prefill"
     bucket = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
@@ -544,6 +549,7 @@ def attention_launch_config(
         cfg = dict(_INTERPRET_CONFIG)
     elif (
         LONG_DECODE_ENABLED
+        and not quant
         and kind == "decode"
         and num_kv_splits >= LONG_DECODE_MIN_SPLITS
         and bucket in LONG_DECODE_CONFIGS
@@ -688,7 +694,7 @@ def unified_attention(
             f"unified_attention: num_kv_splits must be a power of 2 in [1, 64], got {num_kv_splits}"
         )
     cfg = attention_launch_config(
-        max(max_query_len, 1), g, d, interpret, num_kv_splits, launch_config
+        max(max_query_len, 1), g, d, interpret, num_kv_splits, launch_config, quant
     )
     block_q = cfg["BLOCK_Q"]
     if num_tiles != t // block_q + b:

@@ -73,11 +73,16 @@ def test_long_decode_fp8_kv(device, tolerances) -> None:
 
 
 def test_table_pick_by_splits(monkeypatch) -> None:  # noqa: ANN001
-    """With LONG_DECODE_ENABLED, decode launches with >= LONG_DECODE_MIN_SPLITS splits take
-    LONG_DECODE_CONFIGS; fewer splits, prefill, and head 256 keep the earlier tables; disabled
-    (the default until measured), every launch keeps them."""
+    """With LONG_DECODE_ENABLED (the default, measured), decode launches with >=
+    LONG_DECODE_MIN_SPLITS splits over an unquantized cache take LONG_DECODE_CONFIGS; fewer
+    splits, prefill, head 256 and quantized caches keep the earlier tables; disabled, every
+    launch keeps them."""
     few = pa.LONG_DECODE_MIN_SPLITS // 2
     many = pa.LONG_DECODE_MIN_SPLITS
+    assert pa.LONG_DECODE_ENABLED
+    quant = pa.attention_launch_config(1, 4, 128, False, many, quant=True)
+    assert quant["BLOCK_N"] == pa.ATTENTION_CONFIGS["decode"][128]["BLOCK_N"]
+    monkeypatch.setattr(pa, "LONG_DECODE_ENABLED", False)
     off = pa.attention_launch_config(1, 4, 128, False, many)
     assert off["BLOCK_N"] == pa.ATTENTION_CONFIGS["decode"][128]["BLOCK_N"]
     monkeypatch.setattr(pa, "LONG_DECODE_ENABLED", True)
