@@ -377,12 +377,14 @@ class TorchModelRunner(RunnerCore):
 
     def _warm_fused_greedy(self) -> None:
         """Compile the fused greedy kernel's variants at start-up, not in the first steps: the
-        row counts 1 (most chunks) and max_num_seqs (fewest) cover every step's chunking."""
+        row counts 1 (most chunks) and max_num_seqs (fewest) cover every step's chunking, with
+        and without grammar bitmasks."""
         if not (self.fused_greedy and self.device.type == "cuda"):
             return
         for rows in (1, self.config.scheduler.max_num_seqs):
             h = torch.zeros((rows, self.spec.hidden_size), dtype=self.dtype, device=self.device)
             self._fused_greedy(h)
+            self._fused_greedy(h, [None] * rows)  # every token allowed: the masked variant
         torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
@@ -638,27 +640,36 @@ class TorchModelRunner(RunnerCore):
         # Deferred (async scheduling): every row samples on the device without host data.
         # The row rules are sampler.argmax_only_step / deferrable_step over the per-request
         # constants cached at admission (_ReqState): a few attribute reads a row.
-        fast = deferrable = True
+        # `greedy`: the same minus "no bitmask": with the fused kernel, grammar rows take the
+        # argmax of their allowed tokens inside it (structured output's greedy steps).
+        greedy = deferrable = True
+        masked_rows = False
         masks = so.grammar_bitmask
         for b in sample_b:
             if drafts[b]:
-                fast = deferrable = False
+                greedy = deferrable = False
                 break
             rid = order[b][0]
             st = self.requests[rid]
             until = st.stop_mask_until
             stop_masked = until and len(st.token_ids) - st.num_prompt_tokens < until
-            if fast and (not st.plain_greedy or stop_masked or rid in masks):
-                fast = False
+            if greedy and (not st.plain_greedy or stop_masked):
+                greedy = False
+            masked_rows = masked_rows or rid in masks
             # A deferred step applies its bitmask rows on the device (`_masked`): no host data.
             if defer and (stop_masked or not st.defer_ok):
                 deferrable = False
-            if not (fast or (defer and deferrable)):
+            if not (greedy or (defer and deferrable)):
                 break
+        fast = greedy and not masked_rows
         argmax_l: list[int] = []
-        packed = self._fused_greedy(h) if fast and self.fused_greedy else None
+        packed = None
+        if greedy and self.fused_greedy:
+            rows_masks = [masks.get(order[b][0]) for b in sample_b] if masked_rows else None
+            packed = self._fused_greedy(h, rows_masks, launched.mask_slot)
         if packed is not None:  # [tokens; exact non-finite flags], int64 [2R]
-            if defer and deferrable:  # (fast implies deferrable)
+            fast = True  # the tokens are the kernel's argmax (of the allowed tokens)
+            if defer and deferrable:  # (greedy implies deferrable)
                 self._sample_deferred(order, sample_b, packed, None, launched)
                 return
             host = packed.tolist()  # one device -> host copy
@@ -713,17 +724,26 @@ class TorchModelRunner(RunnerCore):
             if lps[k] is not None:
                 out.logprobs[rid] = lps[k]
 
-    def _fused_greedy(self, h: torch.Tensor) -> torch.Tensor | None:
+    def _fused_greedy(
+        self,
+        h: torch.Tensor,
+        masks: list[np.ndarray | None] | None = None,
+        in_place: tuple[torch.Tensor | None, int, np.ndarray] | None = None,
+    ) -> torch.Tensor | None:
         """Argmax tokens and exact non-finite flags of the rows of h through the fused kernel:
-        int64 [2R], tokens then 0/1 flags. None when the model has no raw logits (scaling /
-        soft-cap: the float32 path keeps their exact ties)."""
+        int64 [2R], tokens then 0/1 flags. masks (one per row, as `_masked` takes them, with
+        its `in_place` slot): each row's argmax over its grammar's allowed tokens. None when the
+        model has no raw logits (scaling / soft-cap: the float32 path keeps their exact ties)."""
         raw_fn = getattr(self.model, "compute_logits_raw", None)
         raw = raw_fn(h) if raw_fn is not None else None
         if raw is None:
             return None
-        from xlaserve.kernels_cuda.sampling import greedy_argmax_packed
+        from xlaserve.kernels_cuda import sampling
 
-        return greedy_argmax_packed(raw, kernels=self.kernels)
+        bits = None
+        if masks is not None:
+            bits = self._device_bitmask(masks, in_place, (raw.shape[1] + 31) // 32)
+        return sampling.greedy_argmax_packed(raw, kernels=self.kernels, bitmask=bits)
 
     def _sample_deferred(
         self,
@@ -761,14 +781,29 @@ class TorchModelRunner(RunnerCore):
         in_place: tuple[torch.Tensor | None, int, np.ndarray] | None = None,
     ) -> torch.Tensor:
         """logits [R, V] with each row's grammar bitmask applied (disallowed -> -inf), a new
-        tensor; masks[r]: int32 [1, W] or None (row r unconstrained). The packed rows
-        [R, W] go up through pinned memory without waiting for the queued forward, and are
-        unpacked on the device. `in_place`: the step's `late_bitmask_buffer` slot when the
-        masks were filled into it (nothing to pack)."""
+        tensor; masks[r]: int32 [1, W] or None (row r unconstrained); the packed rows come from
+        `_device_bitmask` and are unpacked on the device."""
         if all(m is None for m in masks):
             return logits
         vocab = logits.shape[1]
-        words = (vocab + 31) // 32
+        bits = self._device_bitmask(masks, in_place, (vocab + 31) // 32)
+        if bits.device.type != "cuda":
+            forbidden = forbidden_tokens(bits.numpy(), vocab, bits.device)
+        else:  # unpacking bytes moves a quarter of what int32 words would
+            forbidden = forbidden_from_bytes(bits.view(torch.uint8), vocab)
+        return logits.masked_fill(forbidden, float("-inf"))
+
+    def _device_bitmask(
+        self,
+        masks: list[np.ndarray | None],
+        in_place: tuple[torch.Tensor | None, int, np.ndarray] | None,
+        words: int,
+    ) -> torch.Tensor:
+        """A step's grammar masks as ONE packed int32 [R, W] tensor on the runner's device, row
+        r from masks[r] (int32 [1, W'] or None: every token; `pack_bitmask_rows`). On CUDA the
+        rows go up through a pinned slot and a non-blocking copy, without waiting for the
+        queued forward. `in_place`: the step's `late_bitmask_buffer` slot when the engine filled
+        the masks into it (nothing to pack)."""
         dev = self.device
         if in_place is not None and in_place[2].shape != (len(masks), words):
             in_place = None
@@ -776,11 +811,10 @@ class TorchModelRunner(RunnerCore):
             self.num_masks_in_place += 1
         if dev.type != "cuda":
             if in_place is not None:
-                packed = in_place[2]  # the engine filled the masks here already
-            else:
-                packed = np.empty((len(masks), words), dtype="<i4")
-                pack_bitmask_rows(packed, masks)
-            return logits.masked_fill(forbidden_tokens(packed, vocab, dev), float("-inf"))
+                return torch.from_numpy(in_place[2])  # the engine filled the masks here already
+            packed = np.empty((len(masks), words), dtype="<i4")
+            pack_bitmask_rows(packed, masks)
+            return torch.from_numpy(packed)
         ring = self._mask_ring_for(words)
         if in_place is not None and in_place[0] is not None:
             host, k = in_place[0], in_place[1]  # the engine filled the masks into this slot
@@ -789,10 +823,9 @@ class TorchModelRunner(RunnerCore):
             assert slot is not None, "more sampling rows than max_num_seqs on a deferred step"
             host, k = slot
             pack_bitmask_rows(host.view(len(masks), words).numpy(), masks)
-        dev_bytes = host.view(torch.uint8).to(dev, non_blocking=True)  # [R * W * 4]
+        bits = host.to(dev, non_blocking=True)  # [R * W]
         ring.record(k)
-        forbidden = forbidden_from_bytes(dev_bytes.view(len(masks), -1), vocab)
-        return logits.masked_fill(forbidden, float("-inf"))
+        return bits.view(len(masks), words)
 
     def _mask_ring_for(self, words: int) -> PinnedRing:
         """The pinned slots of late grammar masks (4: at most 2 launches are unread at once),

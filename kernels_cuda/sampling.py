@@ -9,6 +9,11 @@ float32 (an exact upcast, so the result equals that of the float32 copy):
   CUDA alike): the FIRST index of the maximum wins ties (-0.0 == +0.0); a row holding NaN returns
   its first NaN (NaN counts as greater than everything, +inf included); a row of -inf returns 0.
 - ``nonfinite[r]`` is True iff row r holds a NaN, +inf or -inf (an exact element test, not a sum).
+- With ``bitmask`` (int32 [R, W], W >= ceil(V / 32); bit j of word w allows token 32 w + j, the
+  grammar masks of structured output): the argmax of the row with every disallowed logit set to
+  -inf, i.e. ``argmax(logits.float().masked_fill(~allowed, -inf))`` (a row that allows nothing
+  gives 0, torch's argmax of all -inf); ``nonfinite`` still tests the raw row. The masked greedy
+  step then needs no float32 copy, no unpacked [R, V] mask and no masked_fill pass.
 
 Two stages, deterministic: V is cut into ``C`` chunks of whole ``BLOCK`` tiles and a program per
 (row, chunk) keeps per-lane running (value, first index, any-non-finite) accumulators over its
@@ -62,18 +67,21 @@ def _first_max(v, i, NO_INDEX: tl.constexpr):
 @triton.jit(do_not_specialize=["num_chunks", "tiles_per_chunk"])
 def _argmax_chunk_kernel(
     x_ptr,
+    m_ptr,
     val_ptr,
     idx_ptr,
     bad_ptr,
     tok_ptr,
     flag_ptr,
     stride_xr,
+    stride_mr,
     vocab,
     num_chunks,
     tiles_per_chunk,
     BLOCK: tl.constexpr,
     NO_INDEX: tl.constexpr,
     FINAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
@@ -81,6 +89,7 @@ def _argmax_chunk_kernel(
     chunk = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     base = x_ptr + row.to(tl.int64) * stride_xr
+    mbase = m_ptr + row.to(tl.int64) * stride_mr
     start = chunk * tiles_per_chunk * BLOCK
     acc_v = tl.full([BLOCK], float("-inf"), tl.float32)
     acc_i = tl.full([BLOCK], NO_INDEX, tl.int32)
@@ -89,9 +98,12 @@ def _argmax_chunk_kernel(
         cols = start + t * BLOCK + offs
         mask = cols < vocab
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        x_nan = x != x
-        bad = mask & (x_nan | (tl.abs(x) == float("inf")))
+        bad = mask & ((x != x) | (tl.abs(x) == float("inf")))  # the raw row's
         acc_bad = tl.maximum(acc_bad, bad.to(tl.int32))
+        if HAS_MASK:  # disallowed tokens -> -inf (32 lanes read one word: a cached broadcast)
+            words = tl.load(mbase + cols // 32, mask=mask, other=0)
+            x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
+        x_nan = x != x
         # Each lane sees increasing columns: a strict ">" keeps the first of equal values; a
         # lane's first column is always taken (an all -inf lane); NaN beats any non-NaN and the
         # first NaN stays (NaN > NaN is false).
@@ -158,6 +170,7 @@ def _launch(
     block: int | None,
     chunks: int | None,
     kernels: KernelConfig | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> None:
     r, v = logits.shape
     if r == 0:
@@ -175,9 +188,13 @@ def _launch(
         val = torch.empty((r, n_chunks), dtype=torch.float32, device=logits.device)
         idx = torch.empty((r, n_chunks), dtype=torch.int32, device=logits.device)
         bad = torch.empty((r, n_chunks), dtype=torch.int8, device=logits.device)
+    has_mask = bitmask is not None
+    m = bitmask if has_mask else logits  # unused without a mask
     _argmax_chunk_kernel[(r, n_chunks)](
-        logits, val, idx, bad, tok, flag, logits.stride(0), v, n_chunks, per_chunk,
-        BLOCK=blk, NO_INDEX=_NO_INDEX, FINAL=final, num_warps=4, USE_PDL=pdl, **pdl_kwargs(pdl),
+        logits, m, val, idx, bad, tok, flag, logits.stride(0), m.stride(0) if has_mask else 0,
+        v, n_chunks, per_chunk,
+        BLOCK=blk, NO_INDEX=_NO_INDEX, FINAL=final, HAS_MASK=has_mask, num_warps=4,
+        USE_PDL=pdl, **pdl_kwargs(pdl),
     )  # fmt: skip
     if not final:
         _argmax_combine_kernel[(r,)](
@@ -201,20 +218,40 @@ def _check(name: str, logits: torch.Tensor) -> None:
     check_last_dim_contiguous(name, logits)
 
 
+def _check_bitmask(name: str, logits: torch.Tensor, bitmask: torch.Tensor | None) -> None:
+    if bitmask is None:
+        return
+    r, v = logits.shape
+    if bitmask.dtype != torch.int32 or bitmask.ndim != 2:
+        raise ValueError(
+            f"{name}: bitmask must be int32 [R, W], got {bitmask.dtype} {tuple(bitmask.shape)}"
+        )
+    if bitmask.shape[0] != r or bitmask.shape[1] < -(-v // 32):
+        raise ValueError(
+            f"{name}: bitmask {tuple(bitmask.shape)} must be [{r}, >= {-(-v // 32)}] for logits "
+            f"{tuple(logits.shape)}"
+        )
+    check_device(name, logits, bitmask)
+    check_last_dim_contiguous(f"{name} bitmask", bitmask)
+
+
 def greedy_argmax(
     logits: torch.Tensor,
     *,
     block: int | None = None,
     chunks: int | None = None,
     kernels: KernelConfig | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] -> (token_ids int64 [R], nonfinite bool [R]); see the module docstring.
-    block / chunks override the tile size and the number of chunks per row (tests)."""
+    """logits [R, V] -> (token_ids int64 [R], nonfinite bool [R]); see the module docstring
+    (bitmask: int32 [R, W] allowed-token bits, or None). block / chunks override the tile size
+    and the number of chunks per row (tests)."""
     _check("greedy_argmax", logits)
+    _check_bitmask("greedy_argmax", logits, bitmask)
     r = logits.shape[0]
     tok = torch.empty(r, dtype=torch.int64, device=logits.device)
     flag = torch.empty(r, dtype=torch.uint8, device=logits.device)
-    _launch(logits, tok, flag, block, chunks, kernels)
+    _launch(logits, tok, flag, block, chunks, kernels, bitmask)
     return tok, flag.view(torch.bool)
 
 
@@ -224,20 +261,31 @@ def greedy_argmax_packed(
     block: int | None = None,
     chunks: int | None = None,
     kernels: KernelConfig | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [R, V] -> int64 [2R]: the token ids of `greedy_argmax`, then its non-finite flags
     as 0 / 1 (what the runner copies to the host in one transfer, without a cat or a cast)."""
     _check("greedy_argmax_packed", logits)
+    _check_bitmask("greedy_argmax_packed", logits, bitmask)
     r = logits.shape[0]
     out = torch.empty(2 * r, dtype=torch.int64, device=logits.device)
-    _launch(logits, out[:r], out[r:], block, chunks, kernels)
+    _launch(logits, out[:r], out[r:], block, chunks, kernels, bitmask)
     return out
 
 
-def greedy_argmax_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_argmax_ref(
+    logits: torch.Tensor, bitmask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`greedy_argmax`: argmax of the float32 logits (torch's tie and
-    NaN rules) and an element-wise non-finite test."""
+    NaN rules) with the bitmask's disallowed tokens at -inf, and an element-wise non-finite test
+    of the raw logits."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
     x = logits.float()
-    return x.argmax(dim=-1), ~torch.isfinite(x).all(dim=-1)
+    bad = ~torch.isfinite(x).all(dim=-1)
+    if bitmask is not None:
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        bits = (bitmask.to(torch.int32)[:, :, None] >> shifts) & 1  # [R, W, 32]
+        allowed = bits.reshape(bitmask.shape[0], -1)[:, : x.shape[1]].bool().to(x.device)
+        x = x.masked_fill(~allowed, float("-inf"))
+    return x.argmax(dim=-1), bad

@@ -146,6 +146,60 @@ def test_bad_inputs_raise(device) -> None:
         greedy_argmax_packed(torch.zeros(2, 16, device=device)[:, ::2])
 
 
+def _words(allowed: torch.Tensor, extra_words: int = 0) -> torch.Tensor:
+    """bool allowed [R, V] -> the packed int32 [R, ceil(V / 32) + extra_words] bitmask (bit j of
+    word w: token 32 w + j; padding bits and extra words all set, as xgrammar leaves them)."""
+    r, v = allowed.shape
+    w = -(-v // 32) + extra_words
+    bits = torch.ones(r, w * 32, dtype=torch.int64)
+    bits[:, :v] = allowed.long()
+    words = (bits.view(r, w, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunks", [None, 1, 5])
+def test_bitmask_matches_masked_argmax(dtype: torch.dtype, chunks: int | None, device) -> None:
+    """With a grammar bitmask: the argmax over the allowed tokens (the reference: masked_fill
+    then argmax), the non-finite flag of the raw row, a row allowing nothing -> 0."""
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 7, 1000
+    x = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+    allowed = torch.rand(rows, vocab, generator=g) < 0.1
+    allowed[1] = True  # every token (a row without a grammar: all bits set)
+    allowed[2] = False  # nothing: argmax of all -inf is 0
+    allowed[3] = False
+    allowed[3, [17, 999]] = True  # two tokens, the larger wins
+    x[3, 17], x[3, 999] = -50.0, -40.0
+    x[3, 500] = 100.0  # the raw maximum, disallowed
+    x[4, 300] = NAN  # NaN at a disallowed token: ignored by the argmax, flagged as non-finite
+    allowed[4, 300] = False
+    x[5, 42] = INF  # an allowed +inf wins
+    allowed[5, 42] = True
+    mask = _words(allowed, extra_words=1 if dtype == torch.float32 else 0)
+    tok, bad = greedy_argmax(x.to(device), bitmask=mask.to(device), block=16, chunks=chunks)
+    want_tok, want_bad = greedy_argmax_ref(x, mask)
+    assert tok.cpu().tolist() == want_tok.tolist()
+    assert bad.cpu().tolist() == want_bad.tolist()
+    xf = x.float().masked_fill(~allowed, -INF)
+    assert want_tok.tolist() == xf.argmax(dim=-1).tolist()  # the reference is what it says
+    assert tok[2].item() == 0 and tok[3].item() == 999 and tok[5].item() == 42
+    assert bad.cpu().tolist()[4:6] == [True, True] and not bad[1].item()
+    assert all(allowed[r, t] for r, t in enumerate(tok.tolist()) if r != 2)
+    flat = greedy_argmax_packed(x.to(device), bitmask=mask.to(device), block=16, chunks=chunks)
+    assert flat.cpu().tolist() == want_tok.tolist() + want_bad.long().tolist()
+
+
+def test_bitmask_bad_inputs_raise(device) -> None:
+    x = torch.zeros(2, 100, device=device)
+    with pytest.raises(ValueError, match="int32"):
+        greedy_argmax(x, bitmask=torch.zeros(2, 4, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match=r"\[2, >= 4\]"):
+        greedy_argmax(x, bitmask=torch.zeros(2, 3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"\[2, >= 4\]"):
+        greedy_argmax_packed(x, bitmask=torch.zeros(3, 4, dtype=torch.int32, device=device))
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("rows", [1, 256])
