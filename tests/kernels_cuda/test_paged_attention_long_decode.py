@@ -111,3 +111,28 @@ def test_auto_splits_fill_the_sms(monkeypatch) -> None:
     assert pa._auto_kv_splits(8, 1, 4096, dev) == 4096 // pa.MIN_KEYS_PER_SPLIT
     assert pa._auto_kv_splits(8 * 64, 1, 131_072, dev) == 1
     assert pa._auto_kv_splits(8, 7, 131_072, dev) == 1
+
+
+@pytest.mark.parametrize(
+    "cfg,splits", [(WIDE, 16), (MID, 1), (None, 4)], ids=["wide", "mid", "table"]
+)
+def test_fp8_cache_fp16_dots(device, tolerances, monkeypatch, cfg, splits) -> None:
+    """bf16 queries over an fp8 cache run their dots in fp16 (QUANT_F16_DOTS): the reference of
+    the dequantized cache within bf16's tolerance, decode and a prefill chunk, and no further
+    from it than the bf16-dot path (on the cache's own codes, with only rounding between them)."""
+    batch = _batch([1, 5, 1], [600, 77, 33], 8, 2, 32, 16, torch.bfloat16, device, seed=9)
+    kq, ks = quantize_kv(batch["k_cache"].float(), torch.float8_e4m3fn)
+    vq, vs = quantize_kv(batch["v_cache"].float(), torch.float8_e4m3fn)
+    batch = dict(batch, k_cache=kq, v_cache=vq)
+    assert pa.quant_f16_dots(kq.dtype, batch["q"].dtype)
+    assert not pa.quant_f16_dots(kq.dtype, torch.float32)  # float32 queries keep their dots
+    assert not pa.quant_f16_dots(torch.int8, torch.bfloat16)  # int8 codes: not this path
+    ref = _call(unified_attention_ref, batch, splits, None, k_scale=ks, v_scale=vs).float()
+    f16 = _call(unified_attention, batch, splits, cfg, k_scale=ks, v_scale=vs).float()
+    monkeypatch.setattr(pa, "QUANT_F16_DOTS", False)
+    bf16 = _call(unified_attention, batch, splits, cfg, k_scale=ks, v_scale=vs).float()
+    atol, rtol = tolerances[torch.bfloat16]
+    torch.testing.assert_close(f16, ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(bf16, ref, atol=atol, rtol=rtol)
+    assert (f16 - ref).abs().max() <= (bf16 - ref).abs().max() * 1.5 + 1e-3
+    assert not torch.equal(f16, bf16)  # the fp16 path did run (P rounds differently)
