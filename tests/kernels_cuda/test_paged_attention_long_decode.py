@@ -136,3 +136,25 @@ def test_fp8_cache_fp16_dots(device, tolerances, monkeypatch, cfg, splits) -> No
     torch.testing.assert_close(bf16, ref, atol=atol, rtol=rtol)
     assert (f16 - ref).abs().max() <= (bf16 - ref).abs().max() * 1.5 + 1e-3
     assert not torch.equal(f16, bf16)  # the fp16 path did run (P rounds differently)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("splits", [1, 16, 32])
+def test_gpu_fp8_cache_fp16_dots_8b_shape(tolerances, splits) -> None:
+    """The 8B shape (32 q / 8 kv heads, head 128) over an fp8 cache at 16k / 9k context, bf16
+    queries (fp16 dots), against the reference of the dequantized cache; the bf16 cache of the
+    same values at 16+ splits takes the long-decode tiles."""
+    dev = torch.device("cuda")
+    batch = _batch([1, 1], [16384, 9000], 32, 8, 128, 16, torch.bfloat16, dev, seed=2)
+    atol, rtol = tolerances[torch.bfloat16]
+    out = _call(unified_attention, batch, splits, None)
+    ref = _call(unified_attention_ref, batch, splits, None)
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    kq, ks = quantize_kv(batch["k_cache"].float(), torch.float8_e4m3fn)
+    vq, vs = quantize_kv(batch["v_cache"].float(), torch.float8_e4m3fn)
+    qb = dict(batch, k_cache=kq, v_cache=vq)
+    assert pa.quant_f16_dots(kq.dtype, batch["q"].dtype)
+    out = _call(unified_attention, qb, splits, None, k_scale=ks, v_scale=vs)
+    ref = _call(unified_attention_ref, qb, splits, None, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)

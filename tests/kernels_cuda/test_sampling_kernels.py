@@ -223,6 +223,15 @@ def test_gpu_real_shapes(rows: int) -> None:
         assert bad[1:5].tolist() == [True, True, True, False]
     packed = greedy_argmax_packed(x)
     assert torch.equal(packed, torch.cat([tok, bad.long()]))
+    # With grammar bitmasks (a few hundred allowed tokens a row; row 0 allows everything).
+    allowed = torch.rand(rows, vocab, device="cuda") < 0.003
+    allowed[0] = True
+    mask = _words(allowed.cpu()).cuda()
+    mtok, mbad = greedy_argmax(x, bitmask=mask)
+    want_tok, want_bad = greedy_argmax_ref(x, mask)
+    assert torch.equal(mtok, want_tok) and torch.equal(mbad, want_bad)
+    assert torch.equal(mtok, x.float().masked_fill(~allowed, -INF).argmax(dim=-1))
+    assert mtok[0].item() == tok[0].item()
     # A vocab slice of a wider (padded, all-gathered) tensor.
     wide = torch.randn(rows, vocab + 64, device="cuda", dtype=torch.bfloat16)
     wide[:, vocab:] = 1e4

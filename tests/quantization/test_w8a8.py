@@ -375,6 +375,13 @@ def test_gpu_quant_layers_w8a8_and_int8_large_m() -> None:
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         ref = qm.int8_matmul_ref(x, q8.qweight, q8.scales)
         assert _rel(qm.int8_matmul(x, q8.qweight, q8.scales), ref) < 1e-2, m
+    # The swapped operand order (wgmma's register operand) on real tiles, M across the buckets.
+    for m, tiles in ((16, (16, 64, 128, 1, 4, 4)), (256, (64, 128, 128, 8, 4, 4)),
+                     (300, (128, 128, 64, 8, 8, 4)), (4096, (128, 256, 64, 8, 8, 3))):  # fmt: skip
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = qm.int8_matmul_ref(x, q8.qweight, q8.scales)
+        t = qm.Int8DotTiles(*tiles, swap_ab=True)
+        assert _rel(qm.int8_matmul(x, q8.qweight, q8.scales, tiles=t), ref) < 1e-2, (m, t)
 
 
 def test_kernel_switches_validated() -> None:
