@@ -129,6 +129,62 @@ def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa:
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), eng.num_overlapped_steps - ov
 
 
+# --phases: engine parts timed per call (owner path under LLMEngine, method), in-process engines.
+# runner.finish waits for the device (a step's tokens); core._apply_late_fill waits for the fill
+# thread; the others are host work on the engine thread (the fill on whichever thread runs it).
+PHASES: tuple[tuple[str, str], ...] = (
+    ("", "step"),
+    ("core.scheduler", "schedule"),
+    ("core.runner", "launch"),
+    ("core.runner", "finish"),
+    ("core", "_apply_late_fill"),
+    ("core", "_process"),
+    ("core._structured", "accept_step"),
+    ("core._structured", "_batch_fill"),
+    ("processor", "process"),
+)
+
+
+class PhaseTimer:
+    """Wraps PHASES' methods of one in-process LLMEngine while active (`with`): each call's
+    seconds are appended to `times[name]` (name "owner.method" or "method")."""
+
+    def __init__(self, eng: Any) -> None:  # noqa: ANN401 - LLMEngine
+        self.eng = eng
+        self.times: dict[str, list[float]] = {}
+        self._undo: list[tuple[Any, str]] = []
+
+    def __enter__(self) -> PhaseTimer:
+        for path, meth in PHASES:
+            owner = self.eng
+            for part in filter(None, path.split(".")):
+                owner = getattr(owner, part, None)
+            fn = getattr(owner, meth, None) if owner is not None else None
+            if fn is None:
+                continue
+            acc = self.times.setdefault(f"{path}.{meth}" if path else meth, [])
+
+            def wrapped(*a: Any, _fn: Any = fn, _acc: list = acc, **k: Any) -> Any:  # noqa: ANN401
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    _acc.append(time.perf_counter() - t)
+
+            setattr(owner, meth, wrapped)
+            self._undo.append((owner, meth))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:  # noqa: ANN401
+        for owner, meth in self._undo:
+            delattr(owner, meth)  # the instance attribute; the class's method again
+        self._undo.clear()
+
+    def medians_ms(self) -> dict[str, float]:
+        """Median milliseconds per call of every part that was called."""
+        return {k: round(1e3 * statistics.median(v), 3) for k, v in self.times.items() if v}
+
+
 def _stats_rows(text: str) -> list[str]:
     """pstats' table rows (after its 'ncalls' header line), blank lines dropped."""
     lines = text.splitlines()
@@ -349,6 +405,7 @@ def _main_rows(
         runs: dict[str, list[float]] = {"plain": [], "constrained": []}
         toks: dict[str, int] = {}
         overlapped: dict[str, int] = {}
+        phases: dict[str, PhaseTimer] = {}
         # One untimed round at the batch's own size first: on the H200 the first full-size
         # plain run was 1.4x slower than the ones after it in every call (15.3-15.6k vs ~22k
         # tok/s at batch 256, 2026-12-05), which made the first pair's ratio meaningless.
@@ -356,7 +413,11 @@ def _main_rows(
             _timed(llm, prompts, sp)
         for _ in range(args.repeats):
             for name, sp in (("plain", plain), ("constrained", cons)):
-                dt, k, ov = _timed(llm, prompts, sp)
+                if args.phases:  # (an engine core process: only its step is timed here)
+                    with phases.setdefault(name, PhaseTimer(eng)):
+                        dt, k, ov = _timed(llm, prompts, sp)
+                else:
+                    dt, k, ov = _timed(llm, prompts, sp)
                 runs[name].append(k / dt)
                 toks[name], overlapped[name] = k, ov
         med = {k: statistics.median(v) for k, v in runs.items()}
@@ -373,6 +434,10 @@ def _main_rows(
             "overlapped_steps": overlapped,
             "runs": runs,
         }
+        if phases:  # --phases: median ms per call of each engine part, per mode
+            report["rows"][f"batch{b}"]["phases_ms_median"] = {
+                k: t.medians_ms() for k, t in phases.items()
+            }
         print(json.dumps({f"batch{b}": report["rows"][f"batch{b}"]}), flush=True)
     if args.profile:
         b = max(args.batches)
@@ -442,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-jump", action="store_true", help="only the jump-forward row")
     ap.add_argument("--only-batches", action="store_true", help="only the batch rows")
+    ap.add_argument("--phases", action="store_true",
+                    help="batch rows: median ms per call of the engine's parts (PHASES), per "
+                         "mode")  # fmt: skip
     ap.add_argument("--profile", type=int, default=0,
                     help="also profile one plain and one constrained run of the largest batch: "
                          "median step time and cProfile's top N")  # fmt: skip

@@ -31,3 +31,32 @@ def test_structured_bench_runs_every_row(tmp_path) -> None:  # noqa: ANN001
         assert row["same_tokens"], key
         assert 0 < row["steps_on"] <= row["steps_off"], key
         assert row["output_tokens"]["on"] == row["output_tokens"]["off"] > 0
+
+
+def test_phases_time_the_engine_parts(tmp_path) -> None:  # noqa: ANN001
+    """--phases: per mode, the median ms of each engine part; the grammar's parts only in the
+    constrained runs; the methods are the classes' own again afterwards."""
+    from xlaserve.bench.structured_bench import PhaseTimer
+
+    out = tmp_path / "so.json"
+    args = ["--llama8b", "--tiny", "--backend", "torch", "--async-scheduling", "on",
+            "--batches", "3", "--input-len", "8", "--output-len", "4", "--repeats", "1",
+            "--only-batches", "--phases", "--output-json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    ph = json.loads(out.read_text())["rows"]["batch3"]["phases_ms_median"]
+    assert set(ph) == {"plain", "constrained"}
+    for mode in ph.values():
+        for part in ("step", "core.scheduler.schedule", "core.runner.launch", "core._process"):
+            assert mode[part] >= 0, (part, mode)
+    assert "core._structured.accept_step" in ph["constrained"]
+    assert "core._structured.accept_step" not in ph["plain"]
+
+    class _Eng:  # a stand-in owner: wrapped while active, its own method again after
+        def step(self) -> int:
+            return 7
+
+    eng = _Eng()
+    with PhaseTimer(eng) as t:
+        assert eng.step() == 7 and "step" in eng.__dict__
+    assert "step" not in eng.__dict__ and eng.step() == 7
+    assert len(t.times["step"]) == 1 and set(t.medians_ms()) == {"step"}
