@@ -193,6 +193,7 @@ class TorchModelRunner(RunnerCore):
         self.fused_greedy = fg == "on" or (fg == "auto" and self.device.type == "cuda")
         self._token_ring: PinnedRing | None = None  # pinned host slots for deferred tokens
         self._mask_ring: PinnedRing | None = None  # pinned host slots for late grammar masks
+        self._mask_stream: torch.cuda.Stream | None = None  # their uploads (`_device_bitmask`)
         # Late masks filled in place (`late_bitmask_buffer`): the CPU's buffer, and how many
         # steps' masks went up from there (tests, benchmarks).
         self._cpu_masks: np.ndarray | None = None  # the CPU's reused [max_num_seqs, W] buffer
@@ -823,8 +824,17 @@ class TorchModelRunner(RunnerCore):
             assert slot is not None, "more sampling rows than max_num_seqs on a deferred step"
             host, k = slot
             pack_bitmask_rows(host.view(len(masks), words).numpy(), masks)
-        bits = host.to(dev, non_blocking=True)  # [R * W]
-        ring.record(k)
+        # On a side stream: on the compute stream the copy would queue behind the step's whole
+        # forward (4 MB at 256 rows of a 128k vocabulary); here it runs beside it, and only the
+        # sampling that reads the masks waits for it.
+        if self._mask_stream is None:
+            self._mask_stream = torch.cuda.Stream(dev)
+        compute = torch.cuda.current_stream(dev)
+        with torch.cuda.stream(self._mask_stream):
+            bits = host.to(dev, non_blocking=True)  # [R * W]
+            ring.record(k)  # the slot is free again once this copy is done
+        compute.wait_stream(self._mask_stream)
+        bits.record_stream(compute)  # allocated on the side stream, read on the compute one
         return bits.view(len(masks), words)
 
     def _mask_ring_for(self, words: int) -> PinnedRing:

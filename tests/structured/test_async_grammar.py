@@ -268,3 +268,32 @@ def test_torch_grammar_masks_in_the_fused_greedy_kernel(tiny_model_dir, monkeypa
     # Steps with grammar rows went through the kernel with their masks (row counts vary with
     # when each grammar's compile lands; some steps mix constrained and plain rows).
     assert len(masked_calls) > 5, masked_calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_torch_grammar_masks_side_stream_and_fused(tiny_model_dir, monkeypatch) -> None:  # noqa: ANN001
+    """On CUDA: the masks' upload on its own stream and the argmax inside the fused kernel give
+    the tokens of the synchronous unfused path (float32, so the two paths' argmax ties agree),
+    with the masks filled in place and through the copy."""
+    from xlaserve.backends_torch.runner import ENV_FUSED_GREEDY, TorchModelRunner
+
+    prompts = ["In the beginning", "And God said", "the waters", "Let there be light"] * 3
+    params = _params()
+    kw = dict(backend="torch", dtype="float32", block_size=16, max_model_len=256,
+              max_num_seqs=12, max_num_batched_tokens=64, compile_workers=0)  # fmt: skip
+    got = {}
+    for name, mode, fused, copy in (("sync_unfused", "off", "0", False), ("async_fused", "on", "1", False),
+                                    ("async_fused_copy", "on", "1", True), ("async_unfused", "on", "0", False)):  # fmt: skip
+        monkeypatch.setenv(ENV_FUSED_GREEDY, fused)
+        if copy:
+            monkeypatch.setattr(TorchModelRunner, "late_bitmask_buffer", lambda *a: None)
+        llm = LLM(tiny_model_dir("llama"), async_scheduling=mode, **kw)
+        outs = _generate(llm, prompts, params)
+        _check(params, outs)
+        got[name] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        llm.llm_engine.shutdown()
+        monkeypatch.undo()
+    assert (
+        got["async_fused"] == got["sync_unfused"] == got["async_fused_copy"] == got["async_unfused"]
+    )
