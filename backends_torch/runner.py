@@ -382,10 +382,17 @@ class TorchModelRunner(RunnerCore):
         and without grammar bitmasks."""
         if not (self.fused_greedy and self.device.type == "cuda"):
             return
+        from xlaserve.kernels_cuda import sampling
+
+        raw_fn = getattr(self.model, "compute_logits_raw", None)
         for rows in (1, self.config.scheduler.max_num_seqs):
             h = torch.zeros((rows, self.spec.hidden_size), dtype=self.dtype, device=self.device)
             self._fused_greedy(h)
-            self._fused_greedy(h, [None] * rows)  # every token allowed: the masked variant
+            raw = raw_fn(h) if raw_fn is not None else None
+            if raw is not None:  # the masked variant, every token allowed (no pinned slots)
+                words = (raw.shape[1] + 31) // 32
+                allow = torch.full((rows, words), -1, dtype=torch.int32, device=self.device)
+                sampling.greedy_argmax_packed(raw, kernels=self.kernels, bitmask=allow)
         torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
