@@ -205,3 +205,43 @@ def test_rust_stream_not_used_when_context_ends_inside_a_character(tok: Tokenize
     d = IncrementalDetokenizer(tok, ids[:1])
     assert d._stream is None
     assert IncrementalDetokenizer(tok, tok.encode("And God"))._stream is not None
+
+
+def _naive_stop_text(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+    """The stop rule on a whole text: the earliest-starting stop string (ties: first listed)."""
+    best = min(((text.find(s), k, s) for k, s in enumerate(stops) if s in text), default=None)
+    if best is None:
+        return text, None
+    i, _, s = best
+    return (text[: i + len(s)] if include else text[:i]), s
+
+
+@pytest.mark.parametrize(
+    "stop,include", [(None, False), (["light", "ere"], False), (["ght."], True)]
+)
+def test_long_output_pieces_and_deltas(tok: Tokenizer, monkeypatch, stop, include) -> None:  # noqa: ANN001
+    """A long output (past several compactions of the text's pieces): the deltas of
+    `text_since` concatenate to output_text at every step, the pieces stay bounded, and the final
+    text (and stop) is the whole decode cut by the stop rule."""
+    from xlaserve.tokenizer import detokenizer as dt
+
+    monkeypatch.setattr(dt, "COMPACT_PIECES", 8)  # compact often, so the head path is exercised
+    ids = tok.encode(" ".join(TEXTS) * 6, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, tok.encode("In the beginning"), stop=stop,
+                               include_stop_str_in_output=include)  # fmt: skip
+    streamed, sent = "", 0
+    for i in ids:
+        hit = d.add_tokens([i])
+        assert len(d._pieces) < 8
+        delta, sent = d.text_since(sent, finished=hit is not None)
+        streamed += delta
+        assert streamed == d.output_text(finished=hit is not None)
+        if hit:
+            break
+    d.flush()
+    delta, sent = d.text_since(sent, finished=True)
+    streamed += delta
+    want, want_stop = _naive_stop_text(tok.decode(ids), stop or [], include)
+    assert d.stop_reason == want_stop
+    assert streamed == d.output_text(finished=True) == d.text == want
+    assert d.text_since(len(want), finished=True) == ("", len(want))

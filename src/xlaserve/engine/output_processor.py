@@ -361,14 +361,16 @@ class OutputProcessor:
         for seq in parent.seqs:
             finished = seq.finish_reason is not None
             all_finished = all_finished and finished
-            text = seq.detok.output_text(finished)
-            c, t = (seq.sent_chars, seq.sent_tokens) if delta else (0, 0)
+            t = seq.sent_tokens if delta else 0
             if delta:  # only what is new since this request's previous output
-                seq.sent_chars, seq.sent_tokens = len(text), len(seq.token_ids)
+                text, seq.sent_chars = seq.detok.text_since(seq.sent_chars, finished)
+                seq.sent_tokens = len(seq.token_ids)
+            else:
+                text = seq.detok.output_text(finished)
             outs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=text[c:],
+                    text=text,
                     token_ids=seq.token_ids[t:],
                     cumulative_logprob=seq.cumulative_logprob,
                     logprobs=seq.logprobs[t:] if seq.logprobs is not None else None,

@@ -8,7 +8,12 @@ Stop strings (precedence: the `SamplingParams` docstring): after each token, of 
 complete in the text the one that starts earliest wins (ties: the first listed); the finished
 text is cut before it (or after it when `include_stop_str_in_output`); while running, the last
 `max(len(stop)) - 1` characters are held back from `output_text` because they may still become
-part of a stop string.
+part of a stop string. The stop search looks only at the held-back tail plus the new text.
+
+The text is kept as a compacted head string plus the recent pieces (at most COMPACT_PIECES), so
+appending a token's text copies nothing: a `text += new` per token copies the whole text every
+step, quadratic in the output length (a 32k-token answer: ~10^9 character copies). `text_since`
+returns a delta (what streaming needs) without building the whole text.
 
 The per-token step runs in Rust where the tokenizer is a `tokenizers.Tokenizer` with
 `decoders.DecodeStream` (the same prefix / read window algorithm, one call per token instead of
@@ -32,6 +37,9 @@ except ImportError:  # tokenizers < 0.21: the Python window only
 
 # Tokens decoded before the first new one, so the BPE decoder sees the context (spaces etc).
 _INITIAL_CONTEXT = 5
+# Pieces of new text kept apart before they are joined into the head string: the head is copied
+# once per COMPACT_PIECES tokens instead of once per token.
+COMPACT_PIECES = 256
 
 
 class IncrementalDetokenizer:
@@ -54,7 +62,11 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_INITIAL_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
-        self.text = ""  # all output text decoded so far (may end before the last tokens)
+        # All output text decoded so far (may end before the last tokens) = head + pieces.
+        self._head = ""
+        self._pieces: list[str] = []
+        self._len = 0
+        self._tail = ""  # the text's last `_hold` characters (the stop search's look-back)
         self.stop_reason: str | None = None
         self._stream, self._raw = (
             self._fast_stream(tokenizer, skip_special_tokens) if rust_stream else (None, None)
@@ -93,13 +105,34 @@ class IncrementalDetokenizer:
                 return self.stop_reason
         return None
 
+    @property
+    def text(self) -> str:
+        """All output text decoded so far (one join of the recent pieces into the head)."""
+        if self._pieces:
+            self._head += "".join(self._pieces)
+            self._pieces.clear()
+        return self._head
+
+    def _append(self, new: str) -> None:
+        self._pieces.append(new)
+        self._len += len(new)
+        if len(self._pieces) >= COMPACT_PIECES:
+            self._head += "".join(self._pieces)
+            self._pieces.clear()
+
     def _emit(self, new: str) -> bool:
         """New text for the tokens up to the last one: advance the window; True on a stop."""
         self._prefix = self._read
         self._read = len(self._ids)
-        start = max(0, len(self.text) - self._hold)
-        self.text += new
-        return bool(self.stop) and self._check_stop(start)
+        if not self.stop:
+            self._append(new)
+            return False
+        # A stop string completed by this text starts in the held-back tail or in `new`.
+        window = self._tail + new
+        base = self._len - len(self._tail)  # the text index of window[0]
+        self._append(new)
+        self._tail = window[-self._hold :] if self._hold else ""
+        return self._check_stop(window, base)
 
     def _add_fast(self, token_ids: list[int]) -> str | None:
         """`add_tokens` through the Rust stream; the window offsets kept in step for `flush`."""
@@ -121,27 +154,51 @@ class IncrementalDetokenizer:
         if self._read < len(self._ids) and self.stop_reason is None:
             prefix_text = self._decode(self._ids[self._prefix : self._read])
             full = self._decode(self._ids[self._prefix :])
-            self.text += full[len(prefix_text) :]
+            self._append(full[len(prefix_text) :])
             self._prefix = self._read = len(self._ids)
 
-    def _check_stop(self, start: int) -> bool:
+    def _check_stop(self, window: str, base: int) -> bool:
+        """The earliest stop string in `window` (the text from index `base` on): cut the text
+        there and return True; else False."""
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = window.find(s)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return False
         i, s = best
-        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        cut = base + i + (len(s) if self.include_stop else 0)
+        self._head = self.text[:cut]
+        self._len = len(self._head)
         self.stop_reason = s
         return True
 
+    def _visible_len(self, finished: bool) -> int:
+        if finished or not self._hold or self.stop_reason is not None:
+            return self._len
+        return max(0, self._len - self._hold)
+
     def output_text(self, finished: bool) -> str:
         """Text safe to show: everything when finished, else minus the held-back tail."""
-        if finished or not self._hold or self.stop_reason is not None:
-            return self.text
-        return self.text[: max(0, len(self.text) - self._hold)]
+        return self.text[: self._visible_len(finished)]
+
+    def text_since(self, start: int, finished: bool) -> tuple[str, int]:
+        """(output_text(finished)[start:], len(output_text(finished))), reading only the
+        pieces that hold it: the delta of a streamed output since `start` characters."""
+        end = self._visible_len(finished)
+        if start >= end:
+            return "", end
+        pos, picked = self._len, []
+        for piece in reversed(self._pieces):
+            if pos <= start:
+                break
+            picked.append(piece)
+            pos -= len(piece)
+        if pos > start:  # it reaches into the head
+            picked.append(self._head[start:])
+            pos = start
+        return "".join(reversed(picked))[start - pos : end - pos], end
 
 
 class NullDetokenizer:
@@ -149,6 +206,9 @@ class NullDetokenizer:
 
     text = ""
     stop_reason: str | None = None
+
+    def text_since(self, start: int, finished: bool) -> tuple[str, int]:
+        return "", 0
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
         return None
