@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Capped sweep of the long-context decode attention tiles (issue 24): batch-1 decode attention
 at 30k and 131k contexts and batch 32 at 8k, Llama-3.1-8B shape (32 q / 8 kv heads, head 128,
-bf16 paged KV, 16-token pages), for <= 12 (BLOCK_N, num_warps, num_stages, splits) configs, each
+bf16 or (--kv fp8) fp8 paged KV, 16-token pages), for <= 12 (BLOCK_N, num_warps, num_stages,
+splits) configs, each
 CUDA-graph captured and replayed (host launch gaps do not count). Reports microseconds, GB/s of
 K+V read and the fraction of HBM bandwidth, and prints the best config per shape (the rows to
 copy into kernels_cuda/paged_attention.py's LONG_DECODE_CONFIGS / split choice).
 
     OUT=dir python bench/gpu_probes/long_decode_sweep.py          # H200: ~40-60 s
+    OUT=dir python bench/gpu_probes/long_decode_sweep.py --kv fp8 --out $OUT/ld_fp8.json
     python bench/gpu_probes/long_decode_sweep.py --tiny --out x.json  # CPU interpreter smoke
 
 Each row also carries max_diff_vs_first: its output against the first config's (same inputs),
@@ -78,10 +80,14 @@ def _inputs(s: Shape, dev: str, dtype: Any) -> dict[str, Any]:
     )
 
 
-def run(tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS)) -> dict[str, Any]:
-    """Every config on every shape; rows plus the best config per shape."""
+def run(
+    tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS), kv: str = "bf16"
+) -> dict[str, Any]:
+    """Every config on every shape; rows plus the best config per shape. kv "fp8": the caches
+    hold fp8 codes with per-token scales (kv_quant), the bytes read counting codes and scales."""
     import torch
 
+    from xlaserve.kernels_cuda.kv_quant import quantize_kv
     from xlaserve.kernels_cuda.paged_attention import unified_attention
 
     cuda = torch.cuda.is_available() and not tiny
@@ -90,8 +96,13 @@ def run(tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS))
     best: dict[str, dict[str, Any]] = {}
     for s in _shapes(tiny):
         x = _inputs(s, dev, dtype)
+        scales: dict[str, Any] = {}
+        if kv == "fp8":
+            x["k_cache"], scales["k_scale"] = quantize_kv(x["k_cache"].float(), torch.float8_e4m3fn)
+            x["v_cache"], scales["v_scale"] = quantize_kv(x["v_cache"].float(), torch.float8_e4m3fn)
         out = torch.empty_like(x["q"])
-        kv_bytes = 2 * s.batch * s.ctx * s.hkv * s.head_dim * x["k_cache"].element_size()
+        per_token = s.head_dim * x["k_cache"].element_size() + (4 if scales else 0)
+        kv_bytes = 2 * s.batch * s.ctx * s.hkv * per_token
         first = None
         for block_n, warps, stages, splits in CONFIGS[:num_configs]:
             cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
@@ -102,11 +113,12 @@ def run(tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS))
                 x: dict = x,
                 out: Any = out,
                 s: Shape = s,
+                scales: dict = scales,
             ) -> Any:
                 return unified_attention(
                     x["q"], x["k_cache"], x["v_cache"], out, x["query_start_loc"],
                     x["seq_lens"], x["block_tables"], 1, s.ctx, s.head_dim**-0.5,
-                    num_kv_splits=splits, launch_config=cfg,
+                    num_kv_splits=splits, launch_config=cfg, **scales,
                 )  # fmt: skip
 
             us = graph_time_us([fn], reps, cuda)
@@ -114,7 +126,7 @@ def run(tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS))
             res = out.float().clone()
             first = res if first is None else first
             gbps = kv_bytes / (us * 1e-6) / 1e9
-            row = dict(shape=asdict(s), block_n=block_n, num_warps=warps, num_stages=stages,
+            row = dict(shape=asdict(s), kv=kv, block_n=block_n, num_warps=warps, num_stages=stages,
                        splits=splits, us=round(us, 2), gbps=round(gbps, 1),
                        hbm_fraction=round(gbps / hbm_gbps, 3),
                        max_diff_vs_first=float((res - first).abs().max()))  # fmt: skip
@@ -128,7 +140,7 @@ def run(tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS))
         print(f"best {name}: BLOCK_N={row['block_n']} num_warps={row['num_warps']} "
               f"num_stages={row['num_stages']} splits={row['splits']} {row['us']} us "
               f"{row['gbps']} GB/s ({row['hbm_fraction']:.0%} HBM)", flush=True)  # fmt: skip
-    return {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "kv": kv,
             "hbm_gbps": hbm_gbps, "reps": reps, "rows": rows, "best": best}  # fmt: skip
 
 
@@ -139,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N configs")
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
+    ap.add_argument("--kv", default="bf16", choices=["bf16", "fp8"], help="the cache's codes")
     args = ap.parse_args(argv)
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    res = run(args.tiny, 1 if args.tiny else args.reps, args.hbm_gbps, args.configs)
+    res = run(args.tiny, 1 if args.tiny else args.reps, args.hbm_gbps, args.configs, args.kv)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")

@@ -18,3 +18,16 @@ def test_sweep_runs_on_cpu(tmp_path) -> None:  # noqa: ANN001
     for row in res["rows"]:
         assert row["us"] > 0 and row["gbps"] >= 0 and "hbm_fraction" in row
         assert row["max_diff_vs_first"] < 1e-4  # 16 vs 32 splits: the same attention
+
+
+def test_sweep_fp8_cache_on_cpu(tmp_path) -> None:  # noqa: ANN001
+    """--kv fp8: the caches hold fp8 codes with scales (bytes per token: codes + a float32
+    scale), every config computing the same attention."""
+    out = tmp_path / "ld8.json"
+    assert (
+        long_decode_sweep.main(["--tiny", "--kv", "fp8", "--configs", "2", "--out", str(out)]) == 0
+    )
+    res = json.loads(out.read_text())
+    assert res["kv"] == "fp8" and {r["kv"] for r in res["rows"]} == {"fp8"}
+    for row in res["rows"]:
+        assert row["us"] > 0 and row["max_diff_vs_first"] < 1e-4
