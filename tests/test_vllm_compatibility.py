@@ -125,6 +125,10 @@ def _routes() -> set[str]:
         r"for path in \(([^)]*)\):\s*app\.router\.add_(get|post)\(path", src
     ):
         routes |= {f"{m.upper()} {p}" for p in re.findall(r'"([^"]+)"', paths)}
+    # Paths registered from a table: `POOLING_PATHS: dict[str, str] = {"/path": handler, ...}`
+    # (serving_pooling.py: `app.router.add_post(path, ...)` for each key).
+    for table in re.findall(r"POOLING_PATHS: dict\[str, str\] = \{([^}]*)\}", src):
+        routes |= {f"POST {p}" for p in re.findall(r'"([^"]+)":', table)}
     return routes
 
 
