@@ -133,34 +133,22 @@ def variants(family: str, m: int, dev: str) -> list[tuple[str, Any]]:
             t = qm.Int8DotTiles(*c)
             if fits(t.block_m, m) and t != table:
                 out.append((f"{tuple(t)}", lambda x, d, t=t: qm._int8_dot(x, d["q8"], d["s8"], t)))
-    elif family == "int8_w8a8":
-        if dev == "cuda" and m > 16:
-            cfg = KernelConfig(int8_w8a8_gemm="int_mm")
-            out.append(
-                ("int_mm", lambda x, d: sm.int8_w8a8_matmul(x, d["q8"], d["s8"], kernels=cfg))
-            )
-        table = sm.scaled_mm_tiles("int8", m)
+    elif family in ("int8_w8a8", "fp8"):
+        # The library GEMM (cuBLASLt: torch._int_mm / torch._scaled_mm) where it runs, then the
+        # Triton scaled_mm with the table's tiles and the candidates.
+        fmt = "int8" if family == "int8_w8a8" else "fp8"
+        mm = sm.int8_w8a8_matmul if fmt == "int8" else sm.fp8_w8a8_matmul
+        wq, ws = ("q8", "s8") if fmt == "int8" else ("qf", "sf")
+        lib = ("int_mm", KernelConfig(int8_w8a8_gemm="int_mm")) if fmt == "int8" else (
+            "scaled_mm", KernelConfig(fp8_gemm="scaled_mm"))  # fmt: skip
+        if dev == "cuda" and (fmt == "fp8" or m > 16):  # _int_mm wants M > 16
+            out.append((lib[0], lambda x, d: mm(x, d[wq], d[ws], kernels=lib[1])))
+        table = sm.scaled_mm_tiles(fmt, m)
         cands = [table] + [sm.DotTiles(*c) for c in W8A8_CANDIDATES if sm.DotTiles(*c) != table]
         for t in cands:
             if t is table or fits(t.block_m, m):
                 label = f"triton {tuple(t)}" + (" (table)" if t is table else "")
-                out.append(
-                    (label, lambda x, d, t=t: sm.int8_w8a8_matmul(x, d["q8"], d["s8"], tiles=t))
-                )
-    elif family == "fp8":
-        if dev == "cuda":
-            cfg = KernelConfig(fp8_gemm="scaled_mm")
-            out.append(
-                ("scaled_mm", lambda x, d: sm.fp8_w8a8_matmul(x, d["qf"], d["sf"], kernels=cfg))
-            )
-        table = sm.scaled_mm_tiles("fp8", m)
-        cands = [table] + [sm.DotTiles(*c) for c in W8A8_CANDIDATES if sm.DotTiles(*c) != table]
-        for t in cands:
-            if t is table or fits(t.block_m, m):
-                label = f"triton {tuple(t)}" + (" (table)" if t is table else "")
-                out.append(
-                    (label, lambda x, d, t=t: sm.fp8_w8a8_matmul(x, d["qf"], d["sf"], tiles=t))
-                )
+                out.append((label, lambda x, d, t=t: mm(x, d[wq], d[ws], tiles=t)))
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     return out
