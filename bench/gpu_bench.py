@@ -909,6 +909,8 @@ def _print_table(r: dict[str, Any]) -> None:
                        ("acc. length", ("repetitive", "mean_acceptance_length"))],
     }  # fmt: skip
     for name, (_, what) in VARIANTS.items():
+        if name not in r:  # a variant this run did not measure: no row of dashes
+            continue
         for part in what.split("+"):
             for label, keys in figures[part]:
                 rows.append((f"{name} {label}", g(name, *keys), None))
