@@ -85,8 +85,8 @@ ATTENTION_CONFIGS: dict[str, dict[int, dict[str, int]]] = {
 # Measured (H200, CUDA-graph replays, bf16 cache, bench/RESULTS.md fifteenth session): these
 # tiles beat the decode table's (64, 4 warps, 3 stages) at every shape and split count swept:
 # 30k keys batch 1 56.0 vs 68.0 us (16 splits) and 45.7 vs 50.7 (32); 131k 196 vs 248 and 142
-# vs 156; 8k batch 32 281 vs 310 and 292 vs 329. Quantized caches keep the decode table: the
-# sweep did not cover them, and a 128-key tile of fp32-dequantized V is twice the registers.
+# vs 156; 8k batch 32 281 vs 310 and 292 vs 329. Quantized caches keep the decode table until
+# the same sweep has run over them (`long_decode_sweep.py --kv fp8`).
 LONG_DECODE_ENABLED = True
 LONG_DECODE_MIN_SPLITS = 16
 LONG_DECODE_CONFIGS: dict[int, dict[str, int]] = {
