@@ -11,9 +11,10 @@ rate (about twice bf16 on an H200) pays:
    or fp32 (fp8), scales and bias applied once in the epilogue. Variants (KernelConfig):
      int8 (`int8_w8a8_gemm`): "int_mm" = torch._int_mm (cuBLASLt int8) + a Triton epilogue
        kernel (`scale_epilogue`); "triton" = `scaled_mm` (tl.dot int8 tiles, scales in its
-       epilogue); "auto" = int_mm where its shape rules hold (M > 16, K and N multiples of 8).
+       epilogue); "auto" = `AUTO_LIBRARY`'s pick for the M bucket (int_mm only where its shape
+       rules hold: M > 16, K and N multiples of 8).
      fp8 (`fp8_gemm`): "scaled_mm" = torch._scaled_mm with row-wise scales (scale_a [M, 1],
-       scale_b [1, N]); "triton" = `scaled_mm`; "auto" = scaled_mm. Block-wise fp8 weights
+       scale_b [1, N]); "triton" = `scaled_mm`; "auto" = `AUTO_LIBRARY`'s pick. Block-wise fp8 weights
        (DeepSeek-V3 / Qwen3-FP8 checkpoints: one scale per [WB_N, WB_K] weight block) always run
        `scaled_mm`, the block scale applied to each K tile's partial product inside the loop.
 Weights: wq [N, K] int8 or float8_e4m3fn (uint8 bits accepted), ws float32 [N] (per channel) or
@@ -449,6 +450,23 @@ def _quant(x: torch.Tensor | QuantAct, fmt: str, kernels: KernelConfig | None) -
     return quant_rows(x, fmt)
 
 
+# KernelConfig int8_w8a8_gemm / fp8_gemm "auto": per M bucket (max M, True = the library GEMM
+# (cuBLASLt: torch._int_mm + `scale_epilogue` / torch._scaled_mm), False = the Triton
+# `scaled_mm`), the first bucket with M <= max M wins. The library everywhere until
+# `bench/gpu_probes/quant_gemm_sweep.py` picks otherwise (its "suggest" rows: the library's label
+# or a Triton tile per bucket); the int8 epilogue is one more [M, N] int32 write and read that
+# the Triton GEMM does not pay.
+AUTO_LIBRARY: dict[str, tuple[tuple[int, bool], ...]] = {
+    "int8": ((_BIG, True),),
+    "fp8": ((_BIG, True),),
+}
+
+
+def auto_library(fmt: str, m: int) -> bool:
+    """Whether "auto" runs an M-row product of format fmt through the library GEMM."""
+    return next(lib for max_m, lib in AUTO_LIBRARY[fmt] if m <= max_m)
+
+
 def int_mm_ok(m: int, n: int, k: int) -> bool:
     """torch._int_mm's (cuBLASLt int8) shape rules on CUDA: M > 16, K and N multiples of 8."""
     return m > 16 and k % 8 == 0 and n % 8 == 0
@@ -472,7 +490,8 @@ def int8_w8a8_matmul(
     m, k = xq.shape
     n = wq.shape[0]
     how = _choice("int8_w8a8_gemm", kernels, ("auto", "int_mm", "triton"))
-    if tiles is None and how != "triton" and xq.is_cuda and int_mm_ok(m, n, k):
+    lib = how == "int_mm" or (how == "auto" and auto_library("int8", m))
+    if tiles is None and lib and xq.is_cuda and int_mm_ok(m, n, k):
         _check_w8("int8_w8a8_matmul", xq, wq, ws, None)
         acc = torch._int_mm(xq, wq.t())
         return scale_epilogue(acc, xs, ws.reshape(-1), bias, x.dtype)
@@ -498,7 +517,8 @@ def fp8_w8a8_matmul(
     m, k = xq.shape
     n = wq.shape[0]
     how = _choice("fp8_gemm", kernels, ("auto", "scaled_mm", "triton"))
-    if block is None and tiles is None and how != "triton" and xq.is_cuda:
+    lib = how == "scaled_mm" or (how == "auto" and auto_library("fp8", m))
+    if block is None and tiles is None and lib and xq.is_cuda:
         w8 = wq.view(torch.float8_e4m3fn) if wq.dtype == torch.uint8 else wq
         _check_w8("fp8_w8a8_matmul", xq, w8, ws, None)
         if k % 16 == 0 and n % 16 == 0:

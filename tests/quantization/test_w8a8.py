@@ -394,3 +394,35 @@ def test_kernel_switches_validated() -> None:
     for field, bad in (("int8_w8a8_gemm", "cutlass"), ("fp8_gemm", "x"), ("act_quant", "")):
         with pytest.raises(ValueError, match=field):
             KernelConfig(**{field: bad})
+
+
+def test_auto_library_table(monkeypatch) -> None:  # noqa: ANN001
+    """KernelConfig "auto" of the w8a8 GEMMs: the library (cuBLASLt) or Triton per M bucket."""
+    from xlaserve.kernels_cuda import scaled_mm as sm
+
+    assert sm.auto_library("int8", 1) and sm.auto_library("fp8", 1 << 20)  # the default
+    monkeypatch.setitem(sm.AUTO_LIBRARY, "int8", ((256, False), (1 << 62, True)))
+    assert [sm.auto_library("int8", m) for m in (17, 256, 257, 8192)] == [False, False, True, True]
+    assert sm.auto_library("fp8", 64)  # the other format keeps its table
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_auto_library_routes_by_bucket(monkeypatch) -> None:  # noqa: ANN001
+    """With a bucket set to Triton, "auto" skips torch._int_mm there (same result within the
+    w8a8 tolerance) and keeps it above."""
+    from xlaserve.kernels_cuda import scaled_mm as sm
+
+    calls: list[int] = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or real(a, b))
+    monkeypatch.setitem(sm.AUTO_LIBRARY, "int8", ((256, False), (1 << 62, True)))
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(512, 1024, generator=g) * 0.02).cuda()
+    ws = w.abs().amax(1) / 127
+    wq = torch.round(w / ws[:, None]).to(torch.int8)
+    for m in (64, 512):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        ref = sm.w8a8_matmul_ref(x, wq, ws, "int8")
+        assert _rel(sm.int8_w8a8_matmul(x, wq, ws), ref) < 2e-2, m
+    assert calls == [512]
