@@ -214,6 +214,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         best[key] = row
             del x
         del ws
+        # After each shape, what is known so far (a sweep cut short by a time limit still
+        # leaves its picks for the shapes it finished).
+        with open(args.out, "w") as f:
+            json.dump({"partial": True, "rows": rows, "best": best, "suggest": suggest(rows)}, f)
     for key, row in best.items():
         print(f"best {key}: {row['config']} {row['us']} us ({row['vs_bf16']}x bf16)", flush=True)
     sug = suggest(rows)
@@ -222,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"suggest {fam} M<={max_m}: {pick['config']} ({pick['vs_table']}x the table's "
                   f"time, {pick['vs_bf16']}x bf16, summed over shapes)", flush=True)  # fmt: skip
     return {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
-            "reps": args.reps, "calls": args.calls, "rows": rows, "best": best,
+            "partial": False, "reps": args.reps, "calls": args.calls, "rows": rows, "best": best,
             "suggest": sug}  # fmt: skip
 
 

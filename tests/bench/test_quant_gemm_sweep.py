@@ -21,6 +21,7 @@ def test_sweep_runs_on_cpu(tmp_path) -> None:  # noqa: ANN001
     argv = ["--tiny", "--families", "int8", "int8_w8a8", "--shapes", "a", "--ms", "16", "40"]
     assert qs.main([*argv, "--out", str(out)]) == 0
     res = json.loads(out.read_text())
+    assert res["partial"] is False  # the last write is the whole sweep's
     rows = res["rows"]
     assert not [r for r in rows if "error" in r]
     assert {(r["m"], r["family"]) for r in rows if r["family"] == "bf16"} == {
