@@ -96,6 +96,17 @@ def conv_state_update_ref(
 
 
 @triton.jit
+def _state_step(hp, m2, keep, decay, dtx, bv, cv):
+    """One recurrent step of a [P, N] state tile at hp (in place): h = decay * (h * keep) +
+    dtx[:, None] * bv[None, :]; returns the read-out y [P] = h @ cv. decay: [1, N] or a scalar
+    (broadcast); keep 0 starts a fresh sequence from a zero state."""
+    st = tl.load(hp, mask=m2, other=0.0) * keep
+    st = decay * st + dtx[:, None] * bv[None, :]
+    tl.store(hp, st, mask=m2)
+    return tl.sum(st * cv[None, :], axis=1)
+
+
+@triton.jit
 def _ssm_update_kernel(
     h_ptr, slot_ptr, keep_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr,
     Hs, P, N, G, stride_hs, stride_hh, stride_hp, stride_xb, stride_xh,
@@ -111,15 +122,12 @@ def _ssm_update_kernel(
     slot = tl.load(slot_ptr + b)
     keep = tl.load(keep_ptr + b)
     hp = h_ptr + slot * stride_hs + h * stride_hh + p[:, None] * stride_hp + n[None, :]
-    st = tl.load(hp, mask=m2, other=0.0) * keep
     x = tl.load(x_ptr + b * stride_xb + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + b * Hs + h).to(tl.float32)
     a = tl.load(a_ptr + h * N + n, mask=nm, other=0.0)
     bv = tl.load(b_ptr + b * stride_bb + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
     cv = tl.load(c_ptr + b * stride_bb + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
-    st = tl.exp(dt * a)[None, :] * st + (dt * x)[:, None] * bv[None, :]
-    tl.store(hp, st, mask=m2)
-    y = tl.sum(st * cv[None, :], axis=1)
+    y = _state_step(hp, m2, keep, tl.exp(dt * a)[None, :], dt * x, bv, cv)
     if HAS_D:
         y += tl.load(d_ptr + h).to(tl.float32) * x
     tl.store(y_ptr + (b * Hs + h) * P + p, y, mask=pm)
@@ -210,10 +218,7 @@ def _mamba2_update_kernel(
     if CLAMP:
         dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
     a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    st = tl.load(hp, mask=m2, other=0.0) * keep
-    st = tl.exp(dt * a) * st + (dt * x)[:, None] * bv[None, :]
-    tl.store(hp, st, mask=m2)
-    y = tl.sum(st * cv[None, :], axis=1)
+    y = _state_step(hp, m2, keep, tl.exp(dt * a), dt * x, bv, cv)
     if HAS_D:
         y += tl.load(d_ptr + h).to(tl.float32) * x
     tl.store(y_ptr + (b * Hs + h) * P + p, y, mask=pm)
