@@ -58,6 +58,31 @@ def _quantize(y, s, QMAX: tl.constexpr, INT8: tl.constexpr, q_dtype, RNE_FIX: tl
 
 
 @triton.jit
+def _normed_tile(
+    x_ptr, res_out_ptr, w_ptr, row, cols, mask, stride_x, stride_ro, rstd, weight_offset,
+    act_dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """Columns `cols` of the normed row as the unfused path stores it (rounded to the
+    activation dtype), in fp32; read back from pass 1's residual sum when there is one."""
+    if HAS_RESIDUAL:
+        h = tl.load(res_out_ptr + row * stride_ro + cols, mask=mask, other=0.0)
+    else:
+        h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    return (h.to(tl.float32) * rstd * w).to(act_dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_tile(x_ptr, row, cols, mask, stride_x, inter, act_dtype: tl.constexpr):
+    """Columns `cols` of silu(gate) * up as silu_and_mul stores it (rounded), in fp32."""
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.exp(-tl.abs(g))  # the stable sigmoid of activation.apply_activation
+    a = g * tl.where(g >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+    return (a * u).to(act_dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_quant_kernel(
     x_ptr, res_ptr, w_ptr, res_out_ptr, q_ptr, s_ptr,
     stride_x, stride_r, stride_ro, stride_q,
@@ -87,12 +112,8 @@ def _rms_norm_quant_kernel(
     for start in range(0, hidden, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < hidden
-        if HAS_RESIDUAL:
-            h = tl.load(res_out_ptr + row * stride_ro + cols, mask=mask, other=0.0)
-        else:
-            h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
-        y = (h.to(tl.float32) * rstd * w).to(act_dtype).to(tl.float32)
+        y = _normed_tile(x_ptr, res_out_ptr, w_ptr, row, cols, mask, stride_x, stride_ro, rstd,
+                         weight_offset, act_dtype, HAS_RESIDUAL)  # fmt: skip
         run = tl.maximum(run, tl.abs(y))
     s = tl.maximum(tl.max(run, 0), 1e-12) / QMAX
     tl.store(s_ptr + row, s)
@@ -100,12 +121,8 @@ def _rms_norm_quant_kernel(
     for start in range(0, hidden, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < hidden
-        if HAS_RESIDUAL:
-            h = tl.load(res_out_ptr + row * stride_ro + cols, mask=mask, other=0.0)
-        else:
-            h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
-        y = (h.to(tl.float32) * rstd * w).to(act_dtype).to(tl.float32)
+        y = _normed_tile(x_ptr, res_out_ptr, w_ptr, row, cols, mask, stride_x, stride_ro, rstd,
+                         weight_offset, act_dtype, HAS_RESIDUAL)  # fmt: skip
         q = _quantize(y, s, QMAX, INT8, q_ptr.dtype.element_ty, RNE_FIX)
         tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
 
@@ -122,22 +139,15 @@ def _silu_mul_quant_kernel(
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        z = tl.exp(-tl.abs(g))  # the stable sigmoid of activation.apply_activation
-        a = g * tl.where(g >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
-        run = tl.maximum(run, tl.abs((a * u).to(act_dtype).to(tl.float32)))
+        run = tl.maximum(run, tl.abs(_silu_mul_tile(x_ptr, row, cols, mask, stride_x, inter,
+                                                    act_dtype)))  # fmt: skip
     s = tl.maximum(tl.max(run, 0), 1e-12) / QMAX
     tl.store(s_ptr + row, s)
     # Pass 2: recompute (same bits; the re-read hits L2) and quantize.
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        z = tl.exp(-tl.abs(g))
-        a = g * tl.where(g >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
-        y = (a * u).to(act_dtype).to(tl.float32)
+        y = _silu_mul_tile(x_ptr, row, cols, mask, stride_x, inter, act_dtype)
         q = _quantize(y, s, QMAX, INT8, q_ptr.dtype.element_ty, RNE_FIX)
         tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
 
