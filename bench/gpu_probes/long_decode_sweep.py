@@ -126,7 +126,7 @@ def run(
             res = out.float().clone()
             first = res if first is None else first
             gbps = kv_bytes / (us * 1e-6) / 1e9
-            row = dict(shape=asdict(s), kv=kv, block_n=block_n, num_warps=warps, num_stages=stages,
+            row = dict(shape=asdict(s), kv=kv, kv_bytes=kv_bytes, block_n=block_n, num_warps=warps, num_stages=stages,
                        splits=splits, us=round(us, 2), gbps=round(gbps, 1),
                        hbm_fraction=round(gbps / hbm_gbps, 3),
                        max_diff_vs_first=float((res - first).abs().max()))  # fmt: skip

@@ -31,3 +31,5 @@ def test_sweep_fp8_cache_on_cpu(tmp_path) -> None:  # noqa: ANN001
     assert res["kv"] == "fp8" and {r["kv"] for r in res["rows"]} == {"fp8"}
     for row in res["rows"]:
         assert row["us"] > 0 and row["max_diff_vs_first"] < 1e-4
+        s = row["shape"]  # one byte a code and a float32 scale per (token, head), K and V
+        assert row["kv_bytes"] == 2 * s["batch"] * s["ctx"] * s["hkv"] * (s["head_dim"] + 4)
