@@ -82,17 +82,6 @@ def fits(block_m: int, m: int) -> bool:
     return block_m <= p and block_m * 8 >= min(p, 512)
 
 
-def _tiles_of(label: str) -> list | None:
-    """The tile tuple in a config label ("table (16, 64, ...)", "triton (...)"), None for a
-    library path (int_mm, scaled_mm)."""
-    if "(" not in label:
-        return None
-    inner = label[label.index("(") + 1 : label.index(")")]
-    return [
-        v.strip() == "True" if v.strip() in ("True", "False") else int(v) for v in inner.split(",")
-    ]
-
-
 def _weights(k: int, n: int, copies: int, dev: str) -> list[dict[str, Any]]:
     """copies independent weights [N, K]: bf16 / float, int8 codes + scales, fp8 codes + scales."""
     import torch
@@ -117,22 +106,21 @@ def _weights(k: int, n: int, copies: int, dev: str) -> list[dict[str, Any]]:
     return out
 
 
-def variants(family: str, m: int, dev: str) -> list[tuple[str, Any]]:
-    """(label, fn(x, weight dict) -> y [M, N]) for the family at M."""
+def variants(family: str, m: int, dev: str) -> list[tuple[str, tuple | None, Any]]:
+    """(label, tiles (None: a library GEMM), fn(x, weight dict) -> y [M, N]) for the family
+    at M."""
     from xlaserve.config import KernelConfig
     from xlaserve.kernels_cuda import quant_matmul as qm
     from xlaserve.kernels_cuda import scaled_mm as sm
 
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[str, tuple | None, Any]] = []
     if family == "int8":
         table = qm.int8_dot_tiles(m)
-        out.append(
-            (f"table {tuple(table)}", lambda x, d, t=table: qm._int8_dot(x, d["q8"], d["s8"], t))
-        )
-        for c in INT8_CANDIDATES:
-            t = qm.Int8DotTiles(*c)
-            if fits(t.block_m, m) and t != table:
-                out.append((f"{tuple(t)}", lambda x, d, t=t: qm._int8_dot(x, d["q8"], d["s8"], t)))
+        cands = [table] + [qm.Int8DotTiles(*c) for c in INT8_CANDIDATES]
+        for t in cands:
+            if t is table or (fits(t.block_m, m) and t != table):
+                label = f"table {tuple(t)}" if t is table else f"{tuple(t)}"
+                out.append((label, t, lambda x, d, t=t: qm._int8_dot(x, d["q8"], d["s8"], t)))
     elif family in ("int8_w8a8", "fp8"):
         # The library GEMM (cuBLASLt: torch._int_mm / torch._scaled_mm) where it runs, then the
         # Triton scaled_mm with the table's tiles and the candidates.
@@ -142,13 +130,13 @@ def variants(family: str, m: int, dev: str) -> list[tuple[str, Any]]:
         lib = ("int_mm", KernelConfig(int8_w8a8_gemm="int_mm")) if fmt == "int8" else (
             "scaled_mm", KernelConfig(fp8_gemm="scaled_mm"))  # fmt: skip
         if dev == "cuda" and (fmt == "fp8" or m > 16):  # _int_mm wants M > 16
-            out.append((lib[0], lambda x, d: mm(x, d[wq], d[ws], kernels=lib[1])))
+            out.append((lib[0], None, lambda x, d: mm(x, d[wq], d[ws], kernels=lib[1])))
         table = sm.scaled_mm_tiles(fmt, m)
         cands = [table] + [sm.DotTiles(*c) for c in W8A8_CANDIDATES if sm.DotTiles(*c) != table]
         for t in cands:
             if t is table or fits(t.block_m, m):
                 label = f"triton {tuple(t)}" + (" (table)" if t is table else "")
-                out.append((label, lambda x, d, t=t: mm(x, d[wq], d[ws], tiles=t)))
+                out.append((label, t, lambda x, d, t=t: mm(x, d[wq], d[ws], tiles=t)))
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     return out
@@ -189,9 +177,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              us=round(base, 2), vs_bf16=1.0, copies=copies))  # fmt: skip
             for fam in families:
                 first = None
-                for label, fn in variants(fam, m, dev):
-                    row: dict[str, Any] = dict(shape=sname, k=k, n=n, m=m, family=fam, config=label)
-                    row["tiles"] = _tiles_of(label)
+                for label, tiles, fn in variants(fam, m, dev):
+                    row: dict[str, Any] = dict(shape=sname, k=k, n=n, m=m, family=fam, config=label,
+                                               tiles=list(tiles) if tiles else None)  # fmt: skip
                     try:
                         us = graph_time_us(
                             [lambda d=d, x=x, fn=fn: fn(x, d) for d in calls], args.reps, cuda
@@ -248,6 +236,7 @@ def suggest(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     for fam in sorted({r["family"] for r in rows} - {"bf16"}):
         edges = _buckets(fam)
         per: dict[int, dict[str, dict[tuple[str, int], float]]] = {}
+        tiles = {r["config"]: r.get("tiles") for r in rows if r["family"] == fam}
         for r in rows:
             if r["family"] == fam and "us" in r:
                 b = next(e for e in edges if r["m"] <= e)
@@ -261,7 +250,7 @@ def suggest(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
             table = next((c for c in full if "table" in c), None)
             out.setdefault(fam, {})[str(b)] = {
                 "config": pick,
-                "tiles": _tiles_of(pick),
+                "tiles": tiles[pick],
                 "us_sum": round(full[pick], 2),
                 "vs_table": round(full[table] / full[pick], 3) if table else None,
                 "vs_bf16": round(sum(base[k] for k in keys) / full[pick], 3),

@@ -46,13 +46,20 @@ def test_sweep_runs_on_cpu(tmp_path) -> None:  # noqa: ANN001
 def test_suggest_sums_over_shapes() -> None:
     """The bucket pick minimizes the time summed over shapes, not the best of one shape."""
     rows = [{"family": "bf16", "shape": s, "m": 16, "us": 10.0} for s in ("a", "b")] + [
-        {"family": "int8", "shape": "a", "m": 16, "config": "table (1)", "us": 5.0},
-        {"family": "int8", "shape": "b", "m": 16, "config": "table (1)", "us": 5.0},
-        {"family": "int8", "shape": "a", "m": 16, "config": "(2)", "us": 1.0},
-        {"family": "int8", "shape": "b", "m": 16, "config": "(2)", "us": 20.0},
-        {"family": "int8", "shape": "a", "m": 16, "config": "(3)", "us": 4.0},
-        {"family": "int8", "shape": "b", "m": 16, "config": "(3)", "us": 4.0},
-        {"family": "int8", "shape": "a", "m": 16, "config": "(4)", "us": 0.5},  # one shape only
+        {"family": "int8", "shape": "a", "m": 16, "config": "table (1)", "tiles": [1], "us": 5.0},
+        {"family": "int8", "shape": "b", "m": 16, "config": "table (1)", "tiles": [1], "us": 5.0},
+        {"family": "int8", "shape": "a", "m": 16, "config": "(2)", "tiles": [2], "us": 1.0},
+        {"family": "int8", "shape": "b", "m": 16, "config": "(2)", "tiles": [2], "us": 20.0},
+        {"family": "int8", "shape": "a", "m": 16, "config": "(3)", "tiles": [3], "us": 4.0},
+        {"family": "int8", "shape": "b", "m": 16, "config": "(3)", "tiles": [3], "us": 4.0},
+        {
+            "family": "int8",
+            "shape": "a",
+            "m": 16,
+            "config": "(4)",
+            "tiles": [4],
+            "us": 0.5,
+        },  # one shape only
     ]
     pick = qs.suggest(rows)["int8"]["16"]
     assert pick == {"config": "(3)", "tiles": [3], "us_sum": 8.0, "vs_table": 1.25, "vs_bf16": 2.5}
