@@ -133,6 +133,7 @@ def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa:
 # runner.finish waits for the device (a step's tokens); core._apply_late_fill waits for the fill
 # thread; the others are host work on the engine thread (the fill on whichever thread runs it).
 PHASES: tuple[tuple[str, str], ...] = (
+    ("", "add_request"),
     ("", "step"),
     ("core.scheduler", "schedule"),
     ("core.runner", "launch"),
@@ -147,14 +148,18 @@ PHASES: tuple[tuple[str, str], ...] = (
 
 class PhaseTimer:
     """Wraps PHASES' methods of one in-process LLMEngine while active (`with`): each call's
-    seconds are appended to `times[name]` (name "owner.method" or "method")."""
+    seconds are appended to `times[name]` (name "owner.method" or "method"); each `with` is
+    one run (`runs`), whose wall seconds the caller may add to `walls`."""
 
     def __init__(self, eng: Any) -> None:  # noqa: ANN401 - LLMEngine
         self.eng = eng
         self.times: dict[str, list[float]] = {}
+        self.runs = 0
+        self.walls: list[float] = []
         self._undo: list[tuple[Any, str]] = []
 
     def __enter__(self) -> PhaseTimer:
+        self.runs += 1
         for path, meth in PHASES:
             owner = self.eng
             for part in filter(None, path.split(".")):
@@ -183,6 +188,34 @@ class PhaseTimer:
     def medians_ms(self) -> dict[str, float]:
         """Median milliseconds per call of every part that was called."""
         return {k: round(1e3 * statistics.median(v), 3) for k, v in self.times.items() if v}
+
+    def totals_ms(self) -> dict[str, float]:
+        """Milliseconds per run spent in every part (its calls summed), with "wall" (the runs'
+        wall time, where given) and "outside_steps" (wall minus step and add_request: the
+        front's own work between steps); where a mode's extra time goes even when the median
+        step matches."""
+        runs = max(1, self.runs)
+        out = {k: round(1e3 * sum(v) / runs, 2) for k, v in self.times.items() if v}
+        if self.walls:
+            out["wall"] = round(1e3 * sum(self.walls) / len(self.walls), 2)
+            out["outside_steps"] = round(
+                out["wall"] - out.get("step", 0.0) - out.get("add_request", 0.0), 2
+            )
+        return out
+
+    def step_tail(self) -> dict[str, float]:
+        """The step times' spread (ms): calls per run, p90, max, and the time per run of the
+        steps slower than twice the median (prefill steps, stalls)."""
+        v = sorted(self.times.get("step", []))
+        if not v:
+            return {}
+        med = statistics.median(v)
+        return {
+            "calls_per_run": round(len(v) / max(1, self.runs), 1),
+            "p90": round(1e3 * v[int(0.9 * (len(v) - 1))], 3),
+            "max": round(1e3 * v[-1], 3),
+            "slow_ms_per_run": round(1e3 * sum(x for x in v if x > 2 * med) / max(1, self.runs), 2),
+        }
 
 
 def _stats_rows(text: str) -> list[str]:
@@ -414,8 +447,9 @@ def _main_rows(
         for _ in range(args.repeats):
             for name, sp in (("plain", plain), ("constrained", cons)):
                 if args.phases:  # (an engine core process: only its step is timed here)
-                    with phases.setdefault(name, PhaseTimer(eng)):
+                    with phases.setdefault(name, PhaseTimer(eng)) as pt:
                         dt, k, ov = _timed(llm, prompts, sp)
+                    pt.walls.append(dt)
                 else:
                     dt, k, ov = _timed(llm, prompts, sp)
                 runs[name].append(k / dt)
@@ -434,10 +468,11 @@ def _main_rows(
             "overlapped_steps": overlapped,
             "runs": runs,
         }
-        if phases:  # --phases: median ms per call of each engine part, per mode
-            report["rows"][f"batch{b}"]["phases_ms_median"] = {
-                k: t.medians_ms() for k, t in phases.items()
-            }
+        if phases:  # --phases: ms per call (median) and per run (summed) of each part, per mode
+            row = report["rows"][f"batch{b}"]
+            row["phases_ms_median"] = {k: t.medians_ms() for k, t in phases.items()}
+            row["phases_ms_per_run"] = {k: t.totals_ms() for k, t in phases.items()}
+            row["step_tail_ms"] = {k: t.step_tail() for k, t in phases.items()}
         print(json.dumps({f"batch{b}": report["rows"][f"batch{b}"]}), flush=True)
     if args.profile:
         b = max(args.batches)

@@ -50,6 +50,13 @@ def test_phases_time_the_engine_parts(tmp_path) -> None:  # noqa: ANN001
             assert mode[part] >= 0, (part, mode)
     assert "core._structured.accept_step" in ph["constrained"]
     assert "core._structured.accept_step" not in ph["plain"]
+    row = json.loads(out.read_text())["rows"]["batch3"]
+    for mode, tot in row["phases_ms_per_run"].items():
+        # One run per mode: the parts add up inside the wall time, and every request was added.
+        assert tot["wall"] >= tot["step"] + tot["add_request"] > 0, (mode, tot)
+        assert tot["outside_steps"] == round(tot["wall"] - tot["step"] - tot["add_request"], 2)
+        tail = row["step_tail_ms"][mode]
+        assert tail["calls_per_run"] >= 4 and tail["max"] >= tail["p90"] > 0, (mode, tail)
 
     class _Eng:  # a stand-in owner: wrapped while active, its own method again after
         def step(self) -> int:
@@ -60,3 +67,4 @@ def test_phases_time_the_engine_parts(tmp_path) -> None:  # noqa: ANN001
         assert eng.step() == 7 and "step" in eng.__dict__
     assert "step" not in eng.__dict__ and eng.step() == 7
     assert len(t.times["step"]) == 1 and set(t.medians_ms()) == {"step"}
+    assert t.runs == 1 and set(t.totals_ms()) == {"step"}
