@@ -67,9 +67,12 @@ def _tiles(m: int) -> tuple[int, int, int]:
 # side, so M = 16 fills an m64n16 instruction instead of a quarter of an m64 one. Big tiles
 # (many rows of x per converted weight tile), a grouped launch order (weight tiles reused from
 # L2) and a pipelined K loop (num_stages) decide large-M speed; the old (64, 64, 64) tile with 4
-# warps and no grouping measured 0.44x bf16 offline (H200). The table below is the plain order,
-# as measured; swap_ab is not yet measured on a GPU. Re-tune from
-# `bench/gpu_probes/quant_gemm_sweep.py`.
+# warps and no grouping measured 0.44x bf16 offline (H200). `quant_gemm_sweep.py --ms 16 256 4096`
+# (H100, 2026-12-05, eighteenth session; summed over the four 8B linears): M = 256 takes
+# (128, 128, 64, 8 warps), 1.25x the old (64, 128, 128) pick's speed (0.488x vs 0.390x bf16;
+# swapped 0.486x); at M = 4096 swap_ab with 256-row tiles ties the plain table (0.590x vs
+# 0.587x), so the plain order stays; M = 16 keeps its tile (1.276x bf16, swapped 1.129x).
+# Converting in the K loop costs ~40% at large M against bf16 either way.
 class Int8DotTiles(NamedTuple):
     """One launch of the int8 weight-only tl.dot kernel. block_m: rows of x (tokens), block_n:
     weight rows, block_k: the K step (powers of two >= 16); group_m: tiles that share a sweep
@@ -87,7 +90,7 @@ class Int8DotTiles(NamedTuple):
 INT8_DOT_TILES: tuple[tuple[int, Int8DotTiles], ...] = (
     (16, Int8DotTiles(16, 64, 128, 1, 4, 4)),
     (64, Int8DotTiles(64, 64, 128, 8, 4, 4)),
-    (256, Int8DotTiles(64, 128, 128, 8, 4, 4)),
+    (256, Int8DotTiles(128, 128, 64, 8, 8, 4)),
     (1 << 62, Int8DotTiles(128, 128, 64, 8, 8, 4)),
 )
 

@@ -452,13 +452,16 @@ def _quant(x: torch.Tensor | QuantAct, fmt: str, kernels: KernelConfig | None) -
 
 # KernelConfig int8_w8a8_gemm / fp8_gemm "auto": per M bucket (max M, True = the library GEMM
 # (cuBLASLt: torch._int_mm + `scale_epilogue` / torch._scaled_mm), False = the Triton
-# `scaled_mm`), the first bucket with M <= max M wins. The library everywhere until
-# `bench/gpu_probes/quant_gemm_sweep.py` picks otherwise (its "suggest" rows: the library's label
-# or a Triton tile per bucket); the int8 epilogue is one more [M, N] int32 write and read that
-# the Triton GEMM does not pay.
+# `scaled_mm`), the first bucket with M <= max M wins. Picked from
+# `bench/gpu_probes/quant_gemm_sweep.py --ms 16 256 4096` (H100, 2026-12-05, eighteenth session;
+# time summed over the four Llama-3.1-8B linears, x bf16 cuBLAS): int8 Triton 1.133x / 1.370x
+# at M = 256 / 4096 against cuBLASLt's 0.849x / 0.928x (its int32 output is one more [M, N]
+# write and read, which the Triton GEMM's fused epilogue does not pay; M <= 16 cannot take
+# `_int_mm`); fp8 Triton 1.288x against `_scaled_mm`'s 1.176x at M = 16, `_scaled_mm` 1.378x /
+# 1.388x against Triton's 0.758x / 0.761x at M = 256 / 4096.
 AUTO_LIBRARY: dict[str, tuple[tuple[int, bool], ...]] = {
-    "int8": ((_BIG, True),),
-    "fp8": ((_BIG, True),),
+    "int8": ((_BIG, False),),
+    "fp8": ((16, False), (_BIG, True)),
 }
 
 

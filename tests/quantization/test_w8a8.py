@@ -400,10 +400,13 @@ def test_auto_library_table(monkeypatch) -> None:  # noqa: ANN001
     """KernelConfig "auto" of the w8a8 GEMMs: the library (cuBLASLt) or Triton per M bucket."""
     from xlaserve.kernels_cuda import scaled_mm as sm
 
-    assert sm.auto_library("int8", 1) and sm.auto_library("fp8", 1 << 20)  # the default
+    # The defaults (quant_gemm_sweep on the H100): Triton for int8, fp8 above 16 rows the library.
+    assert not sm.auto_library("int8", 1) and not sm.auto_library("int8", 1 << 20)
+    assert not sm.auto_library("fp8", 16) and sm.auto_library("fp8", 17)
+    assert sm.auto_library("fp8", 1 << 20)
     monkeypatch.setitem(sm.AUTO_LIBRARY, "int8", ((256, False), (1 << 62, True)))
     assert [sm.auto_library("int8", m) for m in (17, 256, 257, 8192)] == [False, False, True, True]
-    assert sm.auto_library("fp8", 64)  # the other format keeps its table
+    assert sm.auto_library("fp8", 64) and not sm.auto_library("fp8", 8)  # the other keeps its own
 
 
 @pytest.mark.gpu
