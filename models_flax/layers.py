@@ -369,14 +369,46 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _per_token_quotient(xf: jax.Array, qmax: float) -> tuple[jax.Array, jax.Array]:
+    """xf f32 [M, K] -> (v = xf / xs [M, K], xs f32 [M, 1] = max(amax, 1e-12) / qmax), the two
+    divisions of the torch backend's `quant_rows_ref` (kernels_cuda/scaled_mm.py). XLA's
+    algebraic simplifier rewrites both into multiplications by a reciprocal (amax * f32(1 / 448);
+    since jaxlib 0.10.1 also x / broadcast(xs) -> x * broadcast(1 / xs)), 1 ulp off the quotient
+    for about half the scales and a quarter of the x / xs: a value at an e4m3 / int8 rounding tie
+    then rounds the other way than on the torch backend. On the CPU (the fp8 emulation, whose
+    codes the tests hold to the torch backend's bit for bit) the divisors go through an
+    optimization barrier, so XLA sees neither a constant nor a broadcast and keeps the divisions
+    (no measurable cost there). Accelerators keep the reciprocals: the barrier would add an
+    [M, K] float32 write and read to a memory-bound step, and a TPU's divide is not IEEE anyway."""
+    amax = jnp.maximum(jnp.abs(xf).max(axis=-1, keepdims=True), 1e-12)
+    if jax.default_backend() != "cpu":
+        xs = amax / qmax
+        return xf / xs, xs
+    barrier = jax.lax.optimization_barrier
+    xs = amax / barrier(jnp.full_like(amax, qmax))
+    return xf / barrier(jnp.broadcast_to(xs, xf.shape)), xs
+
+
+def quant_rows(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
+    """Dynamic per-token quantization, the torch backend's `quant_rows_ref`: x [M, K] ->
+    (xq [M, K] float8_e4m3fn ("fp8": clip to +-448, the RTNE e4m3 cast) or int8 ("int8": round
+    half away from zero, clip to +-127), xs f32 [M, 1] = max(|x[m]|, 1e-12) / QMAX)."""
+    if fmt not in ("int8", "fp8"):
+        raise ValueError(f"format must be 'int8' or 'fp8', got {fmt!r}")
+    xf = x.astype(jnp.float32)
+    if fmt == "fp8":
+        v, xs = _per_token_quotient(xf, FP8_MAX)
+        return jnp.clip(v, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), xs
+    v, xs = _per_token_quotient(xf, 127.0)
+    return jnp.clip(jnp.trunc(v + 0.5 * jnp.sign(v)), -127, 127).astype(jnp.int8), xs
+
+
 def fp8_matmul(x: jax.Array, w8: jax.Array, w_scale: jax.Array) -> jax.Array:
     """x [M, K] quantized per token to e4m3 (dynamic scale amax/448), w8 float8_e4m3fn [N, K]
     with per-channel scales [N] -> [M, N] in x's dtype. The fp8 dot itself runs on GPUs that have
     it (XLA lowers an f8 x f8 dot to cuBLASLt); elsewhere it is emulated in float32 (the same
     roundings as the torch backend's `fp8_linear_ref`)."""
-    xf = x.astype(jnp.float32)
-    xs = jnp.maximum(jnp.abs(xf).max(axis=-1, keepdims=True), 1e-12) / FP8_MAX  # [M, 1]
-    xq = jnp.clip(xf / xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    xq, xs = quant_rows(x, "fp8")
     if fp8_supported():
         y = _dot_t(xq, w8)
     else:
@@ -384,18 +416,11 @@ def fp8_matmul(x: jax.Array, w8: jax.Array, w_scale: jax.Array) -> jax.Array:
     return (y * xs * w_scale.astype(jnp.float32)[None, :]).astype(x.dtype)
 
 
-def _quant_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token e4m3: x [M, K] -> (xq float8_e4m3fn [M, K], xs f32 [M, 1] = amax / 448)."""
-    xf = x.astype(jnp.float32)
-    xs = jnp.maximum(jnp.abs(xf).max(axis=-1, keepdims=True), 1e-12) / FP8_MAX
-    return jnp.clip(xf / xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), xs
-
-
 def fp8_block_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """Block-wise fp8 weights (dequantized in the jitted forward: `w` f32 [N, K] = codes times
     their block's scale) with x rounded per token to e4m3, as the torch backend does; f32 math
     -> [M, N] in x's dtype."""
-    xq, xs = _quant_rows_fp8(x)
+    xq, xs = quant_rows(x, "fp8")
     return (_dot_t(xq.astype(jnp.float32), w) * xs).astype(x.dtype)
 
 
@@ -403,10 +428,7 @@ def int8_w8a8_matmul(x: jax.Array, q: jax.Array, s: jax.Array) -> jax.Array:
     """int8 w8a8: x [M, K] quantized per token to int8 (scale amax / 127, round half away from
     zero: the torch kernels' rounding), q int8 [N, K], s f32 [N]; an int8 x int8 -> int32 dot
     (the MXU's int8 rate on TPU v5e / v6e, cuBLAS int8 on GPU) -> [M, N] in x's dtype."""
-    xf = x.astype(jnp.float32)
-    xs = jnp.maximum(jnp.abs(xf).max(axis=-1, keepdims=True), 1e-12) / 127.0
-    v = xf / xs
-    xq = jnp.clip(jnp.trunc(v + 0.5 * jnp.sign(v)), -127, 127).astype(jnp.int8)
+    xq, xs = quant_rows(x, "int8")
     acc = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     return (acc.astype(jnp.float32) * xs * s.astype(jnp.float32)[None, :]).astype(x.dtype)
 

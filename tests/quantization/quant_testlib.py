@@ -34,25 +34,35 @@ def prefill_metadata(n: int, block_size: int) -> tuple[object, int]:
     return md, nblk
 
 
-def runner_logits(model_dir: str, token_ids: list[int], **kwargs: object) -> np.ndarray:
-    """Logits [T, V] float32 of every position of `token_ids` (one prefill) on the torch runner
-    built with EngineConfig.from_kwargs(model=model_dir, **kwargs)."""
-    import torch
-
+def torch_runner(model_dir: str, **kwargs: object):  # noqa: ANN201
+    """A TorchModelRunner (model loaded) built with EngineConfig.from_kwargs(model=model_dir,
+    **kwargs)."""
     from xlaserve.backends_torch.runner import TorchModelRunner
     from xlaserve.config import EngineConfig
     from xlaserve.model_loader.registry import build_spec
 
     cfg = EngineConfig.from_kwargs(model=model_dir, backend="torch", **kwargs)
-    spec = build_spec(model_dir)
-    runner = TorchModelRunner(cfg, spec)
+    runner = TorchModelRunner(cfg, build_spec(model_dir))
     runner.load_model()
+    return runner
+
+
+def torch_prefill_logits(runner, token_ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    """Logits [T, V] float32 of every position of `token_ids` (one prefill) on `runner`."""
+    import torch
+
     n = len(token_ids)
     md, nblk = prefill_metadata(n, runner.block_size)
     caches = runner._alloc_caches(nblk)
     ids = torch.tensor(token_ids, dtype=torch.long)
     hidden = runner.model(ids, torch.arange(n), caches, md)
     return runner.model.compute_logits(hidden).float().numpy()
+
+
+def runner_logits(model_dir: str, token_ids: list[int], **kwargs: object) -> np.ndarray:
+    """Logits [T, V] float32 of every position of `token_ids` (one prefill) on the torch runner
+    built with EngineConfig.from_kwargs(model=model_dir, **kwargs)."""
+    return torch_prefill_logits(torch_runner(model_dir, **kwargs), token_ids)
 
 
 def perplexity(logits: np.ndarray, token_ids: list[int]) -> float:
