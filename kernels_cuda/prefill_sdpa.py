@@ -110,6 +110,26 @@ def _rest_batch(md: HostBatch, keep: list[int]) -> RestBatch:
     )
 
 
+# A chunk over a cached prefix (q_len < kv_len): torch runs its bottom-right causal call on
+# FlashAttention-2, while a square causal call takes the faster cuDNN kernel. On the H100
+# (bench/gpu_probes/chunk_attention.py, 2026-12-05, eighteenth session; 13,616 queries over
+# 30,000 keys, 32 / 8 heads, D 128, bf16): lower right 14.54 ms (356 TFLOP/s of the chunk's own
+# work), the square call of all 30,000 positions 11.42 ms (646 TFLOP/s), the chunk padded in
+# front with zero queries to that square call 11.57 ms. Padding pays the prefix's own triangle
+# again, so it is taken where the square call's pairs, at SQUARE_SPEEDUP times the rate, cost
+# less than the chunk's own pairs: here 450M against 316M query-key pairs.
+SQUARE_SPEEDUP = 1.8
+
+
+def pad_to_square(q_len: int, kv_len: int, cuda: bool) -> bool:
+    """Whether a chunk of q_len queries ending a kv_len context attends as a padded square
+    causal call (CUDA only: the CPU's math kernel gains nothing from it)."""
+    if not cuda or q_len >= kv_len:
+        return False
+    own = q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2
+    return kv_len * (kv_len + 1) / 2 <= SQUARE_SPEEDUP * own
+
+
 def sdpa_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,6 +153,14 @@ def sdpa_prefill(
             o = F.scaled_dot_product_attention(
                 qb, kb, vb, is_causal=True, scale=sm_scale, enable_gqa=True
             )
+        elif pad_to_square(q_len, kv_len, q.is_cuda):
+            # Zero queries in front make the call square, where causal top left = bottom
+            # right and the square kernel runs; their rows are dropped.
+            pad = q.new_zeros(kv_len - q_len, q.shape[1], q.shape[2])
+            qp = torch.cat([pad, q[q0:q1]]).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qp, kb, vb, is_causal=True, scale=sm_scale, enable_gqa=True
+            )[:, :, kv_len - q_len :]
         else:  # a chunk over a cached prefix: causal aligned to the last key
             o = F.scaled_dot_product_attention(
                 qb, kb, vb, attn_mask=causal_lower_right(q_len, kv_len), scale=sm_scale,

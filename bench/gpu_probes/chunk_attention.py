@@ -98,7 +98,7 @@ def _routes(q: Any, k: Any, v: Any, scale: float) -> dict[str, Callable[[], Any]
     routes: dict[str, Callable[[], Any]] = {"lower_right": lower_right}
     if q.is_cuda:
         for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-            routes[f"lower_right[{name.split('_')[0].lower()}]"] = forced(SDPBackend[name])
+            routes[f"lower_right[{name.split('_')[0].lower()}]"] = forced(getattr(SDPBackend, name))
     routes["padded_square"] = padded_square
     if q.is_cuda:
         routes["split_lse_cudnn"] = split_cudnn

@@ -92,6 +92,34 @@ def test_sdpa_split_matches_reference(q_lens: list[int], seq_lens: list[int]) ->
     assert not out[sum(q_lens) :].any()  # padding rows are zeros
 
 
+def test_chunk_over_prefix_as_padded_square(monkeypatch) -> None:  # noqa: ANN001
+    """The padded square call (taken on CUDA where it is cheaper) gives the bottom-right causal
+    result: forced on here, chunks over cached prefixes of several lengths match the reference."""
+    from xlaserve.kernels_cuda import prefill_sdpa as ps
+
+    taken: list[tuple[int, int]] = []
+    monkeypatch.setattr(ps, "pad_to_square", lambda q, kv, cuda: taken.append((q, kv)) or True)
+    x, md = _step([24, 18, 1], [61, 40, 9], extra_rows=2, seed=11)
+    be = TritonAttention()
+    be.kernels = ON
+    out = be.forward(x["q"], x["k_cache"], x["v_cache"], md, 0.2)
+    assert sorted(taken) == [(18, 40), (24, 61)]
+    torch.testing.assert_close(out, _ref(x, md, 0.2), atol=2e-5, rtol=1e-5)
+
+
+def test_pad_to_square_rule() -> None:
+    """Padding where the square call's pairs at SQUARE_SPEEDUP cost less than the chunk's own:
+    the 30k prompt's second chunk pads, a short chunk over a long prefix does not, never on the
+    CPU or for a fresh prompt."""
+    from xlaserve.kernels_cuda.prefill_sdpa import pad_to_square
+
+    assert pad_to_square(13616, 30000, True)
+    assert not pad_to_square(2048, 128000, True)
+    assert not pad_to_square(13616, 30000, False)
+    assert not pad_to_square(30000, 30000, True)
+    assert pad_to_square(900, 1000, True) and not pad_to_square(100, 1000, True)
+
+
 def test_quantized_cache_dequantized_by_the_gather() -> None:
     x, md = _step([1, 20, 3], [30, 26, 9], seed=5)
     scales = {}
