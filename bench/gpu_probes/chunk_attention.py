@@ -64,8 +64,14 @@ def _routes(q: Any, k: Any, v: Any, scale: float) -> dict[str, Callable[[], Any]
         o = F.scaled_dot_product_attention(qp, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
         return o[0, :, p:].transpose(0, 1)
 
+    def bhl(lse: Any) -> Any:  # noqa: ANN401
+        # The private ops' log-sum-exp layouts differ ([1, H, L], [1, L, H], a trailing 1).
+        lse = lse.reshape(1, -1, lse.shape[-1] if lse.shape[-1] != 1 else lse.shape[-2])
+        return lse if lse.shape[1] == hq else lse.reshape(1, lq, hq).transpose(1, 2)
+
     def merge(o1: Any, l1: Any, o2: Any, l2: Any) -> Any:  # noqa: ANN401
         # o [1, H, Lq, D], lse [1, H, Lq] (natural log) -> the softmax over both key sets.
+        l1, l2 = bhl(l1), bhl(l2)
         lse = torch.logaddexp(l1, l2)
         w1, w2 = torch.exp(l1 - lse)[..., None], torch.exp(l2 - lse)[..., None]
         return (o1.float() * w1 + o2.float() * w2).to(q.dtype)[0].transpose(0, 1)
