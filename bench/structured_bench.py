@@ -143,6 +143,12 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("core._structured", "accept_step"),
     ("core._structured", "_batch_fill"),
     ("processor", "process"),
+    # The grammar path's other host parts: picking the rows that sample, taking the upload
+    # slot and the matchers, and the sampling launch that waits for the masks.
+    ("core", "_attach_bitmasks"),
+    ("core", "_late_fill_job"),
+    ("core.runner", "apply_bitmasks"),
+    ("core", "_fail_bad_grammars"),
 )
 
 

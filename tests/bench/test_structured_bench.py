@@ -48,7 +48,9 @@ def test_phases_time_the_engine_parts(tmp_path) -> None:  # noqa: ANN001
     for mode in ph.values():
         for part in ("step", "core.scheduler.schedule", "core.runner.launch", "core._process"):
             assert mode[part] >= 0, (part, mode)
-    assert "core._structured.accept_step" in ph["constrained"]
+    for part in ("core._structured.accept_step", "core._attach_bitmasks", "core._late_fill_job",
+                 "core.runner.apply_bitmasks"):  # fmt: skip
+        assert part in ph["constrained"], part
     assert "core._structured.accept_step" not in ph["plain"]
     row = json.loads(out.read_text())["rows"]["batch3"]
     for mode, tot in row["phases_ms_per_run"].items():
