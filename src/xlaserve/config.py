@@ -448,9 +448,10 @@ class KernelConfig:
     # prefill_sdpa_min_tokens queries attend through torch SDPA (FlashAttention-2 on CUDA) over
     # their context gathered from the paged cache (kernels_cuda/prefill_sdpa.py); the rest of
     # the step keeps the Triton kernel. Layers with a sliding window, soft-cap or attention
-    # chunk always keep it. "auto" = on CUDA. Off until measured on a GPU (CPU-tested against
-    # the reference only): the H200 ran the Triton causal prefill of a 30k prompt at 352
-    # TFLOP/s, SDPA's flash kernel at 628 on the same tensors (bench/RESULTS.md).
+    # chunk always keep it. "auto" = on CUDA. Off until the engine's TTFT A/B runs on a GPU:
+    # the H200 ran the Triton causal prefill of a 30k prompt at 352 TFLOP/s, SDPA at 628 on
+    # the same tensors; a chunk over a cached prefix only gains as a zero-padded square call
+    # (H100: 11.6 vs 14.5 ms for the 30k prompt's second chunk; `prefill_sdpa.pad_to_square`).
     prefill_sdpa: str = "off"
     prefill_sdpa_min_tokens: int = 1024
     # fp8 weights emulated (dequantized matmul) where the device has no fp8 GEMM; otherwise
