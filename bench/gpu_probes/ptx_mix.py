@@ -31,15 +31,18 @@ GROUPS = ("attention", "int8_mm", "ssm", "act_quant")
 
 def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], warps: int = 4,  # noqa: ANN401
              stages: int = 3) -> str:  # fmt: skip
-    """fn's sm_90 PTX: sig names the typed arguments, consts the constexprs; pointers and
-    stride_* arguments are declared divisible by 16."""
+    """fn's sm_90 PTX: sig names the typed arguments, consts the constexprs; pointers, stride_*
+    arguments and N / K are declared divisible by 16, as Triton's launcher specializes them at
+    run time on the model's shapes (without it the K-masked loads of a GEMM do not vectorize
+    or go through cp.async, which is not the code a GPU runs)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = fn.arg_names
     aligned = {(names.index(n),): [["tt.divisibility", 16]]
-               for n in sig if n.endswith("_ptr") or n.startswith("stride")}  # fmt: skip
+               for n in sig if n.endswith("_ptr") or n.startswith("stride")
+               or n in ("N", "K")}  # fmt: skip
     src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
                     constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=aligned)  # fmt: skip
@@ -50,9 +53,12 @@ def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], warps: int = 
 
 def opcode_mix(ptx: str) -> dict[str, int]:
     """Instruction count per full opcode (e.g. "cvt.rn.bf16x2.f32") in a PTX text: predicated
-    ones and those of inline-asm blocks (no indent) included; directives, labels and braces
-    are not opcodes."""
-    ops = re.finditer(r"^\s*(?:@!?%\w+\s+)?([a-z]+(?:\.[a-z0-9]+)*)(?=[\s;])", ptx, re.M)
+    ones and those of inline-asm blocks (no indent) included, as are state-space qualified ones
+    (e.g. "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes");
+    directives, labels and braces are not opcodes."""
+    ops = re.finditer(
+        r"^\s*(?:@!?%\w+\s+)?([a-z]+(?:\.[a-z0-9_]+(?:::[a-z0-9_]+)*)*)(?=[\s;])", ptx, re.M
+    )
     return dict(collections.Counter(m.group(1) for m in ops))
 
 

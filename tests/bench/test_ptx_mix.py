@@ -23,8 +23,10 @@ def test_opcode_mix_counts_inline_asm_and_predicated() -> None:
     from bench.gpu_probes.ptx_mix import opcode_mix
 
     ptx = ("\t.reg .b32 %r<4>;\n$L__BB0_1:\n\tmul.f32 %f1, %f2, %f3;\n"
-           "\t@%p1 bra $L__BB0_1;\n{\ncvt.rn.f16x2.e4m3x2 %r1, %rs1;\n}\n\tret;\n")  # fmt: skip
-    assert opcode_mix(ptx) == {"mul.f32": 1, "bra": 1, "cvt.rn.f16x2.e4m3x2": 1, "ret": 1}
+           "\t@%p1 bra $L__BB0_1;\n{\ncvt.rn.f16x2.e4m3x2 %r1, %rs1;\n}\n"
+           "\tmbarrier.try_wait.parity.shared::cta.b64 %p2, [%r2], %r3;\n\tret;\n")  # fmt: skip
+    assert opcode_mix(ptx) == {"mul.f32": 1, "bra": 1, "cvt.rn.f16x2.e4m3x2": 1, "ret": 1,
+                               "mbarrier.try_wait.parity.shared::cta.b64": 1}  # fmt: skip
 
 
 def test_fp8_attention_fp16_dots_mix(tmp_path) -> None:  # noqa: ANN001
