@@ -114,9 +114,17 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw.update(model_engine_kwargs(args))
     if args.async_scheduling:
         kw["async_scheduling"] = args.async_scheduling
-    if args.fill_thread is not None:
+    if args.fill_thread in ("on", "off"):
         kw["fill_thread"] = args.fill_thread == "on"
     return kw
+
+
+def _set_fill_thread(llm: Any, on: bool) -> None:  # noqa: ANN401 - LLM
+    """Switch the in-process engine's fill thread (read at every step) between runs."""
+    mgr = getattr(llm.llm_engine.core, "_structured", None)
+    if mgr is None:
+        raise RuntimeError("--fill-thread ab needs an in-process engine with structured output")
+    mgr.config.fill_thread = on
 
 
 def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa: ANN401 - LLM
@@ -450,8 +458,18 @@ def _main_rows(
         # tok/s at batch 256, 2026-12-05), which made the first pair's ratio meaningless.
         for sp in (plain, cons):
             _timed(llm, prompts, sp)
+        # --fill-thread ab: a constrained run with the fill thread on after each one with it
+        # off, in the same process (separate processes drifted by more than the effect).
+        modes: list[tuple[str, Any, bool | None]] = [("plain", plain, None),
+                                                     ("constrained", cons, None)]  # fmt: skip
+        if args.fill_thread == "ab":
+            modes = [("plain", plain, None), ("constrained", cons, False),
+                     ("constrained_fill_thread", cons, True)]  # fmt: skip
+            runs["constrained_fill_thread"] = []
         for _ in range(args.repeats):
-            for name, sp in (("plain", plain), ("constrained", cons)):
+            for name, sp, fill in modes:
+                if fill is not None:
+                    _set_fill_thread(llm, fill)
                 if args.phases:  # (an engine core process: only its step is timed here)
                     with phases.setdefault(name, PhaseTimer(eng)) as pt:
                         dt, k, ov = _timed(llm, prompts, sp)
@@ -474,6 +492,15 @@ def _main_rows(
             "overlapped_steps": overlapped,
             "runs": runs,
         }
+        if "constrained_fill_thread" in runs:
+            ft = [
+                c / p for p, c in zip(runs["plain"], runs["constrained_fill_thread"], strict=True)
+            ]
+            report["rows"][f"batch{b}"]["fill_thread"] = {
+                "constrained_tok_s": statistics.median(runs["constrained_fill_thread"]),
+                "pair_ratios": ft,
+                "pair_ratio_median": statistics.median(ft),
+            }
         if phases:  # --phases: ms per call (median) and per run (summed) of each part, per mode
             row = report["rows"][f"batch{b}"]
             row["phases_ms_median"] = {k: t.medians_ms() for k, t in phases.items()}
@@ -538,8 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fill-thread",
         default=None,
-        choices=["on", "off"],
-        help="StructuredOutputConfig.fill_thread (default: the engine's)",
+        choices=["on", "off", "ab"],
+        help="StructuredOutputConfig.fill_thread (default: the engine's); ab: each repeat also "
+        "runs the constrained batch with the fill thread on, in the same engine",
     )
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1])
     ap.add_argument("--input-len", type=int, default=128)

@@ -70,3 +70,31 @@ def test_phases_time_the_engine_parts(tmp_path) -> None:  # noqa: ANN001
     assert "step" not in eng.__dict__ and eng.step() == 7
     assert len(t.times["step"]) == 1 and set(t.medians_ms()) == {"step"}
     assert t.runs == 1 and set(t.totals_ms()) == {"step"}
+
+
+def test_fill_thread_ab_in_one_engine(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """--fill-thread ab: every repeat runs plain, constrained with the fill thread off, then on,
+    in the same engine; the fill thread really runs in (only) the third mode, with the same
+    tokens generated."""
+    import xlaserve.engine.core as core_mod
+
+    submits: list[bool] = []
+
+    class Pool(core_mod.ThreadPoolExecutor):
+        def submit(self, fn, /, *a, **k):  # noqa: ANN001, ANN202
+            submits.append(True)
+            return super().submit(fn, *a, **k)
+
+    monkeypatch.setattr(core_mod, "ThreadPoolExecutor", Pool)
+    out = tmp_path / "so.json"
+    args = ["--llama8b", "--tiny", "--backend", "torch", "--async-scheduling", "on",
+            "--batches", "3", "--input-len", "8", "--output-len", "6", "--repeats", "2",
+            "--only-batches", "--fill-thread", "ab", "--phases", "--output-json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    row = json.loads(out.read_text())["rows"]["batch3"]
+    assert (
+        len(row["fill_thread"]["pair_ratios"]) == 2 and row["fill_thread"]["constrained_tok_s"] > 0
+    )
+    assert set(row["phases_ms_per_run"]) == {"plain", "constrained", "constrained_fill_thread"}
+    # 2 repeats x (output-len - 1) late fills of the fill-thread mode went to the pool, no more.
+    assert 0 < len(submits) <= 2 * 6, len(submits)
