@@ -275,7 +275,7 @@ def _scaled_mm_kernel(
     stride_am, stride_bn, stride_bsn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INT_ACC: tl.constexpr, WB_N: tl.constexpr, WB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    FP8: tl.constexpr, UPCAST: tl.constexpr,
+    FP8_BITS: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     # y = (a @ b^T) * as[m] * bs (+ bias): a [M, K], b [N, K] (8-bit codes), as [M] f32.
     # WB_K == 0: bs [N] per channel, applied in the epilogue to an int32 (INT_ACC) or fp32
@@ -292,9 +292,10 @@ def _scaled_mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + rk < K
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0)
-        if FP8:  # fp8 travels as its uint8 bits (a masked 0 byte is +0.0)
+        # (0.0: a constant the loads' element type takes, fp8 included; +0.0 is the 0 code.)
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_BITS:  # the interpreter's fp8 arrives as uint8 bits (numpy has no fp8)
             a = a.to(tl.float8e4nv, bitcast=True)
             b = b.to(tl.float8e4nv, bitcast=True)
         if UPCAST:  # the CPU interpreter (numpy) has no int8 / fp8 dot
@@ -316,6 +317,18 @@ def _scaled_mm_kernel(
         out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def kernel_operands(
+    xq: torch.Tensor, wq: torch.Tensor, interp: bool
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`_scaled_mm_kernel`'s a / b operands and its FP8_BITS flag. On a GPU fp8 goes in typed: a
+    uint8 load bitcast to fp8 in the loop made Triton copy each tile shared memory -> registers
+    -> shared memory before wgmma (sm_90 PTX, tests/kernels_cuda/test_quant_gemm_sm90_build.py);
+    typed, the loop is int8's. The interpreter (numpy has no fp8) takes the uint8 bits."""
+    if xq.dtype == torch.int8 or not interp:
+        return xq, wq, False
+    return xq.view(torch.uint8), wq.view(torch.uint8), True
 
 
 @triton.jit
@@ -416,14 +429,13 @@ def scaled_mm(
             raise ValueError(f"scaled_mm: weight block K {wb_k} has no power-of-two divisor >= 16")
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
     interp = interpret_mode()
-    if not int8:
-        xq, wq = xq.view(torch.uint8), wq.view(torch.uint8)
+    xq, wq, fp8_bits = kernel_operands(xq, wq, interp)
     _scaled_mm_kernel[grid](
         xq, wq, xs, ws, bias if bias is not None else ws, y, m, n, k,
         xq.stride(0), wq.stride(0), ws.stride(0) if block is not None else 0, y.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=bk, GROUP_M=t.group_m,
         INT_ACC=int8 and not interp, WB_N=wb_n, WB_K=wb_k, HAS_BIAS=bias is not None,
-        FP8=not int8, UPCAST=interp, num_warps=t.num_warps, num_stages=t.num_stages,
+        FP8_BITS=fp8_bits, UPCAST=interp, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return y
 

@@ -48,13 +48,13 @@ def one(kind):
   else:
       fmt = "int8" if kind == "int8" else "fp8"
       t = sm.scaled_mm_tiles(fmt, 1 << 20)
-      code = "*i8" if fmt == "int8" else "*u8"
+      code = "*i8" if fmt == "int8" else "*fp8e4nv"  # fp8 goes in typed on a GPU
       wb = 128 if kind == "fp8_block" else 0
       sig = {"a_ptr": code, "b_ptr": code, "as_ptr": "*fp32", "bs_ptr": "*fp32",
              "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
              "stride_am": "i32", "stride_bn": "i32", "stride_bsn": "i32", "stride_ym": "i32"}
       consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-                    INT_ACC=fmt == "int8", WB_N=wb, WB_K=wb, HAS_BIAS=True, FP8=fmt == "fp8",
+                    INT_ACC=fmt == "int8", WB_N=wb, WB_K=wb, HAS_BIAS=True, FP8_BITS=False,
                     UPCAST=False)
       k = build(sm._scaled_mm_kernel, sig, consts, t.num_warps, t.num_stages)
       stage_bytes = (t.block_m + t.block_n) * t.block_k  # two 8-bit tiles
@@ -63,7 +63,9 @@ def one(kind):
   return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
           "shared": k.metadata.shared, "stage_bytes": stage_bytes,
           "a_from_registers": bool(wg and wg.group(1) == "{"),
-          "st_shared": len(re.findall(r"^\s*st\.shared", ptx, re.M))}
+          "st_shared": len(re.findall(r"^\s*st\.shared", ptx, re.M)),
+          "ld_shared": len(re.findall(r"^\s*ld\.shared", ptx, re.M)),
+          "ldmatrix": len(re.findall(r"^\s*ldmatrix", ptx, re.M))}
 
 print(json.dumps({kind: one(kind) for kind in sys.argv[1:]}))
 """
@@ -101,3 +103,22 @@ def test_int8_weight_only_operand_order(builds: dict) -> None:
     plain, swap = builds["int8_weight_only"], builds["int8_weight_only_swap"]
     assert not plain["a_from_registers"] and plain["st_shared"] >= 4, plain
     assert swap["a_from_registers"] and swap["st_shared"] <= 1, swap
+
+
+def test_fp8_gemm_loop_matches_int8(builds: dict) -> None:
+    """The fp8 w8a8 GEMM's operands go in as fp8 (`scaled_mm`): its K loop then moves nothing
+    through registers, like the int8 one. (Loaded as uint8 and bitcast in the loop, each tile
+    went shared memory -> registers -> shared memory before wgmma: 4 ld.shared, 12 st.shared
+    and 12 ldmatrix against int8's 0 / 8 / 8, and 0.76x bf16 against int8's 1.37x with the
+    same tiles, H100, bench/RESULTS.md.)"""
+    import torch
+
+    from xlaserve.kernels_cuda.scaled_mm import kernel_operands
+
+    x8 = torch.zeros(2, 16, dtype=torch.float8_e4m3fn)
+    a, b, bits = kernel_operands(x8, x8, interp=False)  # what a GPU launch passes
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and not bits
+    assert kernel_operands(x8, x8, interp=True)[2]  # the interpreter: uint8 bits
+    i8, f8 = builds["int8"], builds["fp8"]
+    assert f8["ld_shared"] == i8["ld_shared"] == 0, (i8, f8)
+    assert f8["st_shared"] == i8["st_shared"] and f8["ldmatrix"] == i8["ldmatrix"], (i8, f8)
