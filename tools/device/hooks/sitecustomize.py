@@ -1,0 +1,116 @@
+"""Device-run hooks (outside git): patch module tables right after import, from env vars.
+
+DEVRUN_LONG_DECODE=0|1      paged_attention.LONG_DECODE_ENABLED
+DEVRUN_QUANT_F16=0|1        paged_attention.QUANT_F16_DOTS
+DEVRUN_INT8_TILES_JSON=p    quant_matmul.INT8_DOT_TILES buckets from quant_gemm_sweep's suggest
+DEVRUN_W8A8_AUTO_JSON=p     scaled_mm.AUTO_LIBRARY / SCALED_MM_TILES buckets from the same
+"""
+
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+
+_BIG = 1 << 62
+
+
+def _log(msg):
+    print(f"[devrun hook pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+def _flag(name):
+    v = os.environ.get(name)
+    return None if v is None else v not in ("0", "false", "off", "")
+
+
+def _patch_pa(mod):
+    for env, attr in (
+        ("DEVRUN_LONG_DECODE", "LONG_DECODE_ENABLED"),
+        ("DEVRUN_QUANT_F16", "QUANT_F16_DOTS"),
+    ):
+        f = _flag(env)
+        if f is not None:
+            setattr(mod, attr, f)
+            _log(f"paged_attention.{attr} = {f}")
+
+
+def _suggest(path, fam):
+    with open(path) as f:
+        return json.load(f).get("suggest", {}).get(fam, {})
+
+
+def _patch_qm(mod):
+    p = os.environ.get("DEVRUN_INT8_TILES_JSON")
+    if not p:
+        return
+    sug = _suggest(p, "int8")
+    table = []
+    for max_m, t in mod.INT8_DOT_TILES:
+        pick = sug.get(str(max_m))
+        if pick and pick.get("tiles"):
+            t = mod.Int8DotTiles(*pick["tiles"])
+        table.append((max_m, t))
+    mod.INT8_DOT_TILES = tuple(table)
+    _log(f"INT8_DOT_TILES = {mod.INT8_DOT_TILES}")
+
+
+def _patch_sm(mod):
+    p = os.environ.get("DEVRUN_W8A8_AUTO_JSON")
+    if not p:
+        return
+    for fam, fmt in (("int8_w8a8", "int8"), ("fp8", "fp8")):
+        sug = _suggest(p, fam)
+        tiles, lib = [], []
+        for max_m, t in mod.SCALED_MM_TILES[fmt]:
+            pick = sug.get(str(max_m))
+            use_lib = True
+            if pick is not None:
+                if pick.get("tiles"):
+                    t = mod.DotTiles(*pick["tiles"])
+                    use_lib = False
+            tiles.append((max_m, t))
+            lib.append((max_m, use_lib))
+        mod.SCALED_MM_TILES[fmt] = tuple(tiles)
+        mod.AUTO_LIBRARY[fmt] = tuple(lib)
+        _log(f"{fmt}: AUTO_LIBRARY = {mod.AUTO_LIBRARY[fmt]}; tiles = {mod.SCALED_MM_TILES[fmt]}")
+
+
+_PATCHES = {
+    "xlaserve.kernels_cuda.paged_attention": _patch_pa,
+    "xlaserve.kernels_cuda.quant_matmul": _patch_qm,
+    "xlaserve.kernels_cuda.scaled_mm": _patch_sm,
+}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        orig = spec.loader.exec_module
+
+        def exec_module(module, orig=orig, fn=_PATCHES[name]):
+            orig(module)
+            fn(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if any(
+    os.environ.get(k)
+    for k in (
+        "DEVRUN_LONG_DECODE",
+        "DEVRUN_QUANT_F16",
+        "DEVRUN_INT8_TILES_JSON",
+        "DEVRUN_W8A8_AUTO_JSON",
+    )
+):
+    sys.meta_path.insert(0, _Finder())
