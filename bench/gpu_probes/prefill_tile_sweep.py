@@ -4,7 +4,8 @@
 
 `long_context --stages kernels` measured the kernel's causal prefill of a 30k prompt at ~360
 TFLOP/s against ~600-650 for torch SDPA's square causal call (H100 and H200), with the table's
-tile (BLOCK_M 128, BLOCK_N 64, 8 warps, 2 stages; the sm_90 PTX is wgmma, m64n64k16 for QK^T).
+tile (BLOCK_M 128, BLOCK_N 64, 8 warps, 2 stages; its sm_90 PTX is wgmma,
+m64n64k16 for QK^T: `ptx_mix.py --groups attention_prefill`).
 This probe times the kernel with each candidate launch config (`unified_attention`'s
 `launch_config`) on the two shapes a 30k prompt prefills with at the offline budget: the whole
 prompt in one chunk, and the second chunk (the last 13,616 queries over 30,000 keys). Each

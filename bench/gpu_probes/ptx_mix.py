@@ -9,8 +9,13 @@ Groups (``--groups``):
 - ``attention``: one decode tile of the unified attention kernel (8B shape: G 4, head 128,
   16-token pages, 16 splits) over a bf16 cache, an fp8 cache with bf16 dots, and an fp8 cache
   with fp16 dots (QUANT_F16), at BLOCK_N 64 (3 stages) and 128 (4 stages);
+- ``attention_prefill``: a prefill tile of the same kernel (the table's prefill launch config,
+  bf16 cache), for its mma form;
 - ``int8_mm``: the int8 weight-only tl.dot kernel, plain and swapped operand order, at the
   table's large-M tiles;
+- ``scaled_mm``: the w8a8 GEMM at the table's large-M tiles: int8, fp8 with typed operands (as
+  launched on a GPU) and fp8 as uint8 bits bitcast in the K loop (the interpreter's form, and
+  the GPU's before `scaled_mm.kernel_operands`);
 - ``ssm``: the Mamba / Mamba2 decode state updates;
 - ``act_quant``: the fused RMSNorm / SiLU-and-mul activation quantization kernels.
 
@@ -26,7 +31,7 @@ import os
 import re
 from typing import Any
 
-GROUPS = ("attention", "int8_mm", "ssm", "act_quant")
+GROUPS = ("attention", "attention_prefill", "int8_mm", "scaled_mm", "ssm", "act_quant")
 
 
 def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], warps: int = 4,  # noqa: ANN401
@@ -62,6 +67,31 @@ def opcode_mix(ptx: str) -> dict[str, int]:
     return dict(collections.Counter(m.group(1) for m in ops))
 
 
+def _attention_sig(cache: str) -> dict[str, str]:
+    """The unified attention kernel's typed arguments over a cache of element type `cache`."""
+    from xlaserve.kernels_cuda import paged_attention as pa
+
+    fn = pa._unified_attention_kernel
+    sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+    sig.update(k_ptr=cache, v_ptr=cache, part_acc_ptr="*fp32", part_ml_ptr="*fp32",
+               qsl_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32", ks_ptr="*fp32",
+               vs_ptr="*fp32", sm_scale="fp32", soft_cap="fp32")  # fmt: skip
+    for n in fn.arg_names:
+        if n.startswith("stride_") or n in ("num_seqs", "num_tokens", "num_tiles", "window",
+                                             "chunk"):  # fmt: skip
+            sig[n] = "i32"
+    return sig
+
+
+def _attention_consts(**kw: Any) -> dict[str, Any]:  # noqa: ANN401
+    """The 8B shape's constexprs (G 4, head 128, 16-token pages, no window / chunk / soft-cap),
+    with `kw` on top."""
+    base = dict(G=4, HEAD_DIM=128, BLOCK_D=128, PAGE=16, USE_WINDOW=False, USE_CHUNK=False,
+                USE_SOFTCAP=False, UPCAST=False, DOT_PREC="tf32", QUANT=False, QUANT_F16=False,
+                ZERO_PAD=False, USE_PDL=True, FAST_CAUSAL=True, OFFS64=False)  # fmt: skip
+    return {**base, **kw}
+
+
 def _attention() -> dict[str, dict[str, int]]:
     from xlaserve.kernels_cuda import paged_attention as pa
 
@@ -70,22 +100,24 @@ def _attention() -> dict[str, dict[str, int]]:
     for label, cache, quant, f16 in (("bf16", "*bf16", False, False),
                                      ("fp8_bf16_dots", "*fp8e4nv", True, False),
                                      ("fp8_fp16_dots", "*fp8e4nv", True, True)):  # fmt: skip
-        sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
-        sig.update(k_ptr=cache, v_ptr=cache, part_acc_ptr="*fp32", part_ml_ptr="*fp32",
-                   qsl_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32", ks_ptr="*fp32",
-                   vs_ptr="*fp32", sm_scale="fp32", soft_cap="fp32")  # fmt: skip
-        for n in fn.arg_names:
-            if n.startswith("stride_") or n in ("num_seqs", "num_tokens", "num_tiles", "window",
-                                                 "chunk"):  # fmt: skip
-                sig[n] = "i32"
+        sig = _attention_sig(cache)
         for bn, stages in ((64, 3), (128, 4)):
-            consts = dict(G=4, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_M=16, BLOCK_Q=4,
-                          BLOCK_N=bn, USE_WINDOW=False, USE_CHUNK=False, USE_SOFTCAP=False,
-                          UPCAST=False, DOT_PREC="tf32", NUM_SPLITS=16, QUANT=quant,
-                          QUANT_F16=f16, ZERO_PAD=False, USE_PDL=True, FAST_CAUSAL=True,
-                          OFFS64=False)  # fmt: skip
+            consts = _attention_consts(BLOCK_M=16, BLOCK_Q=4, BLOCK_N=bn, NUM_SPLITS=16,
+                                       QUANT=quant, QUANT_F16=f16)  # fmt: skip
             out[f"{label} BLOCK_N={bn}"] = opcode_mix(_compile(fn, sig, consts, 4, stages))
     return out
+
+
+def _attention_prefill() -> dict[str, dict[str, int]]:
+    from xlaserve.kernels_cuda import paged_attention as pa
+
+    cfg = pa.attention_launch_config(2, 4, 128, False)  # a prefill launch: the table's tile
+    consts = _attention_consts(BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"],
+                               BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=1)  # fmt: skip
+    ptx = _compile(pa._unified_attention_kernel, _attention_sig("*bf16"), consts,
+                   cfg["num_warps"], cfg["num_stages"])  # fmt: skip
+    tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+    return {f"bf16 prefill {tile}": opcode_mix(ptx)}
 
 
 def _int8_mm() -> dict[str, dict[str, int]]:
@@ -100,6 +132,25 @@ def _int8_mm() -> dict[str, dict[str, int]]:
                       GROUP_M=t.group_m, UPCAST=False, SWAP_AB=swap)  # fmt: skip
         ptx = _compile(qm._int8_mm_kernel, sig, consts, t.num_warps, t.num_stages)
         out[f"swap_ab={swap} {tuple(t[:6])}"] = opcode_mix(ptx)
+    return out
+
+
+def _scaled_mm() -> dict[str, dict[str, int]]:
+    from xlaserve.kernels_cuda import scaled_mm as sm
+
+    out = {}
+    for label, fmt, code, bits in (("int8", "int8", "*i8", False),
+                                   ("fp8 typed", "fp8", "*fp8e4nv", False),
+                                   ("fp8 uint8 bits", "fp8", "*u8", True)):  # fmt: skip
+        t = sm.scaled_mm_tiles(fmt, 1 << 20)
+        sig = {"a_ptr": code, "b_ptr": code, "as_ptr": "*fp32", "bs_ptr": "*fp32",
+               "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+               "stride_am": "i32", "stride_bn": "i32", "stride_bsn": "i32", "stride_ym": "i32"}  # fmt: skip
+        consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                      INT_ACC=fmt == "int8", WB_N=0, WB_K=0, HAS_BIAS=False, FP8_BITS=bits,
+                      UPCAST=False)  # fmt: skip
+        ptx = _compile(sm._scaled_mm_kernel, sig, consts, t.num_warps, t.num_stages)
+        out[f"{label} {tuple(t)}"] = opcode_mix(ptx)
     return out
 
 
@@ -150,7 +201,9 @@ def _act_quant() -> dict[str, dict[str, int]]:
 
 def run(groups: list[str]) -> dict[str, dict[str, dict[str, int]]]:
     """group -> variant -> opcode -> count."""
-    fns = {"attention": _attention, "int8_mm": _int8_mm, "ssm": _ssm, "act_quant": _act_quant}
+    fns = {"attention": _attention, "attention_prefill": _attention_prefill,
+           "int8_mm": _int8_mm, "scaled_mm": _scaled_mm, "ssm": _ssm,
+           "act_quant": _act_quant}  # fmt: skip
     return {g: fns[g]() for g in groups}
 
 
