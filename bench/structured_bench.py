@@ -119,6 +119,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def _pair_ratios(runs: dict[str, list[float]], mode: str) -> list[float]:
+    """Each of mode's runs over the plain run of the same repeat (tok/s ratios)."""
+    return [c / p for p, c in zip(runs["plain"], runs[mode], strict=True)]
+
+
 def _set_fill_thread(llm: Any, on: bool) -> None:  # noqa: ANN401 - LLM
     """Switch the in-process engine's fill thread (read at every step) between runs."""
     mgr = getattr(llm.llm_engine.core, "_structured", None)
@@ -479,9 +484,10 @@ def _main_rows(
                 runs[name].append(k / dt)
                 toks[name], overlapped[name] = k, ov
         med = {k: statistics.median(v) for k, v in runs.items()}
-        # Each constrained run against the plain run just before it: steadier than the ratio
+
+        # Each constrained run against the plain run of its repeat: steadier than the ratio
         # of medians when the machine's speed drifts between repeats.
-        pairs = [c / p for p, c in zip(runs["plain"], runs["constrained"], strict=True)]
+        pairs = _pair_ratios(runs, "constrained")
         report["rows"][f"batch{b}"] = {
             "plain_tok_s": med["plain"],
             "constrained_tok_s": med["constrained"],
@@ -493,9 +499,7 @@ def _main_rows(
             "runs": runs,
         }
         if "constrained_fill_thread" in runs:
-            ft = [
-                c / p for p, c in zip(runs["plain"], runs["constrained_fill_thread"], strict=True)
-            ]
+            ft = _pair_ratios(runs, "constrained_fill_thread")
             report["rows"][f"batch{b}"]["fill_thread"] = {
                 "constrained_tok_s": statistics.median(runs["constrained_fill_thread"]),
                 "pair_ratios": ft,

@@ -52,14 +52,8 @@ def test_suggest_sums_over_shapes() -> None:
         {"family": "int8", "shape": "b", "m": 16, "config": "(2)", "tiles": [2], "us": 20.0},
         {"family": "int8", "shape": "a", "m": 16, "config": "(3)", "tiles": [3], "us": 4.0},
         {"family": "int8", "shape": "b", "m": 16, "config": "(3)", "tiles": [3], "us": 4.0},
-        {
-            "family": "int8",
-            "shape": "a",
-            "m": 16,
-            "config": "(4)",
-            "tiles": [4],
-            "us": 0.5,
-        },  # one shape only
+        # one shape only
+        {"family": "int8", "shape": "a", "m": 16, "config": "(4)", "tiles": [4], "us": 0.5},
     ]
     pick = qs.suggest(rows)["int8"]["16"]
     assert pick == {"config": "(3)", "tiles": [3], "us_sum": 8.0, "vs_table": 1.25, "vs_bf16": 2.5}
