@@ -314,13 +314,13 @@ def test_block_fp8_checkpoint_both_backends(src: str, ref_logits: np.ndarray, tm
     # model's logits by ~1e-5), and an activation whose x / xs lies within that noise of an e4m3
     # rounding tie gets codes one step apart on the two backends. The rounding is discontinuous:
     # a ~1e-7 input difference becomes one e4m3 step (1/16 to 1/8) of that element, up to ~0.1
-    # in the logits, and k / v carry it to later positions. About 1 prompt of 40 tokens in 12 has
-    # such a tie (17 of 200 random prompts; IDS itself did while XLA's quantizer multiplied by
-    # reciprocals: layer 1's q/k/v input, token 16, x / xs = 26.99997 vs 27.00002, codes 26 vs
-    # 28). So the same-codes claim is checked per layer below, on the same inputs, where it is
-    # exact; end to end XLA's fp8 model must be as close to the float one as torch's, and the
-    # two must differ by well under the fp8 error itself (a tie moved at most a quarter of it in
-    # those 200 prompts; a layer left float, in bf16 or with wrong scales moves half or more).
+    # in the logits, and k / v carry it to later positions. Random prompts hit such ties now and
+    # then (a throwaway run over 200 of them, 2026-12-05, found 17; IDS itself did while XLA's
+    # quantizer multiplied by reciprocals, at layer 1's q/k/v input, token 16). So the
+    # same-codes claim is checked per layer below, on the same inputs, where it is exact; end to
+    # end XLA's fp8 model must be as close to the float one as torch's, and the two must differ
+    # by well under the fp8 error itself (in that run a tie moved at most a quarter of it; a
+    # layer left float, in bf16 or with wrong scales moves half or more).
     fp8_err = np.abs(got - ref_logits).max()
     assert _rel_np(got_xla, ref_logits) <= 0.3
     assert np.abs(got_xla - got).max() <= 0.5 * fp8_err
@@ -340,7 +340,7 @@ def test_block_fp8_checkpoint_both_backends(src: str, ref_logits: np.ndarray, tm
         with jax.default_matmul_precision("highest"):
             y = np.asarray(fwd(layers[name], jax.numpy.asarray(x)))
         # Same codes on both (one flipped code is >= 1e-3 of the output), f32 sums in another
-        # order (<= 3e-7 measured).
+        # order (3e-7 at most in the throwaway run above).
         assert _rel_np(y, want) <= 1e-5, name
 
 
