@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank
+from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank, tp_world_size
 from xlaserve.model_loader.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -88,6 +88,25 @@ def _nbytes(caches: torch.Tensor | tuple | list) -> int:
     return sum(_nbytes(c) for c in caches)
 
 
+def sdpa_reserve(runner: TorchModelRunner) -> int:
+    """Bytes the long-prefill SDPA path (KernelConfig.prefill_sdpa) may allocate at run time
+    beyond what the profiling forward saw (kernels_cuda.prefill_sdpa.transient_bytes): 0 when
+    the path is off for this runner."""
+    mode = runner.kernels.prefill_sdpa
+    on = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
+    if not on or runner.attn_backend_name != "triton":
+        return 0
+    from xlaserve.kernels_cuda.prefill_sdpa import transient_bytes
+
+    spec, elem = runner.spec, torch.empty((), dtype=runner.dtype).element_size()
+    hkv = kv_heads_per_rank(spec.num_kv_heads)
+    hq = max(1, spec.num_heads // tp_world_size())  # this rank's query heads
+    return transient_bytes(
+        runner.config.scheduler.max_num_batched_tokens, runner.max_model_len, hq, hkv,
+        spec.head_dim, elem, runner.kv_code_dtype is not None,
+    )  # fmt: skip
+
+
 def profile_cuda_blocks(runner: TorchModelRunner, per_block: int) -> int:
     """Blocks that fit in total * gpu_memory_utilization after weights and a peak forward."""
     torch.cuda.synchronize()
@@ -100,7 +119,7 @@ def profile_cuda_blocks(runner: TorchModelRunner, per_block: int) -> int:
     caches = runner._alloc_caches(nblk)
     runner._dummy_forward(tokens, caches)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - _nbytes(caches)
+    peak = torch.cuda.max_memory_allocated() - _nbytes(caches) + sdpa_reserve(runner)
     del caches
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()

@@ -130,6 +130,49 @@ def pad_to_square(q_len: int, kv_len: int, cuda: bool) -> bool:
     return kv_len * (kv_len + 1) / 2 <= SQUARE_SPEEDUP * own
 
 
+def max_padded_len(max_chunk: int, max_len: int) -> int:
+    """The longest context (<= max_len) whose chunk of at most max_chunk queries `pad_to_square`
+    pads: the padded call's query rows are bounded by it, not by max_len (padding needs the
+    chunk to be about a third of its context or more)."""
+    q = min(max_chunk, max_len - 1)  # a padded chunk is shorter than its context
+    if q < 1 or not pad_to_square(q, q + 1, True):
+        return 0
+    lo, hi = q + 1, max_len
+    while lo < hi:  # the largest kv_len with pad_to_square(q, kv_len) (monotone in kv_len)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if pad_to_square(q, mid, True) else (lo, mid - 1)
+    return lo
+
+
+def transient_bytes(
+    max_chunk: int,
+    max_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    elem: int,
+    quantized_cache: bool,
+) -> int:
+    """Peak bytes `sdpa_prefill` allocates beyond the step's own activations, for one layer (the
+    allocator reuses them layer after layer), at chunks of <= max_chunk queries over contexts
+    of <= max_len tokens; elem: bytes of q's dtype. The KV-cache profiling forward runs one
+    max_chunk-token prompt, which never takes this path at long contexts, so the runner
+    reserves this on top of its peak.
+
+    Counted: the gathered K and V [L, Hkv, D] (a quantized cache's gather also holds the codes
+    and a float32 product of one of them), the output [q_len, Hq, D]; where the chunk is
+    padded (`pad_to_square`), the zero rows, the padded queries and the square output, each
+    [L', Hq, D] with L' = `max_padded_len`."""
+    kv = num_kv_heads * head_dim
+    qrow = num_heads * head_dim * elem
+    chunk = min(max_chunk, max_len)
+    gathered = 2 * max_len * kv * elem + (max_len * kv * 5 if quantized_cache else 0)
+    plain = gathered + chunk * qrow
+    lp = max_padded_len(max_chunk, max_len)
+    padded = 2 * lp * kv * elem + (lp * kv * 5 if quantized_cache else 0) + 2 * lp * qrow
+    return max(plain, padded)
+
+
 def sdpa_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -156,11 +199,14 @@ def sdpa_prefill(
         elif pad_to_square(q_len, kv_len, q.is_cuda):
             # Zero queries in front make the call square, where causal top left = bottom
             # right and the square kernel runs; their rows are dropped.
-            pad = q.new_zeros(kv_len - q_len, q.shape[1], q.shape[2])
-            qp = torch.cat([pad, q[q0:q1]]).transpose(0, 1).unsqueeze(0)
+            qp = q.new_empty(kv_len, q.shape[1], q.shape[2])  # one buffer, not zeros + cat
+            qp[: kv_len - q_len].zero_()
+            qp[kv_len - q_len :] = q[q0:q1]
             o = F.scaled_dot_product_attention(
-                qp, kb, vb, is_causal=True, scale=sm_scale, enable_gqa=True
-            )[:, :, kv_len - q_len :]
+                qp.transpose(0, 1).unsqueeze(0), kb, vb, is_causal=True, scale=sm_scale,
+                enable_gqa=True,
+            )[:, :, kv_len - q_len :]  # fmt: skip
+            del qp
         else:  # a chunk over a cached prefix: causal aligned to the last key
             o = F.scaled_dot_product_attention(
                 qb, kb, vb, attn_mask=causal_lower_right(q_len, kv_len), scale=sm_scale,

@@ -185,3 +185,71 @@ def test_gpu_real_shapes_flash(dtype: torch.dtype) -> None:
         out.float(), _ref(x, md, 128**-0.5).float(), atol=3e-2 if dtype == torch.bfloat16 else 4e-3,
         rtol=2e-2 if dtype == torch.bfloat16 else 4e-3,
     )  # fmt: skip
+
+
+def test_max_padded_len_is_the_longest_padded_context() -> None:
+    """Against a search over every (chunk, context) pair: the longest context any chunk of at
+    most T queries pads (0 when none does), capped by max_len."""
+    from xlaserve.kernels_cuda.prefill_sdpa import max_padded_len, pad_to_square
+
+    for t, max_len in [(40, 200), (40, 90), (7, 30), (1, 50), (64, 64)]:
+        want = max(
+            (
+                kv
+                for q in range(1, t + 1)
+                for kv in range(1, max_len + 1)
+                if pad_to_square(q, kv, True)
+            ),
+            default=0,
+        )
+        assert max_padded_len(t, max_len) == want, (t, max_len)
+
+
+def test_sdpa_reserve_follows_the_switch() -> None:
+    """The KV profiling reserve (memory.sdpa_reserve): 0 with the path off (or auto on the CPU,
+    or another attention backend); with it on, transient_bytes of the runner's shapes, which
+    grows with max_model_len (the gathered context) and counts a quantized cache's gather."""
+    from types import SimpleNamespace
+
+    from xlaserve.backends_torch.memory import sdpa_reserve
+    from xlaserve.kernels_cuda.prefill_sdpa import transient_bytes
+
+    def runner(mode: str, backend: str = "triton", max_len: int = 32768, codes=None) -> object:  # noqa: ANN001
+        return SimpleNamespace(
+            kernels=KernelConfig(prefill_sdpa=mode), device=torch.device("cpu"),
+            attn_backend_name=backend, dtype=torch.bfloat16, kv_code_dtype=codes,
+            spec=SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=128),
+            config=SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=8192)),
+            max_model_len=max_len,
+        )  # fmt: skip
+
+    assert sdpa_reserve(runner("off")) == 0
+    assert sdpa_reserve(runner("auto")) == 0  # auto takes SDPA on CUDA only
+    assert sdpa_reserve(runner("on", backend="torch_sdpa")) == 0
+    on = sdpa_reserve(runner("on"))
+    assert on == transient_bytes(8192, 32768, 32, 8, 128, 2, False) > 0
+    assert sdpa_reserve(runner("on", max_len=131072)) > on
+    assert sdpa_reserve(runner("on", codes=torch.float8_e4m3fn)) > on
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("q_len, kv_len", [(2048, 2048), (3000, 5000), (1024, 12000)])
+def test_gpu_transient_bytes_bound_the_peak(q_len: int, kv_len: int) -> None:
+    """What sdpa_prefill allocates on top of its inputs stays within transient_bytes (the KV
+    profiling reserve) and is most of it: a fresh prompt, a padded chunk, a chunk over a long
+    prefix (not padded: the gathered context dominates)."""
+    from xlaserve.kernels_cuda.prefill_sdpa import pad_to_square, sdpa_prefill, transient_bytes
+
+    x, md = _step([q_len], [kv_len], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    out = torch.empty_like(x["q"])
+    long = ((0, 0, q_len, kv_len),)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sdpa_prefill(x["q"], x["k_cache"], x["v_cache"], md.block_tables, long, 128**-0.5, out)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - base
+    bound = transient_bytes(q_len, kv_len, 32, 8, 128, 2, False)
+    assert used <= bound, (used, bound, pad_to_square(q_len, kv_len, True))
+    assert used >= 0.6 * bound, (used, bound)

@@ -3,16 +3,13 @@
 # the sweeps the open issues wait on. Each step has its own timeout; every JSON lands in $OUT.
 source tools/device/setup.sh
 stamp gpu tests
-timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels_cuda/test_prefill_sdpa.py \
+timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels_cuda/test_prefill_sdpa.py \
     tests/quantization/test_w8a8.py 2>&1 | tail -5
 stamp fp8 GEMM sweep
 timeout 150 python3 bench/gpu_probes/quant_gemm_sweep.py --families fp8 --ms 16 256 4096 \
     --out "$OUT/quant_gemm_fp8.json" 2>&1 | grep -E "suggest|best|rror" | tail -20
-stamp prefill tiles
-timeout 150 python3 bench/gpu_probes/prefill_tile_sweep.py --out "$OUT/prefill_tiles.json" 2>&1 \
-    | grep -E "best|table|rror" | tail -8
 stamp structured fill thread A/B
-timeout 150 python3 bench/structured_bench.py --llama8b --backend torch --batches 256 --repeats 4 \
-    --only-batches --phases --fill-thread ab --output-json "$OUT/so_ab.json" 2>&1 | grep -v INFO \
-    | tail -1 | cut -c1-1500
+timeout 250 python3 bench/structured_bench.py --llama8b --backend torch --batches 256 --repeats 4 \
+    --only-batches --phases --fill-thread ab --profile 30 --output-json "$OUT/so_ab.json" 2>&1 | grep -v INFO \
+    > "$OUT/so_ab.log"; grep -E "^\{" "$OUT/so_ab.log" | tail -1 | cut -c1-1500
 stamp done
