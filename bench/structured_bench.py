@@ -111,6 +111,8 @@ def _fresh(schema: dict[str, Any], tag: str) -> dict[str, Any]:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"max_num_seqs": max(args.batches)}
+    if args.engine_process:
+        kw["engine_process"] = True
     kw.update(model_engine_kwargs(args))
     if args.async_scheduling:
         kw["async_scheduling"] = args.async_scheduling
@@ -132,14 +134,16 @@ def _set_fill_thread(llm: Any, on: bool) -> None:  # noqa: ANN401 - LLM
     mgr.config.fill_thread = on
 
 
-def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int]:  # noqa: ANN401 - LLM
-    """(seconds, output tokens actually generated, steps overlapped meanwhile)."""
+def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int | None]:  # noqa: ANN401
+    """(seconds, output tokens actually generated, steps overlapped meanwhile: None with the
+    engine core in its own process, which does not report them)."""
     eng = llm.llm_engine
-    ov = eng.num_overlapped_steps
+    ov = getattr(eng, "num_overlapped_steps", None)  # (None: an engine core process)
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    return dt, sum(len(o.outputs[0].token_ids) for o in outs), eng.num_overlapped_steps - ov
+    k = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dt, k, None if ov is None else eng.num_overlapped_steps - ov
 
 
 # --phases: engine parts timed per call (owner path under LLMEngine, method), in-process engines.
@@ -586,7 +590,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0,
                     help="also profile one plain and one constrained run of the largest batch: "
                          "median step time and cProfile's top N")  # fmt: skip
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the engine core in its own process (LLM(..., engine_process=True), "
+                         "the server's layout: output processing beside the core, not on its "
+                         "thread); batch rows only")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.engine_process and (
+        args.phases or args.profile or args.fill_thread == "ab" or not args.only_batches
+    ):
+        ap.error(
+            "--engine-process times the batch rows only (--only-batches), without --phases, "
+            "--profile or --fill-thread ab (they look inside an in-process engine)"
+        )
     if args.llama8b and args.tiny and args.model_dir is None:
         # Tiny layers but the REAL vocabulary: a grammar's host work per row scales with it
         # (128,256 tokens = 4,008 bitmask words a row), and that is what this bench measures.

@@ -98,3 +98,25 @@ def test_fill_thread_ab_in_one_engine(tmp_path, monkeypatch) -> None:  # noqa: A
     assert set(row["phases_ms_per_run"]) == {"plain", "constrained", "constrained_fill_thread"}
     # 2 repeats x (output-len - 1) late fills of the fill-thread mode went to the pool, no more.
     assert 0 < len(submits) <= 2 * 6, len(submits)
+
+
+def test_engine_process_batch_rows(tmp_path) -> None:  # noqa: ANN001
+    """--engine-process: the batch rows with the engine core in its own process (the server's
+    layout) generate every token of both modes; the in-process probes are refused with it."""
+    import pytest
+
+    out = tmp_path / "so.json"
+    args = ["--llama8b", "--tiny", "--backend", "torch", "--batches", "3", "--input-len", "8",
+            "--output-len", "4", "--repeats", "1", "--only-batches", "--engine-process",
+            "--output-json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rep = json.loads(out.read_text())
+    row = rep["rows"]["batch3"]
+    assert rep["args"]["engine_process"] is True
+    assert row["output_tokens"] == {"plain": 12, "constrained": 12}
+    assert row["constrained_tok_s"] > 0 and row["overlapped_steps"]["plain"] is None
+    for extra in (["--phases"], ["--profile", "3"], ["--fill-thread", "ab"]):
+        with pytest.raises(SystemExit):
+            main([*args, *extra])
+    with pytest.raises(SystemExit):
+        main([a for a in args if a != "--only-batches"])

@@ -61,6 +61,8 @@ def _patch_sm(mod):
         return
     for fam, fmt in (("int8_w8a8", "int8"), ("fp8", "fp8")):
         sug = _suggest(p, fam)
+        if not sug:  # a sweep of other families only: this one's tables stay
+            continue
         tiles, lib = [], []
         for max_m, t in mod.SCALED_MM_TILES[fmt]:
             pick = sug.get(str(max_m))
