@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -320,7 +321,55 @@ def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]: 
         out[f"B={b} python progress beside a fill thread"] = _gil_share(
             xgr.BatchGrammarMatcher(max_threads=1), ms, mask
         )
+        # The engine's fill thread: a fill submitted while this thread runs 3 ms of Python
+        # (the rest of a step's outputs), at CPython's default switch interval and at the one
+        # the engine sets while a fill is in flight (engine/core.py, FILL_SWITCH_INTERVAL_S).
+        from xlaserve.engine.core import FILL_SWITCH_INTERVAL_S
+
+        bm = xgr.BatchGrammarMatcher(max_threads=mgr.fill_threads)
+        for name, interval in (("5 ms", 5e-3), ("engine's", FILL_SWITCH_INTERVAL_S)):
+            done, wait = _fill_beside_python(bm, ms, mask, interval, 3e-3, max(10, repeats))
+            out[f"B={b} fill thread done after (switch interval {name})"] = done
+            out[f"B={b} engine waits for it (switch interval {name})"] = wait
     return out
+
+
+def _fill_beside_python(
+    batch: Any,  # noqa: ANN401 - xgrammar
+    matchers: list,
+    mask: Any,  # noqa: ANN401
+    interval: float,
+    work_s: float,
+    repeats: int,
+) -> tuple[float, float]:
+    """A fill submitted to a worker thread while this thread spins work_s of Python, at switch
+    interval `interval`: median ms from the submit to the fill's end, and this thread's wait
+    for it after its own work."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = list(range(len(matchers)))
+    saved = sys.getswitchinterval()
+    done_ms, wait_ms = [], []
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()  # the worker exists before the first timing
+        try:
+            sys.setswitchinterval(interval)
+
+            def fill() -> float:
+                batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+                return time.perf_counter()
+
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fut = pool.submit(fill)
+                _spin(work_s)
+                t1 = time.perf_counter()
+                end = fut.result()
+                done_ms.append((end - t0) * 1e3)
+                wait_ms.append((time.perf_counter() - t1) * 1e3)
+        finally:
+            sys.setswitchinterval(saved)
+    return statistics.median(done_ms), statistics.median(wait_ms)
 
 
 def _gil_share(batch: Any, matchers: list, mask: Any) -> float:  # noqa: ANN401 - xgrammar

@@ -25,6 +25,9 @@ def test_structured_bench_runs_every_row(tmp_path) -> None:  # noqa: ANN001
     assert rows["compile"]["nested_2kb"]["schema_bytes"] == len(json.dumps(NESTED_SCHEMA)) >= 2048
     assert rows["fill"]["B=3 threads=1"] > 0
     assert rows["fill"]["B=3 python progress beside a fill thread"] > 0
+    for interval in ("5 ms", "engine's"):
+        assert rows["fill"][f"B=3 fill thread done after (switch interval {interval})"] > 0
+        assert rows["fill"][f"B=3 engine waits for it (switch interval {interval})"] >= 0
     # Jump-forward off vs on (a second engine): identical greedy tokens, never more steps.
     for key in ("issue_schema batch3", "issue_schema batch1", "jump_schema batch3"):
         row = rows["jump"][key]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -19,6 +20,7 @@ import torch
 from optional_deps import backend_available
 
 from xlaserve import LLM, SamplingParams
+from xlaserve.engine.core import FILL_SWITCH_INTERVAL_S
 from xlaserve.engine.llm_engine import LLMEngine
 from xlaserve.sampling_params import StructuredOutputsParams as SO
 
@@ -98,6 +100,7 @@ def test_fake_runner_async_grammar_equals_sync(tiny_model_dir, fill_thread: bool
     got = {}
     engines: dict[str, LLMEngine] = {}
     pending_on_return = []  # steps that returned with a fill still running on the fill thread
+    default_switch = sys.getswitchinterval()
     for mode in ("off", "on"):
         llm = _fake_llm(tiny_model_dir, mode, fill_thread)
         core = llm.llm_engine.core
@@ -106,6 +109,10 @@ def test_fake_runner_async_grammar_equals_sync(tiny_model_dir, fill_thread: bool
         def watched(step=step, core=core) -> list:  # noqa: ANN001
             outs = step()
             pending_on_return.append(core._late_fill is not None)
+            # A fill in flight runs at the short switch interval (its GIL hand-offs), and only
+            # then.
+            short = abs(sys.getswitchinterval() - FILL_SWITCH_INTERVAL_S) < 1e-6
+            assert short == pending_on_return[-1], (short, pending_on_return[-1])
             return outs
 
         core.step = watched
@@ -124,6 +131,7 @@ def test_fake_runner_async_grammar_equals_sync(tiny_model_dir, fill_thread: bool
     # The fill thread's masks go to their step at the next launch (or that step's finish): a
     # step returns while they are filled, so the fill overlaps the caller's time too.
     assert (sum(pending_on_return) > 20) == fill_thread
+    assert sys.getswitchinterval() == default_switch  # given back once the fills ended
 
 
 def test_fake_runner_async_grammar_abort_mid_flight(tiny_model_dir) -> None:  # noqa: ANN001
