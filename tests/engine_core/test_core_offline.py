@@ -100,3 +100,39 @@ def test_wait_compiled_round_trip_keeps_outputs_in_flight(tiny_model_dir) -> Non
         assert [got[f"w{i}"] for i in range(len(PROMPTS))] == want
     finally:
         eng.shutdown()
+
+
+def test_engine_process_constrained_batch_one_ack_wait(tiny_model_dir) -> None:  # noqa: ANN001
+    """Constrained requests through the core process: the batch's adds are acked in one wait
+    (not one round trip each), the outputs equal in-process ones; a batch holding one invalid
+    schema raises its ValueError with nothing left running, and the engine goes on."""
+    from xlaserve.engine.core_client import MPLLMEngine
+    from xlaserve.sampling_params import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cons = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(json=schema))
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    params = [cons, plain, cons, cons]
+    kw = dict(ENGINE, compile_workers=0)
+    ref = LLM(model=tiny_model_dir("llama"), **kw)
+    want = _flat(ref.generate(PROMPTS, params, use_tqdm=False))
+    ref.llm_engine.shutdown()
+    llm = LLM(model=tiny_model_dir("llama"), engine_process=True, **kw)
+    eng = llm.llm_engine
+    assert isinstance(eng, MPLLMEngine)
+    waits: list[list[str]] = []
+    check = eng._check_acks
+    eng._check_acks = lambda ids: (waits.append(list(ids)), check(ids))[1]
+    try:
+        assert _flat(llm.generate(PROMPTS, params, use_tqdm=False)) == want
+        assert [len(w) for w in waits] == [3]  # the three constrained adds, one wait
+        bad = SamplingParams(max_tokens=4, structured_outputs=SO(json='{"type": "object"'))
+        with pytest.raises(ValueError, match="not valid JSON"):
+            llm.generate(PROMPTS, [cons, bad, plain, cons], use_tqdm=False)
+        assert not eng.has_unfinished_requests()
+        again = _flat(llm.generate(PROMPTS, params, use_tqdm=False))
+        assert [r[1:] for r in again] == [r[1:] for r in want]  # (new request ids)
+        st = eng.get_stats()
+        assert st.num_running == 0 and st.num_free_blocks == st.num_total_blocks
+    finally:
+        eng.shutdown()

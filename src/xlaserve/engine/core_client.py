@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -504,6 +504,7 @@ class MPLLMEngine:
         self.processor = OutputProcessor(info, self._ready["capacity_tokens"])
 
     _ready: dict[str, Any] | None = None
+    _batch_acks: list[str] | None = None  # inside `batched_adds`: the ids whose acks it waits for
     _num_stats = 0  # T messages received
     _num_waits = 0  # W answers received
 
@@ -560,15 +561,46 @@ class MPLLMEngine:
             request_id, prompt, params, priority, arrival_time, cache_salt, lora_request
         )
         self._send(b"A", pickle.dumps((request_id, reqs), protocol=pickle.HIGHEST_PROTOCOL))
-        # The core validates a structured-output spec and loads a LoRA adapter: wait for it.
+        # The core validates a structured-output spec and loads a LoRA adapter: wait for it
+        # (inside `batched_adds`: once, for the whole batch).
         if reqs[0].params.structured_outputs is not None or lora_request is not None:
-            self._wait(lambda: request_id in self._acks, 600)
-            kind, msg = self._acks.pop(request_id)
+            if self._batch_acks is not None:
+                self._batch_acks.append(request_id)
+            else:
+                self._check_acks([request_id])
+
+    @contextlib.contextmanager
+    def batched_adds(self) -> Iterator[None]:
+        """Adds inside wait for the core's acks together on exit (one round trip for the
+        batch, not one per constrained request: the core answers between its steps, so
+        per-request waits cost a step each once it runs). On exit a refused request is dropped
+        and its error raised, as `add_request` raises it (the first one; every refused request
+        is dropped). Left by an exception, nothing is waited for: late acks are read by
+        `step`."""
+        if self._batch_acks is not None:  # nested: the outer block waits
+            yield
+            return
+        self._batch_acks = []
+        try:
+            yield
+        except BaseException:
+            self._batch_acks = None
+            raise
+        ids, self._batch_acks = self._batch_acks, None
+        self._check_acks(ids)
+
+    def _check_acks(self, request_ids: list[str]) -> None:
+        """Wait for the acks of request_ids; drop the refused ones and raise the first error."""
+        self._wait(lambda: all(rid in self._acks for rid in request_ids), 600)
+        first: Exception | None = None
+        for rid in request_ids:
+            kind, msg = self._acks.pop(rid)
             if kind is not None:
-                self.processor.drop(request_id)
-                if kind == "value":
-                    raise ValueError(msg)
-                raise RuntimeError(msg)
+                self.processor.drop(rid)
+                if first is None:
+                    first = ValueError(msg) if kind == "value" else RuntimeError(msg)
+        if first is not None:
+            raise first
 
     def abort_request(self, request_ids: Any) -> None:  # noqa: ANN401
         for rid in list(request_ids):

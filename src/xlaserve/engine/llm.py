@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -81,13 +82,16 @@ class LLM:
             loras = [lora_request] * len(prompts)
         engine = self.llm_engine
         ids = []
+        # An engine core process checks constrained / LoRA adds: one round trip for the batch.
+        batched = getattr(engine, "batched_adds", contextlib.nullcontext)
         try:
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-                rid = engine.new_request_id()
-                engine.add_request(
-                    rid, p, sp, priority=priority[i] if priority else 0, lora_request=loras[i]
-                )
-                ids.append(rid)
+            with batched():
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                    rid = engine.new_request_id()
+                    engine.add_request(
+                        rid, p, sp, priority=priority[i] if priority else 0, lora_request=loras[i]
+                    )
+                    ids.append(rid)
         except Exception:
             engine.abort_request(ids)
             raise
