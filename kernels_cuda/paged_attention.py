@@ -76,6 +76,31 @@ ATTENTION_CONFIGS: dict[str, dict[int, dict[str, int]]] = {
     },
 }
 
+# Prefill tiles on GPUs with at least PREFILL_WIDE_SMEM bytes of opt-in shared memory per
+# block (Hopper's 227 KB; a 128-key tile with 3 stages takes ~224 KB at D=128: the Q tile and 3
+# x (K + V)), for unquantized caches, keyed by head-dim bucket; other GPUs, caches and buckets
+# keep ATTENTION_CONFIGS["prefill"]. Measured (bench/gpu_probes/prefill_tile_sweep.py, H100,
+# 2026-12-05, nineteenth session; 32 / 8 heads, D 128, bf16): the 30k prompt whole 16.15 vs
+# 20.56 ms for the table's (128, 64, 8 warps, 2 stages), its second chunk (13,616 queries over
+# 30,000 keys) 11.42 vs 14.50 ms; the sweep's best, (128, 128, 8, 4), was 15.94 / 11.87.
+PREFILL_WIDE_SMEM = 220 * 1024
+PREFILL_WIDE_CONFIGS: dict[int, dict[str, int]] = {
+    128: {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+}
+_WIDE_SMEM: dict[int, bool] = {}  # CUDA device index -> has PREFILL_WIDE_SMEM
+
+
+def wide_smem(device: torch.device) -> bool:
+    """Whether a CUDA device has PREFILL_WIDE_SMEM of opt-in shared memory per block."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _WIDE_SMEM:
+        props = torch.cuda.get_device_properties(idx)
+        _WIDE_SMEM[idx] = getattr(props, "shared_memory_per_block_optin", 0) >= PREFILL_WIDE_SMEM
+    return _WIDE_SMEM[idx]
+
+
 # Long-context decode (issue 24): a decode launch with at least LONG_DECODE_MIN_SPLITS splits
 # (host-known and fixed per CUDA-graph bucket, so the pick is graph safe; >= 16 splits implies
 # >= 16 * MIN_KEYS_PER_SPLIT keys when auto-picked) takes wider key tiles and a deeper pipeline:
@@ -539,12 +564,14 @@ def attention_launch_config(
     num_kv_splits: int = 1,
     override: dict[str, int] | None = None,
     quant: bool = False,
+    wide: bool = False,
 ) -> dict[str, int]:
     """Pick BLOCK_M/BLOCK_N/num_warps/num_stages (+ derived BLOCK_Q) for one launch.
 
     Decode launches with >= LONG_DECODE_MIN_SPLITS splits over an unquantized cache (quant
-    False) take LONG_DECODE_CONFIGS; override (tests, bench sweeps) replaces the table pick,
-    keys BLOCK_M/BLOCK_N/num_warps/num_stages.
+    False) take LONG_DECODE_CONFIGS; prefill launches over an unquantized cache on a GPU with
+    PREFILL_WIDE_SMEM (wide: `wide_smem(device)`) take PREFILL_WIDE_CONFIGS; override (tests,
+    bench sweeps) replaces the table pick, keys BLOCK_M/BLOCK_N/num_warps/num_stages.
     """
     kind = "decode" if max_query_len <= 1 else "prefill"
     bucket = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
@@ -563,6 +590,8 @@ def attention_launch_config(
         and bucket in LONG_DECODE_CONFIGS
     ):
         cfg = dict(LONG_DECODE_CONFIGS[bucket])
+    elif wide and not quant and kind == "prefill" and bucket in PREFILL_WIDE_CONFIGS:
+        cfg = dict(PREFILL_WIDE_CONFIGS[bucket])
     else:
         cfg = dict(ATTENTION_CONFIGS[kind][bucket])
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], next_pow2(num_queries_per_kv))
@@ -710,7 +739,10 @@ def unified_attention(
     interpret = q.device.type == "cpu"
     # BLOCK_Q (hence the tile count the split heuristic sees) depends only on G and BLOCK_M,
     # which no table changes by split count: size the grid first, then pick the tiles.
-    cfg = attention_launch_config(max(max_query_len, 1), g, d, interpret, 1, launch_config)
+    wide = not interpret and wide_smem(q.device)
+    cfg = attention_launch_config(
+        max(max_query_len, 1), g, d, interpret, 1, launch_config, quant, wide
+    )
     num_tiles = t // cfg["BLOCK_Q"] + b
     if num_kv_splits is None:
         num_kv_splits = 1 if interpret else _auto_kv_splits(num_tiles * hkv, max_query_len,
@@ -720,7 +752,7 @@ def unified_attention(
             f"unified_attention: num_kv_splits must be a power of 2 in [1, 64], got {num_kv_splits}"
         )
     cfg = attention_launch_config(
-        max(max_query_len, 1), g, d, interpret, num_kv_splits, launch_config, quant
+        max(max_query_len, 1), g, d, interpret, num_kv_splits, launch_config, quant, wide
     )
     block_q = cfg["BLOCK_Q"]
     if num_tiles != t // block_q + b:

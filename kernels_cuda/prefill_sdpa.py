@@ -169,7 +169,10 @@ def transient_bytes(
     gathered = 2 * max_len * kv * elem + (max_len * kv * 5 if quantized_cache else 0)
     plain = gathered + chunk * qrow
     lp = max_padded_len(max_chunk, max_len)
-    padded = 2 * lp * kv * elem + (lp * kv * 5 if quantized_cache else 0) + 2 * lp * qrow
+    # The square call goes to cuDNN, which takes K / V with every query head (torch repeats
+    # them for GQA): two more [L', Hq, D].
+    expand = 2 * lp * qrow if num_heads != num_kv_heads else 0
+    padded = 2 * lp * kv * elem + (lp * kv * 5 if quantized_cache else 0) + 2 * lp * qrow + expand
     return max(plain, padded)
 
 

@@ -55,7 +55,11 @@ def _sweep_case(
     import torch
 
     from xlaserve.bench.long_context import _prefill_case
-    from xlaserve.kernels_cuda.paged_attention import attention_launch_config, unified_attention
+    from xlaserve.kernels_cuda.paged_attention import (
+        attention_launch_config,
+        unified_attention,
+        wide_smem,
+    )
 
     cuda = torch.cuda.is_available() and not args.tiny
     shape = (4, 2, 16) if args.tiny else (32, 8, 128)
@@ -66,7 +70,8 @@ def _sweep_case(
     def call(cfg: dict[str, int] | None) -> Any:  # noqa: ANN401
         return unified_attention(q, k, v, None, qsl, sl, bt, q_len, n, d**-0.5, launch_config=cfg)
 
-    table = attention_launch_config(q_len, hq // hkv, d, bool(args.tiny))
+    wide = not args.tiny and wide_smem(q.device)  # the pick unified_attention makes
+    table = attention_launch_config(q_len, hq // hkv, d, bool(args.tiny), wide=wide)
     ref = call(None).float()
     rows = []
     candidates = [("table", None)] + [

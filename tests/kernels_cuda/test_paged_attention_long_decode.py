@@ -101,6 +101,27 @@ def test_table_pick_by_splits(monkeypatch) -> None:  # noqa: ANN001
         pa.attention_launch_config(1, 4, 128, False, 1, {"BLOCK_N": 64})
 
 
+def test_wide_prefill_tiles_where_shared_memory_allows() -> None:
+    """Prefill over an unquantized cache on a GPU with PREFILL_WIDE_SMEM takes
+    PREFILL_WIDE_CONFIGS (D=128); other GPUs, quantized caches, decode launches, D=64 / 256
+    keep the tables; BLOCK_Q (the grid) is the same either way; the CPU never counts as wide."""
+    prefill = pa.ATTENTION_CONFIGS["prefill"]
+    wide = pa.attention_launch_config(64, 4, 128, False, 1, wide=True)
+    assert {k: wide[k] for k in pa.PREFILL_WIDE_CONFIGS[128]} == pa.PREFILL_WIDE_CONFIGS[128]
+    assert pa.PREFILL_WIDE_CONFIGS[128] != prefill[128]
+    narrow = pa.attention_launch_config(64, 4, 128, False, 1)
+    assert {k: narrow[k] for k in prefill[128]} == prefill[128]
+    assert wide["BLOCK_Q"] == narrow["BLOCK_Q"]
+    quant = pa.attention_launch_config(64, 4, 128, False, 1, quant=True, wide=True)
+    assert {k: quant[k] for k in prefill[128]} == prefill[128]
+    decode = pa.attention_launch_config(1, 4, 128, False, 1, wide=True)
+    assert decode["BLOCK_N"] == pa.ATTENTION_CONFIGS["decode"][128]["BLOCK_N"]
+    for d in (64, 256):
+        other = pa.attention_launch_config(64, 4, d, False, 1, wide=True)
+        assert {k: other[k] for k in prefill[d]} == prefill[d]
+    assert not pa.wide_smem(torch.device("cpu"))
+
+
 def test_auto_splits_fill_the_sms(monkeypatch) -> None:
     """Batch-1 decode, 8 kv heads, 132 SMs: 32 splits at 30k, 64 at 131k (the H200 optimum);
     short contexts stay bounded by MIN_KEYS_PER_SPLIT; a full grid takes none."""
