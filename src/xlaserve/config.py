@@ -345,10 +345,11 @@ class StructuredOutputConfig:
     # as soon as the grammars took this step's tokens (xgrammar's fill releases the GIL) and
     # goes to that step right before the next launch, so it overlaps the rest of the step's
     # outputs, the output processing and the next schedule; False = on the engine thread
-    # after the outputs. Off: handed over right after the outputs (the first placement) it
-    # gained nothing at batch 256 on the H200 (bench/RESULTS.md, sixteenth session); the
-    # present placement is not measured on a GPU yet (`structured_bench --fill-thread`).
-    fill_thread: bool = False
+    # after the outputs. On: with the switch interval shortened while a fill is in flight
+    # (engine/core.py, FILL_SWITCH_INTERVAL_S), batch 256 constrained / plain pair-ratio median
+    # 0.938 with it against 0.911 without, alternating in one engine (H100, 2026-12-05,
+    # `structured_bench --llama8b --batches 256 --repeats 4 --fill-thread ab`).
+    fill_thread: bool = True
     # Jump-forward decoding: where the grammar admits exactly one token at the next positions,
     # append those tokens without a forward step each (exact: the sampler could pick nothing
     # else). Off by default: it turns async scheduling off while a grammar is live (the forced
