@@ -77,18 +77,29 @@ def test_phases_time_the_engine_parts(tmp_path) -> None:  # noqa: ANN001
 
 def test_fill_thread_ab_in_one_engine(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """--fill-thread ab: every repeat runs plain, constrained with the fill thread off, then on,
-    in the same engine; the fill thread really runs in (only) the third mode, with the same
-    tokens generated."""
+    in the same engine; the fill thread gets work (the grammars' accept and the late fill, two
+    jobs a step) only while it is switched on, with the same tokens generated."""
+    import xlaserve.bench.structured_bench as sb
     import xlaserve.engine.core as core_mod
 
-    submits: list[bool] = []
+    state: dict[str, bool | None] = {"on": None}  # None: before the first switch (warm-up)
+    switches: list[bool] = []
+    submits: list[bool | None] = []
 
     class Pool(core_mod.ThreadPoolExecutor):
         def submit(self, fn, /, *a, **k):  # noqa: ANN001, ANN202
-            submits.append(True)
+            submits.append(state["on"])
             return super().submit(fn, *a, **k)
 
+    set_fill = sb._set_fill_thread
+
+    def switch(llm, on: bool) -> None:  # noqa: ANN001
+        switches.append(on)
+        state["on"] = on
+        set_fill(llm, on)
+
     monkeypatch.setattr(core_mod, "ThreadPoolExecutor", Pool)
+    monkeypatch.setattr(sb, "_set_fill_thread", switch)
     out = tmp_path / "so.json"
     args = ["--llama8b", "--tiny", "--backend", "torch", "--async-scheduling", "on",
             "--batches", "3", "--input-len", "8", "--output-len", "6", "--repeats", "2",
@@ -99,8 +110,10 @@ def test_fill_thread_ab_in_one_engine(tmp_path, monkeypatch) -> None:  # noqa: A
         len(row["fill_thread"]["pair_ratios"]) == 2 and row["fill_thread"]["constrained_tok_s"] > 0
     )
     assert set(row["phases_ms_per_run"]) == {"plain", "constrained", "constrained_fill_thread"}
-    # 2 repeats x (output-len - 1) late fills of the fill-thread mode went to the pool, no more.
-    assert 0 < len(submits) <= 2 * 6, len(submits)
+    assert switches == [False, True, False, True]
+    timed = [on for on in submits if on is not None]
+    # Work only with the thread on: 2 repeats x <= 6 steps x (accept + fill), no more.
+    assert timed and all(timed) and len(timed) <= 2 * 6 * 2, timed
 
 
 def test_engine_process_batch_rows(tmp_path) -> None:  # noqa: ANN001
