@@ -620,17 +620,16 @@ class EngineCore:
         # Grammars advance for the whole step in one batch call (StructuredOutputManager.accept_step);
         # its verdicts (a grammar ended or violated) are the only per-request work left here.
         grammars_on = mgr is not None and mgr.num_matchers > 0
+        grammar = (
+            mgr.accept_step(
+                [(r.request_id, t) for r, t in updates if t and r.request_id in self._live]
+            )
+            if grammars_on
+            else {}
+        )
         jump = self._jump_forward and grammars_on
-        grammar: dict[str, tuple[bool, str | None]] = {}
-        accepted: Future | None = None  # the fill thread's accept (`_start_grammar_jobs`)
-        if grammars_on:
-            steps = [(r.request_id, t) for r, t in updates if t and r.request_id in self._live]
-            if grammars_advanced is not None and not jump and mgr.config.fill_thread:
-                accepted = self._start_grammar_jobs(steps)
-            else:
-                grammar = mgr.accept_step(steps)
-                if grammars_advanced is not None:
-                    grammars_advanced(grammar.keys())
+        if grammars_on and grammars_advanced is not None:
+            grammars_advanced(grammar.keys())
         for req, new_tokens in updates:
             rid = req.request_id
             if rid not in self._live:
@@ -656,15 +655,6 @@ class EngineCore:
                 out.stop_reason = req.stop_reason
                 if req.status == RequestStatus.FINISHED_ERROR:
                     out.error = req.error
-        if accepted is not None:
-            # The verdicts of the accept that ran beside the loop above (grammars that ended or
-            # were violated: those requests finish now, as with the accept inline).
-            try:
-                verdicts = accepted.result()
-            finally:
-                if self._late_fill is None:  # no fill queued behind it
-                    self._restore_switch()
-            self._apply_verdicts(verdicts, updates, outs)
         if self._ngram is not None:
             self._propose_ngram(updates)
         for rid, out in outs.items():
@@ -731,7 +721,7 @@ class EngineCore:
 
     def _late_fill_job(
         self, so: SchedulerOutput, handle: Any, ended: Iterable[str] = ()
-    ) -> Callable[..., dict] | None:
+    ) -> Callable[[], dict] | None:
         """The fill of a launched step's late masks (`so.late_bitmask_req_ids`, taken), or None
         when it has none. The matchers and buffer are taken now; the call fills. `ended`:
         requests whose grammar just ended or failed (they finish: no row). Requests that
@@ -744,7 +734,7 @@ class EngineCore:
         late, so.late_bitmask_req_ids = so.late_bitmask_req_ids.difference(ended), set()
         mgr = self._structured
         if mgr is None:
-            return lambda ended=(): {}
+            return lambda: {}
         rids = [r for r in so.num_scheduled_tokens if r in late]
         target = getattr(self.runner, "late_bitmask_buffer", None)
         return mgr.fill_job(rids, out=target(handle, rids) if target is not None else None)
@@ -766,53 +756,6 @@ class EngineCore:
         if self._fill_pool is None:
             self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="xlaserve-grammar-fill")
         self._late_fill = (inflight[1], self._fill_pool.submit(job))
-        self._shorten_switch()
-
-    def _start_grammar_jobs(self, steps: list[tuple[str, list[int]]]) -> Future:
-        """The grammars' accept of this step's tokens, then the step in flight's late mask
-        fill, queued in that order on the fill thread while this thread goes on with the step's
-        outputs (`_process` joins the accept for its verdicts, `_apply_late_fill` the fill).
-        The fill keeps a row for requests whose grammar ends on these tokens (allowing every
-        token): they finish now, and the extra token sampled for them is dropped as for any
-        request that ends while a step is in flight."""
-        mgr = self._structured
-        if self._fill_pool is None:
-            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="xlaserve-grammar-fill")
-        accepted = self._fill_pool.submit(mgr.accept_step, steps)
-        inflight = self._inflight
-        job = self._late_fill_job(inflight[0], inflight[1]) if inflight is not None else None
-        if job is not None:
-            # (One worker: the accept is done when the fill starts. A grammar that ended has
-            # no next mask: its row allows everything.)
-            fill = self._fill_pool.submit(lambda: job(accepted.result().keys()))
-            self._late_fill = (inflight[1], fill)
-        self._shorten_switch()
-        return accepted
-
-    def _apply_verdicts(
-        self,
-        verdicts: dict[str, tuple[bool, str | None]],
-        updates: list[tuple[Request, list[int]]],
-        outs: dict[str, CoreOutput],
-    ) -> None:
-        """`_grammar_result` for each request whose grammar ended or was violated on this
-        step's tokens, and its output's finish fields."""
-        if not verdicts:
-            return
-        for req, new_tokens in updates:
-            rid = req.request_id
-            if rid not in verdicts or rid not in self._live or req.is_finished:
-                continue
-            self._grammar_result(req, new_tokens, *verdicts[rid])
-            out = outs.get(rid)
-            if out is not None and req.is_finished:
-                out.finish_reason = req.status.finish_reason
-                out.stop_reason = req.stop_reason
-                if req.status == RequestStatus.FINISHED_ERROR:
-                    out.error = req.error
-
-    def _shorten_switch(self) -> None:
-        """FILL_SWITCH_INTERVAL_S while the fill thread has work (`_restore_switch` after)."""
         if self._saved_switch is None:
             self._saved_switch = sys.getswitchinterval()
             sys.setswitchinterval(min(self._saved_switch, FILL_SWITCH_INTERVAL_S))

@@ -33,7 +33,7 @@ import logging
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -435,7 +435,7 @@ class StructuredOutputManager:
 
     def fill_job(
         self, req_ids: list[str], out: np.ndarray | None = None
-    ) -> Callable[..., dict[str, np.ndarray]]:
+    ) -> Callable[[], dict[str, np.ndarray]]:
         """`fill_bitmasks(req_ids)` for rows without drafts, in two halves: the matchers and
         the buffer are taken now, on the caller's thread (later `remove` calls do not touch
         them); the returned call does the fill, which xgrammar runs with the GIL released
@@ -444,13 +444,10 @@ class StructuredOutputManager:
 
         `out` (int32 [len(req_ids), W], e.g. a runner's pinned upload buffer): the buffer, row
         i for req_ids[i], used only when every request has a matcher (it is then filled
-        whole); else a buffer of the manager's own.
-
-        The call takes `ended` (optional): requests whose grammar ended since (a terminated
-        matcher has no next mask): their rows allow every token instead."""
+        whole); else a buffer of the manager's own."""
         live = [(rid, self._matchers[rid]) for rid in req_ids if rid in self._matchers]
         if not live:
-            return lambda ended=(): {}
+            return lambda: {}
         shape = (len(live), self.num_words)
         if out is None or len(live) != len(req_ids) or out.shape != shape or out.dtype != np.int32:
             # Every row is written in full by the fill: no memset (4 MB at 256 rows of a 128k
@@ -460,13 +457,8 @@ class StructuredOutputManager:
         rows = list(range(len(live)))
         masks = {rid: out[i : i + 1] for i, (rid, _) in enumerate(live)}
 
-        def run(ended: Collection[str] = ()) -> dict[str, np.ndarray]:
-            if not ended:
-                self._batch_fill(plain, out, rows)
-                return masks
-            keep = [i for i, (rid, _) in enumerate(live) if rid not in ended]
-            out[[i for i, (rid, _) in enumerate(live) if rid in ended]] = -1
-            self._batch_fill([plain[i] for i in keep], out, keep)
+        def run() -> dict[str, np.ndarray]:
+            self._batch_fill(plain, out, rows)
             return masks
 
         return run
