@@ -35,13 +35,14 @@ BACKENDS = ["torch"] + (["xla"] if backend_available("xla") else [])
 
 
 def _params() -> list[SamplingParams]:
-    """Constrained (schema, regex, choice) and plain greedy requests, mixed."""
+    """Constrained (schema, regex, choice) and plain greedy requests, mixed. One choice request
+    ignores EOS: only its grammar's end (accepting EOS) finishes it."""
     cons = [SO(json=SCHEMA), SO(regex=REGEX), SO(choice=CHOICES), None]
     return [
         SamplingParams(
             temperature=0.0,
             max_tokens=40 if cons[i % 4] is not None else 20 + 2 * i,
-            ignore_eos=cons[i % 4] is None,
+            ignore_eos=cons[i % 4] is None or i == 2,
             structured_outputs=cons[i % 4],
         )
         for i in range(12)
