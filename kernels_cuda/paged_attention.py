@@ -78,8 +78,8 @@ ATTENTION_CONFIGS: dict[str, dict[int, dict[str, int]]] = {
 
 # Prefill tiles on GPUs with at least PREFILL_WIDE_SMEM bytes of opt-in shared memory per
 # block (Hopper's 227 KB; a 128-key tile with 3 stages takes ~224 KB at D=128: the Q tile and 3
-# x (K + V)), for unquantized caches, keyed by head-dim bucket; other GPUs, caches and buckets
-# keep ATTENTION_CONFIGS["prefill"]. Measured (bench/gpu_probes/prefill_tile_sweep.py, H100,
+# x (K + V) in 16-bit), for 16-bit queries over unquantized caches, keyed by head-dim bucket;
+# other GPUs, dtypes, caches and buckets keep ATTENTION_CONFIGS["prefill"]. Measured (bench/gpu_probes/prefill_tile_sweep.py, H100,
 # 2026-12-05, nineteenth session; 32 / 8 heads, D 128, bf16): the 30k prompt whole 16.15 vs
 # 20.56 ms for the table's (128, 64, 8 warps, 2 stages), its second chunk (13,616 queries over
 # 30,000 keys) 11.42 vs 14.50 ms; the sweep's best, (128, 128, 8, 4), was 15.94 / 11.87.
@@ -99,6 +99,13 @@ def wide_smem(device: torch.device) -> bool:
         props = torch.cuda.get_device_properties(idx)
         _WIDE_SMEM[idx] = getattr(props, "shared_memory_per_block_optin", 0) >= PREFILL_WIDE_SMEM
     return _WIDE_SMEM[idx]
+
+
+def use_wide_tiles(q: torch.Tensor) -> bool:
+    """Whether a prefill launch with queries q may take PREFILL_WIDE_CONFIGS: 16-bit queries
+    (float32 would double the tile's shared memory) on a GPU with PREFILL_WIDE_SMEM; never in
+    the CPU interpreter."""
+    return q.device.type != "cpu" and q.element_size() == 2 and wide_smem(q.device)
 
 
 # Long-context decode (issue 24): a decode launch with at least LONG_DECODE_MIN_SPLITS splits
@@ -739,7 +746,7 @@ def unified_attention(
     interpret = q.device.type == "cpu"
     # BLOCK_Q (hence the tile count the split heuristic sees) depends only on G and BLOCK_M,
     # which no table changes by split count: size the grid first, then pick the tiles.
-    wide = not interpret and wide_smem(q.device)
+    wide = use_wide_tiles(q)
     cfg = attention_launch_config(
         max(max_query_len, 1), g, d, interpret, 1, launch_config, quant, wide
     )

@@ -122,6 +122,18 @@ def test_wide_prefill_tiles_where_shared_memory_allows() -> None:
     assert not pa.wide_smem(torch.device("cpu"))
 
 
+def test_wide_tiles_only_for_16_bit_queries_on_a_wide_gpu(monkeypatch) -> None:  # noqa: ANN001
+    """use_wide_tiles: bf16 / fp16 queries on a device with the shared memory (a stand-in
+    device here), not float32 ones (twice the tile's bytes), not the CPU interpreter, not a
+    device without it."""
+    monkeypatch.setattr(pa, "wide_smem", lambda device: device.type == "meta")
+    for dtype, want in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+        assert pa.use_wide_tiles(torch.empty(2, dtype=dtype, device="meta")) == want, dtype
+    assert not pa.use_wide_tiles(torch.empty(2, dtype=torch.bfloat16))
+    monkeypatch.setattr(pa, "wide_smem", lambda device: False)
+    assert not pa.use_wide_tiles(torch.empty(2, dtype=torch.bfloat16, device="meta"))
+
+
 def test_auto_splits_fill_the_sms(monkeypatch) -> None:
     """Batch-1 decode, 8 kv heads, 132 SMs: 32 splits at 30k, 64 at 131k (the H200 optimum);
     short contexts stay bounded by MIN_KEYS_PER_SPLIT; a full grid takes none."""
