@@ -36,7 +36,7 @@ and GPU memory is returned between them; the JSON is merged into ``--output-json
 Rows (``rows`` in the JSON; each with its goal from the issue):
 - ``prefill30k``: xlaserve TTFT / SDPA forward time (goal <= 0.9);
 - ``decode30k``: decode tok/s and its memory roofline: (weight bytes read per step + KV bytes at
-  the mean decode context) / bandwidth, at ``--bandwidth-gbs`` (4800, the H200's spec) and
+  the mean decode context) / bandwidth, at ``--bandwidth-gbs`` (the GPU's spec, HBM_GBS) and
   ``--alt-bandwidth-gbs`` (4300, the issue's figure); fraction of roofline (goal >= 0.85). Weight
   bytes: every parameter but the input embedding (one row of it is read per token);
   ``weight_bytes_all`` (with it, the issue's 16.1 GB) is there too;
@@ -641,6 +641,40 @@ def _ratio(a: Any, b: Any) -> float | None:
     return a / b if a and b else None
 
 
+# Spec HBM bandwidth (GB/s) by a substring of the GPU's name, first match wins (the PCIe / NVL
+# H100s before the SXM one, whose name is "NVIDIA H100 80GB HBM3").
+HBM_GBS: tuple[tuple[str, float], ...] = (
+    ("H200", 4800.0),
+    ("H100 PCIe", 2000.0),
+    ("H100 NVL", 3900.0),
+    ("H100", 3350.0),
+)
+DEFAULT_GBS = 4800.0  # an unknown or absent GPU: the H200's, the issue's machine
+
+
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi ("" without one); no CUDA context in this process
+    (the stages run in child processes and need the memory)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else ""
+
+
+def spec_bandwidth_gbs(name: str) -> float:
+    """HBM_GBS's figure for a GPU name, DEFAULT_GBS when none matches."""
+    for key, gbs in HBM_GBS:
+        if key in name:
+            return gbs
+    return DEFAULT_GBS
+
+
 def derive_rows(stages: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The issue's rows from the stages' raw figures (None where a stage is missing)."""
     cfg = model_config(args)
@@ -755,7 +789,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="step token budget (default: the platform's offline default)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--long-repeats", type=int, default=1)
-    ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="HBM GB/s (H200 spec)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None,
+                    help="HBM GB/s of the roofline (default: the GPU's spec by its name, "
+                         "HBM_GBS; 4800, the H200's, when unknown)")  # fmt: skip
     ap.add_argument("--alt-bandwidth-gbs", type=float, default=4300.0, help="also reported")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--cpu-kv-cache-bytes", type=int, default=64 * 1024 * 1024)
@@ -769,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.bandwidth_gbs is None:
+        args.bandwidth_gbs = spec_bandwidth_gbs(gpu_name())
 
     mode = "tiny" if args.tiny else "llama8b"
     for name, value in SIZES[mode].items():

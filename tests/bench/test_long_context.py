@@ -100,3 +100,16 @@ def test_long_context_refuses_bad_arguments(tmp_path: Path) -> None:
     assert not Path(out).exists()
     assert isinstance(long_context.SIZES["llama8b"]["long_len"], int)
     assert argparse  # the module's CLI is argparse's: SystemExit on bad input
+
+
+def test_roofline_bandwidth_from_the_gpu_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--bandwidth-gbs defaults to the GPU's spec by its nvidia-smi name (the PCIe / NVL H100s
+    before the SXM one); an unknown name or no GPU (no nvidia-smi) gives the H200's 4800."""
+    spec = long_context.spec_bandwidth_gbs
+    assert spec("NVIDIA H100 80GB HBM3") == 3350.0
+    assert spec("NVIDIA H100 PCIe") == 2000.0
+    assert spec("NVIDIA H100 NVL") == 3900.0
+    assert spec("NVIDIA H200") == 4800.0
+    assert spec("") == spec("NVIDIA L4") == long_context.DEFAULT_GBS == 4800.0
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi to run
+    assert long_context.gpu_name() == ""
