@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from xlaserve.backends_torch.layers.attention import AttentionBackend, AttentionMetadata
-from xlaserve.config import kernel_switch
+from xlaserve.config import KernelConfig, kernel_switch
 
 if TYPE_CHECKING:
     from xlaserve.kernels_cuda.prefill_sdpa import SdpaSplit
@@ -28,6 +28,12 @@ class TritonAttentionMetadata(AttentionMetadata):
 
     # Split-KV factor (power of 2 <= 64); fixed per captured CUDA graph, None = kernel heuristic.
     num_kv_splits: int | None = None
+
+
+def prefill_sdpa_on(kernels: KernelConfig | None, device: torch.device) -> bool:
+    """KernelConfig.prefill_sdpa for a device: "on", or "auto" on CUDA."""
+    mode = kernel_switch("prefill_sdpa", kernels)
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 class TritonAttention(AttentionBackend):
@@ -114,8 +120,7 @@ class TritonAttention(AttentionBackend):
         """The step's SDPA / Triton split (kernels_cuda.prefill_sdpa), built once per step and
         kept in md.derived for the other layers; None when the switch is off or no sequence has
         prefill_sdpa_min_tokens queries (the whole step is one Triton launch)."""
-        mode = kernel_switch("prefill_sdpa", self.kernels)
-        if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        if not prefill_sdpa_on(self.kernels, device):
             return None
         min_tokens = kernel_switch("prefill_sdpa_min_tokens", self.kernels)
         if md.max_query_len < min_tokens:

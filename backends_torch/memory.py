@@ -92,9 +92,9 @@ def sdpa_reserve(runner: TorchModelRunner) -> int:
     """Bytes the long-prefill SDPA path (KernelConfig.prefill_sdpa) may allocate at run time
     beyond what the profiling forward saw (kernels_cuda.prefill_sdpa.transient_bytes): 0 when
     the path is off for this runner."""
-    mode = runner.kernels.prefill_sdpa
-    on = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
-    if not on or runner.attn_backend_name != "triton":
+    from xlaserve.backends_torch.attention_triton import prefill_sdpa_on
+
+    if runner.attn_backend_name != "triton" or not prefill_sdpa_on(runner.kernels, runner.device):
         return 0
     from xlaserve.kernels_cuda.prefill_sdpa import transient_bytes
 

@@ -161,18 +161,20 @@ def transient_bytes(
 
     Counted: the gathered K and V [L, Hkv, D] (a quantized cache's gather also holds the codes
     and a float32 product of one of them), the output [q_len, Hq, D]; where the chunk is
-    padded (`pad_to_square`), the zero rows, the padded queries and the square output, each
-    [L', Hq, D] with L' = `max_padded_len`."""
+    padded (`pad_to_square`), the padded queries and the square output, each [L', Hq, D] with
+    L' = `max_padded_len`, and K / V repeated to the query heads for the square call."""
     kv = num_kv_heads * head_dim
     qrow = num_heads * head_dim * elem
-    chunk = min(max_chunk, max_len)
-    gathered = 2 * max_len * kv * elem + (max_len * kv * 5 if quantized_cache else 0)
-    plain = gathered + chunk * qrow
+
+    def gathered(n: int) -> int:  # K and V of an n-token context
+        return 2 * n * kv * elem + (n * kv * 5 if quantized_cache else 0)
+
+    plain = gathered(max_len) + min(max_chunk, max_len) * qrow
     lp = max_padded_len(max_chunk, max_len)
     # The square call goes to cuDNN, which takes K / V with every query head (torch repeats
     # them for GQA): two more [L', Hq, D].
     expand = 2 * lp * qrow if num_heads != num_kv_heads else 0
-    padded = 2 * lp * kv * elem + (lp * kv * 5 if quantized_cache else 0) + 2 * lp * qrow + expand
+    padded = gathered(lp) + 2 * lp * qrow + expand
     return max(plain, padded)
 
 

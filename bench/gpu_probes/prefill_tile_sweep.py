@@ -6,6 +6,8 @@
 TFLOP/s against ~600-650 for torch SDPA's square causal call (H100 and H200), with the table's
 tile (BLOCK_M 128, BLOCK_N 64, 8 warps, 2 stages; its sm_90 PTX is wgmma,
 m64n64k16 for QK^T: `ptx_mix.py --groups attention_prefill`).
+The sweep's pick is now `PREFILL_WIDE_CONFIGS` on GPUs with the shared memory for it; the
+"table" row is whatever `unified_attention` launches on the GPU at hand.
 This probe times the kernel with each candidate launch config (`unified_attention`'s
 `launch_config`) on the two shapes a 30k prompt prefills with at the offline budget: the whole
 prompt in one chunk, and the second chunk (the last 13,616 queries over 30,000 keys). Each
@@ -58,7 +60,7 @@ def _sweep_case(
     from xlaserve.kernels_cuda.paged_attention import (
         attention_launch_config,
         unified_attention,
-        wide_smem,
+        use_wide_tiles,
     )
 
     cuda = torch.cuda.is_available() and not args.tiny
@@ -70,8 +72,8 @@ def _sweep_case(
     def call(cfg: dict[str, int] | None) -> Any:  # noqa: ANN401
         return unified_attention(q, k, v, None, qsl, sl, bt, q_len, n, d**-0.5, launch_config=cfg)
 
-    wide = not args.tiny and wide_smem(q.device)  # the pick unified_attention makes
-    table = attention_launch_config(q_len, hq // hkv, d, bool(args.tiny), wide=wide)
+    # The pick unified_attention makes.
+    table = attention_launch_config(q_len, hq // hkv, d, bool(args.tiny), wide=use_wide_tiles(q))
     ref = call(None).float()
     rows = []
     candidates = [("table", None)] + [

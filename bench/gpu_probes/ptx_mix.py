@@ -9,8 +9,8 @@ Groups (``--groups``):
 - ``attention``: one decode tile of the unified attention kernel (8B shape: G 4, head 128,
   16-token pages, 16 splits) over a bf16 cache, an fp8 cache with bf16 dots, and an fp8 cache
   with fp16 dots (QUANT_F16), at BLOCK_N 64 (3 stages) and 128 (4 stages);
-- ``attention_prefill``: a prefill tile of the same kernel (the table's prefill launch config,
-  bf16 cache), for its mma form;
+- ``attention_prefill``: a prefill tile of the same kernel (bf16 cache), for its mma form: the
+  table's launch config and the wide one an sm_90 GPU takes (`PREFILL_WIDE_CONFIGS`);
 - ``int8_mm``: the int8 weight-only tl.dot kernel, plain and swapped operand order, at the
   table's large-M tiles;
 - ``scaled_mm``: the w8a8 GEMM at the table's large-M tiles: int8, fp8 with typed operands (as
@@ -111,13 +111,16 @@ def _attention() -> dict[str, dict[str, int]]:
 def _attention_prefill() -> dict[str, dict[str, int]]:
     from xlaserve.kernels_cuda import paged_attention as pa
 
-    cfg = pa.attention_launch_config(2, 4, 128, False)  # a prefill launch: the table's tile
-    consts = _attention_consts(BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"],
-                               BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=1)  # fmt: skip
-    ptx = _compile(pa._unified_attention_kernel, _attention_sig("*bf16"), consts,
-                   cfg["num_warps"], cfg["num_stages"])  # fmt: skip
-    tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
-    return {f"bf16 prefill {tile}": opcode_mix(ptx)}
+    out = {}
+    for label, wide in (("table", False), ("wide", True)):
+        cfg = pa.attention_launch_config(2, 4, 128, False, wide=wide)  # a prefill launch
+        consts = _attention_consts(BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"],
+                                   BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=1)  # fmt: skip
+        ptx = _compile(pa._unified_attention_kernel, _attention_sig("*bf16"), consts,
+                       cfg["num_warps"], cfg["num_stages"])  # fmt: skip
+        tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+        out[f"bf16 prefill {label} {tile}"] = opcode_mix(ptx)
+    return out
 
 
 def _int8_mm() -> dict[str, dict[str, int]]:

@@ -1,4 +1,5 @@
-"""Device-run hooks (outside git): patch module tables right after import, from env vars.
+"""Device-run hooks (tools/device/setup.sh puts this on the path): patch module tables right
+after import, from env vars.
 
 DEVRUN_LONG_DECODE=0|1      paged_attention.LONG_DECODE_ENABLED
 DEVRUN_QUANT_F16=0|1        paged_attention.QUANT_F16_DOTS
@@ -65,12 +66,10 @@ def _patch_sm(mod):
             continue
         tiles, lib = [], []
         for max_m, t in mod.SCALED_MM_TILES[fmt]:
-            pick = sug.get(str(max_m))
-            use_lib = True
-            if pick is not None:
-                if pick.get("tiles"):
-                    t = mod.DotTiles(*pick["tiles"])
-                    use_lib = False
+            pick = sug.get(str(max_m)) or {}
+            use_lib = not pick.get("tiles")  # a bucket without tiles: the library GEMM
+            if not use_lib:
+                t = mod.DotTiles(*pick["tiles"])
             tiles.append((max_m, t))
             lib.append((max_m, use_lib))
         mod.SCALED_MM_TILES[fmt] = tuple(tiles)
@@ -106,13 +105,6 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if any(
-    os.environ.get(k)
-    for k in (
-        "DEVRUN_LONG_DECODE",
-        "DEVRUN_QUANT_F16",
-        "DEVRUN_INT8_TILES_JSON",
-        "DEVRUN_W8A8_AUTO_JSON",
-    )
-):
+_ENV = ("DEVRUN_LONG_DECODE", "DEVRUN_QUANT_F16", "DEVRUN_INT8_TILES_JSON", "DEVRUN_W8A8_AUTO_JSON")
+if any(os.environ.get(k) for k in _ENV):
     sys.meta_path.insert(0, _Finder())
