@@ -78,9 +78,10 @@ ATTENTION_CONFIGS: dict[str, dict[int, dict[str, int]]] = {
 
 # Prefill tiles on GPUs with at least PREFILL_WIDE_SMEM bytes of opt-in shared memory per
 # block (Hopper's 227 KB; a 128-key tile with 3 stages takes ~224 KB at D=128: the Q tile and 3
-# x (K + V) in 16-bit), for 16-bit queries over unquantized caches, keyed by head-dim bucket;
-# other GPUs, dtypes, caches and buckets keep ATTENTION_CONFIGS["prefill"]. Measured (bench/gpu_probes/prefill_tile_sweep.py, H100,
-# 2026-12-05, nineteenth session; 32 / 8 heads, D 128, bf16): the 30k prompt whole 16.15 vs
+# x (K + V) in 16-bit), for 16-bit queries over unquantized caches (`use_wide_tiles`), keyed by
+# head-dim bucket; other GPUs, dtypes, caches and buckets keep ATTENTION_CONFIGS["prefill"].
+# Measured (bench/gpu_probes/prefill_tile_sweep.py, H100, 2026-12-05, nineteenth session;
+# 32 / 8 heads, D 128, bf16): the 30k prompt whole 16.15 vs
 # 20.56 ms for the table's (128, 64, 8 warps, 2 stages), its second chunk (13,616 queries over
 # 30,000 keys) 11.42 vs 14.50 ms; the sweep's best, (128, 128, 8, 4), was 15.94 / 11.87.
 PREFILL_WIDE_SMEM = 220 * 1024
@@ -576,8 +577,8 @@ def attention_launch_config(
     """Pick BLOCK_M/BLOCK_N/num_warps/num_stages (+ derived BLOCK_Q) for one launch.
 
     Decode launches with >= LONG_DECODE_MIN_SPLITS splits over an unquantized cache (quant
-    False) take LONG_DECODE_CONFIGS; prefill launches over an unquantized cache on a GPU with
-    PREFILL_WIDE_SMEM (wide: `wide_smem(device)`) take PREFILL_WIDE_CONFIGS; override (tests,
+    False) take LONG_DECODE_CONFIGS; prefill launches over an unquantized cache with wide
+    (`use_wide_tiles(q)`) take PREFILL_WIDE_CONFIGS; override (tests,
     bench sweeps) replaces the table pick, keys BLOCK_M/BLOCK_N/num_warps/num_stages.
     """
     kind = "decode" if max_query_len <= 1 else "prefill"

@@ -470,8 +470,10 @@ def _quant(x: torch.Tensor | QuantAct, fmt: str, kernels: KernelConfig | None) -
 # at M = 256 / 4096 against cuBLASLt's 0.849x / 0.928x (its int32 output is one more [M, N]
 # write and read, which the Triton GEMM's fused epilogue does not pay; M <= 16 cannot take
 # `_int_mm`); fp8 Triton 1.288x against `_scaled_mm`'s 1.176x at M = 16, `_scaled_mm` 1.378x /
-# 1.388x against Triton's 0.758x / 0.761x at M = 256 / 4096. (Those Triton fp8 rows predate
-# `kernel_operands`, which removed a shared-memory round trip from its K loop: re-sweep fp8.)
+# 1.388x against Triton's 0.758x / 0.761x at M = 256 / 4096. Re-swept with the fp8 operands
+# typed (`kernel_operands`; `quant_gemm_sweep.py --families fp8 --ms 16 256 4096`, H100,
+# 2026-12-05, nineteenth session): Triton 1.301x / 1.039x / 1.001x against `_scaled_mm`'s
+# 1.193x / 1.357x / 1.511x at M = 16 / 256 / 4096, so the fp8 buckets stay.
 AUTO_LIBRARY: dict[str, tuple[tuple[int, bool], ...]] = {
     "int8": ((_BIG, False),),
     "fp8": ((16, False), (_BIG, True)),

@@ -449,10 +449,14 @@ class KernelConfig:
     # prefill_sdpa_min_tokens queries attend through torch SDPA (FlashAttention-2 on CUDA) over
     # their context gathered from the paged cache (kernels_cuda/prefill_sdpa.py); the rest of
     # the step keeps the Triton kernel. Layers with a sliding window, soft-cap or attention
-    # chunk always keep it. "auto" = on CUDA. Off until the engine's TTFT A/B runs on a GPU:
-    # the H200 ran the Triton causal prefill of a 30k prompt at 352 TFLOP/s, SDPA at 628 on
-    # the same tensors; a chunk over a cached prefix only gains as a zero-padded square call
-    # (H100: 11.6 vs 14.5 ms for the 30k prompt's second chunk; `prefill_sdpa.pad_to_square`).
+    # chunk always keep it. "auto" = on CUDA. The H200 ran the Triton causal prefill of a 30k
+    # prompt at 352 TFLOP/s, SDPA at 628 on the same tensors; a chunk over a cached prefix only
+    # gains as a zero-padded square call (H100: 11.6 vs 14.5 ms for the 30k prompt's second
+    # chunk; `prefill_sdpa.pad_to_square`). Off: engine A/B on the H100 (`long_context
+    # --stages hf,sdpa,bf16`, 2026-12-05, before the wide prefill tiles) 30k TTFT 0.90x the
+    # default's but offline 0.97x. The wide prefill tiles (paged_attention.PREFILL_WIDE_CONFIGS)
+    # since run the 30k prompt's second chunk in 11.42 ms against the padded SDPA call's 11.57
+    # (H100 sweeps); the engine A/B with them has not run.
     prefill_sdpa: str = "off"
     prefill_sdpa_min_tokens: int = 1024
     # fp8 weights emulated (dequantized matmul) where the device has no fp8 GEMM; otherwise
