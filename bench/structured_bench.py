@@ -13,7 +13,8 @@ Rows (each repeat runs plain then constrained on the same engine; medians):
                    for ISSUE_SCHEMA and NESTED_SCHEMA (`nested_schema()`, ~2 KB)
   fill             xgrammar's batch bitmask fill (ms per step) of B matchers inside the
                    schema's string, with 1, 2, 4, ... threads (up to the host's cores): the
-                   figure to set `bitmask_fill_threads` from
+                   figure to set `bitmask_fill_threads` from; the same for the batch accept
+                   of one token per matcher (`accept_threads`)
   jump             jump-forward (--structured-jump-forward): for each batch B and each of
                    ISSUE_SCHEMA and JUMP_SCHEMA (long forced keys), the same greedy constrained
                    requests on the engine above (jump-forward off, the default) and on a second
@@ -127,12 +128,23 @@ def _pair_ratios(runs: dict[str, list[float]], mode: str) -> list[float]:
     return [c / p for p, c in zip(runs["plain"], runs[mode], strict=True)]
 
 
-def _set_fill_thread(llm: Any, on: bool) -> None:  # noqa: ANN401 - LLM
-    """Switch the in-process engine's fill thread (read at every step) between runs."""
+def _set_structured(
+    llm: Any,  # noqa: ANN401 - LLM
+    fill_thread: bool | None = None,
+    accept_threads: int | None = None,
+) -> None:
+    """Switch the in-process engine's fill thread and accept threads (read at every step)
+    between runs; None leaves a setting as it is."""
+    if fill_thread is None and accept_threads is None:
+        return
     mgr = getattr(llm.llm_engine.core, "_structured", None)
     if mgr is None:
-        raise RuntimeError("--fill-thread ab needs an in-process engine with structured output")
-    mgr.config.fill_thread = on
+        raise RuntimeError("--fill-thread ab / --accept-ab need an in-process engine with "
+                           "structured output")  # fmt: skip
+    if fill_thread is not None:
+        mgr.config.fill_thread = fill_thread
+    if accept_threads is not None:
+        mgr.accept_threads = accept_threads
 
 
 def _timed(llm: Any, prompts: list, sp: Any) -> tuple[float, int, int | None]:  # noqa: ANN401
@@ -316,6 +328,9 @@ def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]: 
                 bm.batch_fill_next_token_bitmask(ms, mask, list(range(b)))
                 ts.append(time.perf_counter() - t0)
             out[f"B={b} threads={th}"] = statistics.median(ts) * 1e3
+        text = eng.tokenizer.encode(ACCEPT_TEXT, add_special_tokens=False)
+        for th, ms_ in accept_times(mgr, compiled, prefix, text, b, threads, repeats).items():
+            out[f"B={b} accept threads={th}"] = ms_
         # Does the batch fill release the GIL? (1.0 = fully: a fill on a worker thread would
         # overlap the engine thread's Python.)
         out[f"B={b} python progress beside a fill thread"] = _gil_share(
@@ -331,6 +346,52 @@ def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]: 
             done, wait = _fill_beside_python(bm, ms, mask, interval, 3e-3, max(10, repeats))
             out[f"B={b} fill thread done after (switch interval {name})"] = done
             out[f"B={b} engine waits for it (switch interval {name})"] = wait
+    return out
+
+
+# Text a JSON string takes token by token (no quote, backslash or control character).
+ACCEPT_TEXT = (
+    "In the beginning the engine took one token for every request of the batch, and the "
+    "grammar of each request advanced by one step inside the string of its only field; the "
+    "words here are only there to be tokens that a JSON string admits, one after another. "
+)
+
+
+def accept_times(
+    mgr: Any,  # noqa: ANN401 - StructuredOutputManager
+    compiled: Any,  # noqa: ANN401 - xgrammar CompiledGrammar
+    prefix: list[int],
+    text: list[int],
+    rows: int,
+    threads: list[int],
+    repeats: int,
+) -> dict[int, float]:
+    """threads -> median ms of one `StructuredOutputManager.batch_accept` of `rows` matchers
+    inside the schema's string, each taking the next token of `text` (ACCEPT_TEXT's tokens: a
+    decode step's accept), split over that many threads. Raises if a token is refused (then the timing
+    would be of rejections)."""
+    import xgrammar as xgr
+
+    ms = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+    for m in ms:
+        for t in prefix:
+            m.accept_token(t)
+    saved, out, i = mgr.accept_threads, {}, 0
+    try:
+        for th in threads:
+            mgr.accept_threads = th
+            ts = []
+            for _ in range(max(5, repeats)):
+                tok = text[i % len(text)]
+                i += 1
+                t0 = time.perf_counter()
+                ok = mgr.batch_accept(ms, [tok] * rows)
+                ts.append(time.perf_counter() - t0)
+                if not all(ok):
+                    raise RuntimeError(f"token {tok} refused inside the string")
+            out[th] = statistics.median(ts) * 1e3
+    finally:
+        mgr.accept_threads = saved
     return out
 
 
@@ -469,7 +530,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"args": vars(args), "rows": {}}
     if not args.only_jump:
         _main_rows(llm, args, vocab, report)
-    if args.only_batches:
+    if args.only_batches or args.only_fill:
         eng.shutdown()
         return report
     jump_off = jump_side(llm, args, vocab)
@@ -504,6 +565,10 @@ def _main_rows(
     warm = random_prompts(min(8, max(args.batches)), args.input_len, vocab, args.seed + 99)
     llm.generate(warm, plain, use_tqdm=False)
     llm.generate(warm, cons, use_tqdm=False)  # compiles ISSUE_SCHEMA once, caches it
+    if args.only_fill:
+        report["rows"]["fill"] = fill_times(eng, args.batches, args.repeats)
+        print(json.dumps({"fill": report["rows"]["fill"]}), flush=True)
+        return
 
     for b in args.batches:
         prompts = random_prompts(b, args.input_len, vocab, args.seed + b)
@@ -516,18 +581,22 @@ def _main_rows(
         # tok/s at batch 256, 2026-12-05), which made the first pair's ratio meaningless.
         for sp in (plain, cons):
             _timed(llm, prompts, sp)
-        # --fill-thread ab: a constrained run with the fill thread on after each one with it
-        # off, in the same process (separate processes drifted by more than the effect).
-        modes: list[tuple[str, Any, bool | None]] = [("plain", plain, None),
-                                                     ("constrained", cons, None)]  # fmt: skip
+        # --fill-thread ab / --accept-ab N: a constrained run with the fill thread on (with N
+        # accept threads) after each one with it off (with one), in the same process (separate
+        # processes drifted by more than the effect).
+        modes: list[tuple[str, Any, dict[str, Any]]] = [("plain", plain, {}),
+                                                        ("constrained", cons, {})]  # fmt: skip
         if args.fill_thread == "ab":
-            modes = [("plain", plain, None), ("constrained", cons, False),
-                     ("constrained_fill_thread", cons, True)]  # fmt: skip
-            runs["constrained_fill_thread"] = []
+            modes[1] = ("constrained", cons, {"fill_thread": False})
+            modes.append(("constrained_fill_thread", cons, {"fill_thread": True}))
+        if args.accept_ab:
+            modes[1] = ("constrained", cons, {**modes[1][2], "accept_threads": 1})
+            modes.append(("constrained_accept", cons, {"accept_threads": args.accept_ab}))
+        for name, _, _ in modes[2:]:
+            runs[name] = []
         for _ in range(args.repeats):
-            for name, sp, fill in modes:
-                if fill is not None:
-                    _set_fill_thread(llm, fill)
+            for name, sp, setting in modes:
+                _set_structured(llm, **setting)
                 if args.phases:  # (an engine core process: only its step is timed here)
                     with phases.setdefault(name, PhaseTimer(eng)) as pt:
                         dt, k, ov = _timed(llm, prompts, sp)
@@ -551,13 +620,15 @@ def _main_rows(
             "overlapped_steps": overlapped,
             "runs": runs,
         }
-        if "constrained_fill_thread" in runs:
-            ft = _pair_ratios(runs, "constrained_fill_thread")
-            report["rows"][f"batch{b}"]["fill_thread"] = {
-                "constrained_tok_s": statistics.median(runs["constrained_fill_thread"]),
-                "pair_ratios": ft,
-                "pair_ratio_median": statistics.median(ft),
-            }
+        for mode, key in (("constrained_fill_thread", "fill_thread"),
+                          ("constrained_accept", "accept_threads")):  # fmt: skip
+            if mode in runs:
+                ft = _pair_ratios(runs, mode)
+                report["rows"][f"batch{b}"][key] = {
+                    "constrained_tok_s": statistics.median(runs[mode]),
+                    "pair_ratios": ft,
+                    "pair_ratio_median": statistics.median(ft),
+                }
         if phases:  # --phases: ms per call (median) and per run (summed) of each part, per mode
             row = report["rows"][f"batch{b}"]
             row["phases_ms_median"] = {k: t.medians_ms() for k, t in phases.items()}
@@ -633,6 +704,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-jump", action="store_true", help="only the jump-forward row")
     ap.add_argument("--only-batches", action="store_true", help="only the batch rows")
+    ap.add_argument(
+        "--only-fill",
+        action="store_true",
+        help="only the fill row (the batch fill and accept per thread count)",
+    )
+    ap.add_argument("--accept-ab", type=int, default=0, metavar="N",
+                    help="batch rows: each repeat also runs the constrained batch with N accept "
+                         "threads (StructuredOutputConfig.accept_threads), the constrained one "
+                         "with 1, in the same engine")  # fmt: skip
     ap.add_argument("--phases", action="store_true",
                     help="batch rows: median ms per call of the engine's parts (PHASES), per "
                          "mode")  # fmt: skip
@@ -645,11 +725,12 @@ def main(argv: list[str] | None = None) -> int:
                          "thread); batch rows only")  # fmt: skip
     args = ap.parse_args(argv)
     if args.engine_process and (
-        args.phases or args.profile or args.fill_thread == "ab" or not args.only_batches
-    ):
+        args.phases or args.profile or args.fill_thread == "ab" or args.accept_ab
+        or not args.only_batches
+    ):  # fmt: skip
         ap.error(
             "--engine-process times the batch rows only (--only-batches), without --phases, "
-            "--profile or --fill-thread ab (they look inside an in-process engine)"
+            "--profile, --fill-thread ab or --accept-ab (they look inside an in-process engine)"
         )
     if args.llama8b and args.tiny and args.model_dir is None:
         # Tiny layers but the REAL vocabulary: a grammar's host work per row scales with it

@@ -144,6 +144,41 @@ def max_padded_len(max_chunk: int, max_len: int) -> int:
     return lo
 
 
+# The attention call's own scratch beyond the buffers `call_bytes` names (its float32
+# log-sum-exp, its workspace): 4 x 4 bytes per head and row of the longer side, plus 1 MiB.
+# Fitted on the GPU test's three shapes (H100, torch 2.11, 2026-12-05): allocated above the
+# named buffers 1.5 KB (2048 / 2048), 2.0 MB (a 3000-query chunk of 5000, padded) and 0.62 MB
+# (1024 of 12000, masked); this term gives 2.1, 3.6 and 7.2 MB there.
+SCRATCH_BYTES_PER_HEAD_ROW = 16
+SCRATCH_FIXED_BYTES = 1 << 20
+
+
+def call_bytes(
+    q_len: int,
+    kv_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    elem: int,
+    quantized_cache: bool,
+    padded: bool,
+) -> int:
+    """Bytes one `sdpa_prefill` call of a q_len-query chunk ending a kv_len context allocates
+    beyond its inputs; elem: bytes of q's dtype; padded: it goes through `pad_to_square`.
+
+    Counted: the gathered K and V [kv_len, Hkv, D] (a quantized cache's gather also holds the
+    codes and a float32 product of one of them); the output [q_len, Hq, D], or where padded the
+    padded queries and the square output, each [kv_len, Hq, D]; the kernel's scratch
+    (SCRATCH_BYTES_PER_HEAD_ROW, SCRATCH_FIXED_BYTES). No K / V repeated to the query heads:
+    the GPU test measured none (enable_gqa reaches the kernels without a copy)."""
+    kv = num_kv_heads * head_dim
+    qrow = num_heads * head_dim * elem
+    gathered = 2 * kv_len * kv * elem + (kv_len * kv * 5 if quantized_cache else 0)
+    rows = 2 * kv_len if padded else q_len
+    scratch = SCRATCH_BYTES_PER_HEAD_ROW * num_heads * max(q_len, kv_len) + SCRATCH_FIXED_BYTES
+    return gathered + rows * qrow + scratch
+
+
 def transient_bytes(
     max_chunk: int,
     max_len: int,
@@ -155,26 +190,14 @@ def transient_bytes(
 ) -> int:
     """Peak bytes `sdpa_prefill` allocates beyond the step's own activations, for one layer (the
     allocator reuses them layer after layer), at chunks of <= max_chunk queries over contexts
-    of <= max_len tokens; elem: bytes of q's dtype. The KV-cache profiling forward runs one
-    max_chunk-token prompt, which never takes this path at long contexts, so the runner
-    reserves this on top of its peak.
-
-    Counted: the gathered K and V [L, Hkv, D] (a quantized cache's gather also holds the codes
-    and a float32 product of one of them), the output [q_len, Hq, D]; where the chunk is
-    padded (`pad_to_square`), the padded queries and the square output, each [L', Hq, D] with
-    L' = `max_padded_len`, and K / V repeated to the query heads for the square call."""
-    kv = num_kv_heads * head_dim
-    qrow = num_heads * head_dim * elem
-
-    def gathered(n: int) -> int:  # K and V of an n-token context
-        return 2 * n * kv * elem + (n * kv * 5 if quantized_cache else 0)
-
-    plain = gathered(max_len) + min(max_chunk, max_len) * qrow
+    of <= max_len tokens: the larger `call_bytes` of the longest plain call and the longest
+    padded one (its context bounded by `max_padded_len`). The KV-cache profiling forward runs
+    one max_chunk-token prompt, which never takes this path at long contexts, so the runner
+    reserves this on top of its peak."""
+    shape = (num_heads, num_kv_heads, head_dim, elem, quantized_cache)
+    plain = call_bytes(min(max_chunk, max_len), max_len, *shape, padded=False)
     lp = max_padded_len(max_chunk, max_len)
-    # The square call goes to cuDNN, which takes K / V with every query head (torch repeats
-    # them for GQA): two more [L', Hq, D].
-    expand = 2 * lp * qrow if num_heads != num_kv_heads else 0
-    padded = gathered(lp) + 2 * lp * qrow + expand
+    padded = call_bytes(min(max_chunk, lp - 1), lp, *shape, padded=True) if lp else 0
     return max(plain, padded)
 
 

@@ -341,6 +341,10 @@ class StructuredOutputConfig:
     # host, 256 rows: 1 / 2 / 4 / 8 / 16 threads 1.75 / 1.29 / 0.90 / 1.00 / 1.78 ms, one row:
     # 4.5 us on one thread, 100+ us on more.
     bitmask_fill_threads: int = 0
+    # Threads of the grammars' batch accept of a step's tokens (xgrammar releases the GIL
+    # inside it): 0 = auto, the fill's rule (`fill_threads`); each thread takes >= 32 rows
+    # (StructuredOutputManager.batch_accept).
+    accept_threads: int = 0
     # Async steps with late masks: the fill of the next step's masks runs on a worker thread
     # as soon as the grammars took this step's tokens (xgrammar's fill releases the GIL) and
     # goes to that step right before the next launch, so it overlaps the rest of the step's
@@ -363,6 +367,7 @@ class StructuredOutputConfig:
         _check(self.backend == "xgrammar", "structured output backend must be 'xgrammar'")
         _check(self.jump_forward_max_tokens >= 1, "jump_forward_max_tokens must be >= 1")
         _check(self.bitmask_fill_threads >= 0, "bitmask_fill_threads must be >= 0 (0: auto)")
+        _check(self.accept_threads >= 0, "accept_threads must be >= 0 (0: auto)")
         _check(self.cache_size >= 0, "structured_output_cache_size must be >= 0")
         _check(self.cache_bytes >= 0, "grammar_cache_bytes must be >= 0")
         _check(self.max_grammar_bytes > 0, "max_grammar_bytes must be positive")
@@ -371,8 +376,8 @@ class StructuredOutputConfig:
 
 
 def fill_threads(configured: int, cpu_count: int | None) -> int:
-    """Threads of the batch bitmask fill (StructuredOutputConfig.bitmask_fill_threads; 0 =
-    auto: a quarter of the host's cores, 1 to 4)."""
+    """Threads of the batch bitmask fill and accept (StructuredOutputConfig.bitmask_fill_threads,
+    .accept_threads; 0 = auto: a quarter of the host's cores, 1 to 4)."""
     if configured > 0:
         return configured
     return max(1, min(4, (cpu_count or 1) // 4))

@@ -91,15 +91,16 @@ def test_fill_thread_ab_in_one_engine(tmp_path, monkeypatch) -> None:  # noqa: A
             submits.append(state["on"])
             return super().submit(fn, *a, **k)
 
-    set_fill = sb._set_fill_thread
+    set_structured = sb._set_structured
 
-    def switch(llm, on: bool) -> None:  # noqa: ANN001
-        switches.append(on)
-        state["on"] = on
-        set_fill(llm, on)
+    def switch(llm, fill_thread: bool | None = None, accept_threads: int | None = None) -> None:  # noqa: ANN001
+        if fill_thread is not None:
+            switches.append(fill_thread)
+            state["on"] = fill_thread
+        set_structured(llm, fill_thread, accept_threads)
 
     monkeypatch.setattr(core_mod, "ThreadPoolExecutor", Pool)
-    monkeypatch.setattr(sb, "_set_fill_thread", switch)
+    monkeypatch.setattr(sb, "_set_structured", switch)
     out = tmp_path / "so.json"
     args = ["--llama8b", "--tiny", "--backend", "torch", "--async-scheduling", "on",
             "--batches", "3", "--input-len", "8", "--output-len", "6", "--repeats", "2",
@@ -114,6 +115,37 @@ def test_fill_thread_ab_in_one_engine(tmp_path, monkeypatch) -> None:  # noqa: A
     timed = [on for on in submits if on is not None]
     # Work only with the thread on: 2 repeats x <= 6 steps, no more.
     assert timed and all(timed) and len(timed) <= 2 * 6, timed
+
+
+def test_accept_ab_in_one_engine(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """--accept-ab N: every repeat runs plain, constrained with one accept thread, then with N,
+    in the same engine; the step's batch accept is split only in the N runs (64 rows: two
+    slices of 32)."""
+    import xlaserve.structured.manager as manager_mod
+    from xlaserve.structured.manager import StructuredOutputManager
+
+    seen: list[tuple[int, int]] = []  # (threads set, rows) per batch accept
+    inner = StructuredOutputManager.batch_accept
+
+    def batch_accept(self, matchers, tokens):  # noqa: ANN001, ANN202
+        seen.append((self.accept_threads, len(matchers)))
+        return inner(self, matchers, tokens)
+
+    monkeypatch.setattr(StructuredOutputManager, "batch_accept", batch_accept)
+    # The engine's default: one accept thread whatever this host's cores.
+    monkeypatch.setattr(manager_mod, "fill_threads", lambda configured, cpus: configured or 1)
+    out = tmp_path / "so.json"
+    args = ["--llama8b", "--tiny", "--backend", "torch", "--async-scheduling", "on",
+            "--batches", "64", "--input-len", "4", "--output-len", "4", "--repeats", "1",
+            "--only-batches", "--accept-ab", "2", "--output-json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    row = json.loads(out.read_text())["rows"]["batch64"]
+    assert len(row["accept_threads"]["pair_ratios"]) == 1
+    assert row["output_tokens"]["constrained_accept"] == row["output_tokens"]["constrained"] > 0
+    full = [th for th, rows in seen if rows == 64]
+    # The warm-up and the untimed round take the default (1); then the timed constrained run
+    # 1 thread, the accept run 2, in that order.
+    assert 2 in full and full[-1] == 2 and full.index(2) > 0 and full[full.index(2) - 1] == 1
 
 
 def test_engine_process_batch_rows(tmp_path) -> None:  # noqa: ANN001

@@ -205,6 +205,24 @@ def test_max_padded_len_is_the_longest_padded_context() -> None:
         assert max_padded_len(t, max_len) == want, (t, max_len)
 
 
+@pytest.mark.parametrize("max_chunk, max_len", [(64, 200), (96, 96), (200, 64)])
+def test_transient_bytes_bound_every_call(max_chunk: int, max_len: int) -> None:
+    """transient_bytes bounds call_bytes of every chunk the engine can send: q <= max_chunk
+    queries ending a context of kv <= max_len, padded exactly where pad_to_square pads, and
+    is reached by one of them (it is the max, not a looser figure)."""
+    from xlaserve.kernels_cuda.prefill_sdpa import call_bytes, pad_to_square, transient_bytes
+
+    for quant in (False, True):
+        shape = (8, 2, 16, 2, quant)
+        bound = transient_bytes(max_chunk, max_len, *shape)
+        calls = [
+            call_bytes(q, kv, *shape, padded=pad_to_square(q, kv, True))
+            for kv in range(1, max_len + 1)
+            for q in range(1, min(max_chunk, kv) + 1)
+        ]
+        assert max(calls) == bound, (max(calls), bound)
+
+
 def test_sdpa_reserve_follows_the_switch() -> None:
     """The KV profiling reserve (memory.sdpa_reserve): 0 with the path off (or auto on the CPU,
     or another attention backend); with it on, transient_bytes of the runner's shapes, which
@@ -238,10 +256,16 @@ def test_sdpa_reserve_follows_the_switch() -> None:
 @gpu
 @pytest.mark.parametrize("q_len, kv_len", [(2048, 2048), (3000, 5000), (1024, 12000)])
 def test_gpu_transient_bytes_bound_the_peak(q_len: int, kv_len: int) -> None:
-    """What sdpa_prefill allocates on top of its inputs stays within transient_bytes (the KV
-    profiling reserve) and is most of it: a fresh prompt, a padded chunk, a chunk over a long
-    prefix (not padded: the gathered context dominates)."""
-    from xlaserve.kernels_cuda.prefill_sdpa import pad_to_square, sdpa_prefill, transient_bytes
+    """What sdpa_prefill allocates on top of its inputs stays within call_bytes of its shape,
+    which transient_bytes (the KV profiling reserve) bounds, and is most of it: a fresh prompt,
+    a padded chunk, a chunk over a long prefix (not padded: the gathered context dominates).
+    H100, 2026-12-05: 25,167,360 / 104,400,384 / 58,164,224 bytes used."""
+    from xlaserve.kernels_cuda.prefill_sdpa import (
+        call_bytes,
+        pad_to_square,
+        sdpa_prefill,
+        transient_bytes,
+    )
 
     x, md = _step([q_len], [kv_len], 32, 8, 128, 16, torch.bfloat16, "cuda")
     out = torch.empty_like(x["q"])
@@ -252,6 +276,7 @@ def test_gpu_transient_bytes_bound_the_peak(q_len: int, kv_len: int) -> None:
     sdpa_prefill(x["q"], x["k_cache"], x["v_cache"], md.block_tables, long, 128**-0.5, out)
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
-    bound = transient_bytes(q_len, kv_len, 32, 8, 128, 2, False)
-    assert used <= bound, (used, bound, pad_to_square(q_len, kv_len, True))
-    assert used >= 0.6 * bound, (used, bound)
+    padded = pad_to_square(q_len, kv_len, True)
+    own = call_bytes(q_len, kv_len, 32, 8, 128, 2, False, padded)
+    assert used <= own <= transient_bytes(q_len, kv_len, 32, 8, 128, 2, False), (used, own)
+    assert used >= 0.8 * own, (used, own, padded)

@@ -196,6 +196,40 @@ def test_accept_step_batch_equals_one_by_one(mgr: StructuredOutputManager, tok: 
             mgr.remove(tag + rid)
 
 
+def test_batch_accept_split_over_threads(tok: Tokenizer) -> None:
+    """With accept_threads > 1 the batch accept runs in slices on several threads: every
+    row's result, and every matcher's state after it, equal accepting one matcher at a time,
+    in row order (rows of a rejected token and of an accepted one interleave unevenly, so a
+    slice out of place changes the result)."""
+    m = StructuredOutputManager(tok, MODEL_VOCAB, [EOS], StructuredOutputConfig(accept_threads=3))
+    try:
+        ids = tok.encode("dark-42", add_special_tokens=False)
+        bad = tok.encode("{", add_special_tokens=False)[0]
+        n = 101  # three slices of 33 / 34 rows (>= MIN_ROWS_PER_ACCEPT_THREAD each)
+        spec = SO(regex=r"[a-z]{2,4}-\d\d")
+        m.add_request("probe", m.prepare(spec))
+        _ready(m, "probe")
+        compiled = m._cache[spec.key()]
+        split = [m._xgr.GrammarMatcher(compiled) for _ in range(n)]
+        ref = [m._xgr.GrammarMatcher(compiled) for _ in range(n)]
+        rounds = [[bad if i % 7 in (2, 5) or i > 90 else ids[0] for i in range(n)],
+                  [ids[1] if i % 3 else bad for i in range(n)]]  # fmt: skip
+        for toks in rounds:
+            got = m.batch_accept(split, toks)
+            want = [int(r.accept_token(t)) for r, t in zip(ref, toks, strict=True)]
+            assert [int(x) for x in got] == want
+            assert 0 < sum(want) < n  # both kinds of row in every round
+        assert m._accept_pool is not None  # the split ran on the workers
+        for a, b in zip(split, ref, strict=True):  # the same state: the same next mask
+            ma = np.zeros((1, m.num_words), np.int32)
+            mb = np.ones((1, m.num_words), np.int32)
+            a.fill_next_token_bitmask(ma, 0)
+            b.fill_next_token_bitmask(mb, 0)
+            assert np.array_equal(ma, mb)
+    finally:
+        m.shutdown()
+
+
 def test_async_compile_and_lru(tok: Tokenizer) -> None:
     m = StructuredOutputManager(tok, MODEL_VOCAB, [EOS], StructuredOutputConfig(cache_size=2))
     try:

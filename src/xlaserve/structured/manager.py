@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 JSON_ANY_WHITESPACE = False
 # Constrained rows in a step from which the batch fill runs on `fill_threads` threads.
 MIN_ROWS_THREADED_FILL = 32
+# Fewest single-token accepts one thread of the split batch accept takes (`batch_accept`):
+# below it a thread's hand-off costs more than its share of the accepts.
+MIN_ROWS_PER_ACCEPT_THREAD = 32
 
 GrammarKey = tuple[str, str]
 
@@ -256,6 +259,10 @@ class StructuredOutputManager:
         )
         self._jump_row = np.empty((1, self.num_words), dtype=np.int32)  # forced_tokens' mask
         self.num_compiled = 0
+        # StructuredOutputConfig.accept_threads: the batch accept split over this many threads
+        # (the caller's and accept_threads - 1 workers, started on first use).
+        self.accept_threads = fill_threads(cfg.accept_threads, os.cpu_count())
+        self._accept_pool: cf.ThreadPoolExecutor | None = None
 
     # ----- requests ---------------------------------------------------------------------------
 
@@ -530,14 +537,7 @@ class StructuredOutputManager:
                 if verdict != (False, None):
                     res[rid] = verdict
         if len(singles) > 1:
-            # xgrammar's batch_accept_token wrapper, minus its per-item Python: the C++ call
-            # takes the handles directly, and its result (a tvm_ffi Array of 0/1) converts in
-            # one list() instead of one getitem per request.
-            ok = list(
-                self._core.BatchGrammarMatcher.batch_accept_token(
-                    [m._handle for _, m, _ in singles], [t for _, _, t in singles], False
-                )
-            )
+            ok = self.batch_accept([m for _, m, _ in singles], [t for _, _, t in singles])
         else:
             ok = [m.accept_token(t) for _, m, t in singles]
         stops = self._stop_ids
@@ -550,6 +550,35 @@ class StructuredOutputManager:
             if verdict is not None:
                 res[rid] = verdict
         return res
+
+    def batch_accept(self, matchers: list[Any], tokens: list[int]) -> list[int]:
+        """matchers[i] accepts tokens[i] (one token each, distinct matchers): 1 / 0 per row.
+
+        xgrammar's batch accept is one C++ call, minus its wrapper's per-item Python (the call
+        takes the handles, and its tvm_ffi Array result converts in one list()). tvm_ffi drops
+        the GIL inside the call, so with `accept_threads` > 1 the rows are split into contiguous
+        slices, at least MIN_ROWS_PER_ACCEPT_THREAD each, accepted side by side: the caller's
+        thread takes the first, pool workers the rest. Each matcher is touched by one thread,
+        and the result is in row order whatever the split."""
+        accept = self._core.BatchGrammarMatcher.batch_accept_token
+        handles = [m._handle for m in matchers]
+        n = len(handles)
+        k = min(self.accept_threads, n // MIN_ROWS_PER_ACCEPT_THREAD)
+        if k <= 1:
+            return list(accept(handles, tokens, False))
+        if self._accept_pool is None:
+            self._accept_pool = cf.ThreadPoolExecutor(
+                max_workers=self.accept_threads - 1, thread_name_prefix="xlaserve-accept"
+            )
+        cuts = [n * i // k for i in range(k + 1)]
+        futs = [
+            self._accept_pool.submit(accept, handles[a:b], tokens[a:b], False)
+            for a, b in zip(cuts[1:-1], cuts[2:], strict=True)
+        ]
+        ok = list(accept(handles[: cuts[1]], tokens[: cuts[1]], False))
+        for f in futs:
+            ok.extend(f.result())
+        return ok
 
     def accept_tokens(self, req_id: str, tokens: list[int]) -> tuple[bool, str | None]:
         """Advance the matcher with the tokens the request got. Returns (terminated, error);
@@ -570,3 +599,5 @@ class StructuredOutputManager:
             self._pool.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._accept_pool is not None:
+            self._accept_pool.shutdown(wait=False)
