@@ -119,6 +119,22 @@ def _rest_batch(md: HostBatch, keep: list[int]) -> RestBatch:
 # again, so it is taken where the square call's pairs, at SQUARE_SPEEDUP times the rate, cost
 # less than the chunk's own pairs: here 450M against 316M query-key pairs.
 SQUARE_SPEEDUP = 1.8
+# How a chunk over a cached prefix attends on CUDA: "split" = the prefix's keys without a mask
+# and the chunk's own square causal block, two cuDNN calls merged by their log-sum-exp (every
+# query-key pair once, each call of a shape cuDNN runs at full rate: `split_attention`); "pad"
+# = the padded square call where `pad_to_square` takes it, else bottom-right causal SDPA.
+CHUNK_ROUTE = "split"
+
+
+def chunk_route(q_len: int, kv_len: int, cuda: bool) -> str:
+    """How `sdpa_prefill` attends a chunk of q_len queries ending a kv_len context: "causal"
+    (the whole context is new), "split", "pad" or "lower_right" (see CHUNK_ROUTE; the CPU's
+    math kernel gains from neither split nor padding)."""
+    if q_len >= kv_len:
+        return "causal"
+    if cuda and CHUNK_ROUTE == "split":
+        return "split"
+    return "pad" if pad_to_square(q_len, kv_len, cuda) else "lower_right"
 
 
 def pad_to_square(q_len: int, kv_len: int, cuda: bool) -> bool:
@@ -161,22 +177,32 @@ def call_bytes(
     head_dim: int,
     elem: int,
     quantized_cache: bool,
-    padded: bool,
+    route: str,
 ) -> int:
     """Bytes one `sdpa_prefill` call of a q_len-query chunk ending a kv_len context allocates
-    beyond its inputs; elem: bytes of q's dtype; padded: it goes through `pad_to_square`.
+    beyond its inputs, by `chunk_route`; elem: bytes of q's dtype.
 
     Counted: the gathered K and V [kv_len, Hkv, D] (a quantized cache's gather also holds the
-    codes and a float32 product of one of them); the output [q_len, Hq, D], or where padded the
-    padded queries and the square output, each [kv_len, Hq, D]; the kernel's scratch
-    (SCRATCH_BYTES_PER_HEAD_ROW, SCRATCH_FIXED_BYTES). No K / V repeated to the query heads:
-    the GPU test measured none (enable_gqa reaches the kernels without a copy)."""
+    codes and a float32 product of one of them); then by route: "causal" / "lower_right" the
+    output [q_len, Hq, D]; "pad" the padded queries and the square output, each [kv_len, Hq,
+    D]; "split" the larger of its prefix call (the prefix's K and V repeated to the query heads,
+    as cuDNN's calls take them, and its output) and its own call with the merge (both calls'
+    outputs and their float32 merge [q_len, Hq, D]); and the kernel's scratch
+    (SCRATCH_BYTES_PER_HEAD_ROW, SCRATCH_FIXED_BYTES). No GQA repeat on the SDPA routes: the
+    GPU test measured none (enable_gqa reaches the kernels without a copy)."""
     kv = num_kv_heads * head_dim
     qrow = num_heads * head_dim * elem
     gathered = 2 * kv_len * kv * elem + (kv_len * kv * 5 if quantized_cache else 0)
-    rows = 2 * kv_len if padded else q_len
+    if route == "pad":
+        own = 2 * kv_len * qrow
+    elif route == "split":  # the larger of the prefix call and the own call + merge
+        gqa = num_heads != num_kv_heads
+        prefix = (2 * (kv_len - q_len) * qrow if gqa else 0) + q_len * qrow
+        own = max(prefix, 2 * q_len * qrow + q_len * num_heads * head_dim * 4)
+    else:
+        own = q_len * qrow
     scratch = SCRATCH_BYTES_PER_HEAD_ROW * num_heads * max(q_len, kv_len) + SCRATCH_FIXED_BYTES
-    return gathered + rows * qrow + scratch
+    return gathered + own + scratch
 
 
 def transient_bytes(
@@ -190,15 +216,23 @@ def transient_bytes(
 ) -> int:
     """Peak bytes `sdpa_prefill` allocates beyond the step's own activations, for one layer (the
     allocator reuses them layer after layer), at chunks of <= max_chunk queries over contexts
-    of <= max_len tokens: the larger `call_bytes` of the longest plain call and the longest
-    padded one (its context bounded by `max_padded_len`). The KV-cache profiling forward runs
-    one max_chunk-token prompt, which never takes this path at long contexts, so the runner
-    reserves this on top of its peak."""
+    of <= max_len tokens (`chunk_route` on CUDA): the largest `call_bytes` of the longest call
+    of each route (a padded one's context bounded by `max_padded_len`). The KV-cache profiling
+    forward runs one max_chunk-token prompt, which never takes this path at long contexts, so
+    the runner reserves this on top of its peak."""
     shape = (num_heads, num_kv_heads, head_dim, elem, quantized_cache)
-    plain = call_bytes(min(max_chunk, max_len), max_len, *shape, padded=False)
-    lp = max_padded_len(max_chunk, max_len)
-    padded = call_bytes(min(max_chunk, lp - 1), lp, *shape, padded=True) if lp else 0
-    return max(plain, padded)
+    q = min(max_chunk, max_len)
+    worst = call_bytes(q, max_len, *shape, route="causal")
+    if max_len > 1 and CHUNK_ROUTE == "split":  # every chunk over a prefix
+        # The prefix call shrinks with the chunk, the own call grows: the worst is at an end.
+        for q_len in (1, min(q, max_len - 1)):
+            worst = max(worst, call_bytes(q_len, max_len, *shape, route="split"))
+    elif max_len > 1:
+        worst = max(worst, call_bytes(min(q, max_len - 1), max_len, *shape, route="lower_right"))
+        lp = max_padded_len(max_chunk, max_len)
+        if lp:
+            worst = max(worst, call_bytes(min(max_chunk, lp - 1), lp, *shape, route="pad"))
+    return worst
 
 
 def sdpa_prefill(
@@ -220,11 +254,15 @@ def sdpa_prefill(
         # [L, H, D] -> [1, H, L, D] views: the memory stays [L, H, D], the layout flash reads.
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k, v))
         q_len = q1 - q0
-        if q_len == kv_len:  # the whole context is new: plain causal
+        route = chunk_route(q_len, kv_len, q.is_cuda)
+        if route == "causal":  # the whole context is new: plain causal
             o = F.scaled_dot_product_attention(
                 qb, kb, vb, is_causal=True, scale=sm_scale, enable_gqa=True
             )
-        elif pad_to_square(q_len, kv_len, q.is_cuda):
+        elif route == "split":
+            split_attention(qb, kb, vb, sm_scale, out[q0:q1])
+            continue
+        elif route == "pad":
             # Zero queries in front make the call square, where causal top left = bottom
             # right and the square kernel runs; their rows are dropped.
             qp = q.new_empty(kv_len, q.shape[1], q.shape[2])  # one buffer, not zeros + cat
@@ -241,3 +279,48 @@ def sdpa_prefill(
                 enable_gqa=True,
             )  # fmt: skip
         out[q0:q1] = o[0].transpose(0, 1)
+
+
+def lse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, Hq, Lq, D], k / v [1, Hkv, Lk, D] (causal: Lq == Lk) -> (output [1, Hq, Lq, D],
+    its natural log-sum-exp float32 [1, Hq, Lq]). CUDA: cuDNN's fused attention (the private
+    aten op that returns the log-sum-exp), with K / V repeated to the query heads; elsewhere
+    the same in plain torch (tests)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv != hq:
+        k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    if q.is_cuda:
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
+        lse = lse.reshape(lse.shape[0], -1, lse.shape[-2] if lse.shape[-1] == 1 else lse.shape[-1])
+        if lse.shape[1] != hq:  # [1, Lq, H] layout
+            lse = lse.transpose(1, 2)
+        return o, lse.float()
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        n = q.shape[2]
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.matmul(torch.exp(s - lse[..., None]), v.float()).to(q.dtype)
+    return o, lse
+
+
+def split_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """A chunk over a cached prefix as two calls merged by their log-sum-exp: q [1, Hq, Lq, D]
+    the last Lq positions of the k / v [1, Hkv, L, D] context. The queries see the L - Lq
+    prefix keys without a mask and their own Lq keys causally (square: top left = bottom
+    right), so every query-key pair is computed once; out [Lq, Hq, D] gets the softmax over
+    both key sets (the merge in float32)."""
+    p = k.shape[2] - q.shape[2]
+    o1, l1 = lse_attention(q, k[:, :, :p], v[:, :, :p], False, scale)
+    o2, l2 = lse_attention(q, k[:, :, p:], v[:, :, p:], True, scale)
+    lse = torch.logaddexp(l1, l2)
+    merged = o1.float().mul_((l1 - lse).exp_().unsqueeze(-1))
+    del o1
+    merged.addcmul_(o2, (l2 - lse).exp_().unsqueeze(-1))
+    out.copy_(merged[0].transpose(0, 1))

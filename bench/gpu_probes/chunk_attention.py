@@ -13,7 +13,9 @@ checked against the first (max abs difference), one layer's shape (32 q / 8 kv h
 - ``padded_square``: the chunk's queries padded in front to a square causal call (top left =
   bottom right when square; pays the prefix's own triangle again);
 - ``split_lse``: prefix keys without a mask plus the chunk's own square causal block, merged
-  by their log-sum-exp (the private aten ops that return it: cuDNN, flash);
+  by their log-sum-exp (the private aten ops that return it: cuDNN with K / V repeated to the
+  query heads or with their own heads, flash); ``split_engine``: the engine's route
+  (`prefill_sdpa.split_attention`);
 - ``flash_varlen``: aten._flash_attention_forward with is_causal on a non-square problem
   (FlashAttention-2 aligns causal to the bottom right there).
 Also the square causal call of the whole prompt, the speed the chunk should reach.
@@ -84,6 +86,19 @@ def _routes(q: Any, k: Any, v: Any, scale: float) -> dict[str, Callable[[], Any]
         o2, l2 = op(qb, kr[:, :, p:], vr[:, :, p:], None, True, 0.0, True, False, scale=scale)[:2]
         return merge(o1, l1, o2, l2)
 
+    def split_cudnn_gqa() -> Any:  # noqa: ANN401 - K / V with their own heads, no repeat
+        op = torch.ops.aten._scaled_dot_product_cudnn_attention
+        o1, l1 = op(qb, kb[:, :, :p], vb[:, :, :p], None, True, 0.0, False, False, scale=scale)[:2]
+        o2, l2 = op(qb, kb[:, :, p:], vb[:, :, p:], None, True, 0.0, True, False, scale=scale)[:2]
+        return merge(o1, l1, o2, l2)
+
+    def split_engine() -> Any:  # noqa: ANN401 - the engine's route (prefill_sdpa.split_attention)
+        from xlaserve.kernels_cuda.prefill_sdpa import split_attention
+
+        out = torch.empty_like(q)
+        split_attention(qb, kb, vb, scale, out)
+        return out
+
     def split_flash() -> Any:  # noqa: ANN401
         op = torch.ops.aten._flash_attention_forward
         o1, l1 = op(q[None], k[None, :p], v[None, :p], None, None, lq, p, 0.0, False, False,
@@ -108,6 +123,8 @@ def _routes(q: Any, k: Any, v: Any, scale: float) -> dict[str, Callable[[], Any]
     routes["padded_square"] = padded_square
     if q.is_cuda:
         routes["split_lse_cudnn"] = split_cudnn
+        routes["split_lse_cudnn_gqa"] = split_cudnn_gqa
+        routes["split_engine"] = split_engine
         routes["split_lse_flash"] = split_flash
         routes["flash_varlen"] = flash_varlen
     return routes

@@ -2,8 +2,9 @@
 """GPU probe: where the 30k-token prefill's GPU time goes, ours against transformers' SDPA
 forward of the same prompt length (issue 24's TTFT goal: <= 0.9x transformers).
 
-    OUT=dir python bench/gpu_probes/prefill_profile.py [PROMPT_LEN] [MAX_NUM_BATCHED_TOKENS]
-    # -> $OUT/prefill_profile.json
+    OUT=dir python bench/gpu_probes/prefill_profile.py [PROMPT_LEN] [SIDES]
+    # SIDES: comma list of transformers, engine, engine_sdpa (prefill_sdpa="on");
+    # default all three -> $OUT/prefill_profile.json
 
 Llama-3.1-8B shape, dummy bf16 weights. First transformers (LlamaForCausalLM, sdpa attention,
 logits_to_keep=1, as long_context.py's hf stage), then our engine (long_context's settings:
@@ -100,15 +101,14 @@ def hf_side(n: int) -> dict[str, Any]:
     return res
 
 
-def engine_side(n: int, tokens: int | None) -> dict[str, Any]:
+def engine_side(n: int, **settings: Any) -> dict[str, Any]:  # noqa: ANN401
     from xlaserve import LLM, SamplingParams
 
     model_dir = gb.write_model_dir("/tmp/llama8b-prefill", 32)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(CONFIG, f, indent=1)
-    kw: dict[str, Any] = {} if tokens is None else {"max_num_batched_tokens": tokens}
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=32768,
-              gpu_memory_utilization=0.85, **kw)  # fmt: skip
+              gpu_memory_utilization=0.85, **settings)  # fmt: skip
     vocab = gb.LLAMA_8B["vocab_size"]
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -123,17 +123,28 @@ def engine_side(n: int, tokens: int | None) -> dict[str, Any]:
         run(3)
     res = _summary(prof, wall)
     res["max_num_batched_tokens"] = llm.llm_engine.config.scheduler.max_num_batched_tokens
+    res["settings"] = settings
     llm.llm_engine.shutdown()
+    llm = None  # (the closure above holds it: free the engine before the next side)
+    gc.collect()
+    torch.cuda.empty_cache()
     return res
+
+
+# Side -> engine settings (transformers: none).
+SIDES: dict[str, dict[str, Any]] = {
+    "transformers": {},
+    "engine": {},
+    "engine_sdpa": {"prefill_sdpa": "on"},
+}
 
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 30000
-    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SIDES)
     res: dict[str, Any] = {"prompt_len": n, "device": torch.cuda.get_device_name()}
-    sides = (("transformers", lambda: hf_side(n)), ("engine", lambda: engine_side(n, tokens)))
-    for side, fn in sides:
-        res[side] = fn()
+    for side in names:
+        res[side] = hf_side(n) if side == "transformers" else engine_side(n, **SIDES[side])
         r = res[side]
         print(f"{side}: wall {r['wall_s']:.3f} s, gpu {r['gpu_ms']:.1f} ms, "
               f"{r['gpu_ms_by_kind']}", flush=True)  # fmt: skip

@@ -107,6 +107,44 @@ def test_chunk_over_prefix_as_padded_square(monkeypatch) -> None:  # noqa: ANN00
     torch.testing.assert_close(out, _ref(x, md, 0.2), atol=2e-5, rtol=1e-5)
 
 
+def test_chunk_over_prefix_split_by_lse(monkeypatch) -> None:  # noqa: ANN001
+    """The split route (CUDA's default for a chunk over a cached prefix): prefix keys without a
+    mask and the chunk's own block causal, merged by log-sum-exp (plain torch on the CPU, the
+    same merge as on CUDA), gives the bottom-right causal result, GQA included; a fresh prompt
+    stays one causal call."""
+    from xlaserve.kernels_cuda import prefill_sdpa as ps
+
+    routes: list[tuple[int, int, str]] = []
+    inner = ps.chunk_route
+
+    def route(q: int, kv: int, cuda: bool) -> str:
+        r = "split" if q < kv else inner(q, kv, cuda)
+        routes.append((q, kv, r))
+        return r
+
+    monkeypatch.setattr(ps, "chunk_route", route)
+    x, md = _step([24, 18, 1, 20], [61, 40, 9, 20], hq=8, hkv=2, extra_rows=2, seed=12)
+    be = TritonAttention()
+    be.kernels = ON
+    out = be.forward(x["q"], x["k_cache"], x["v_cache"], md, 0.2)
+    assert sorted(routes) == [(18, 40, "split"), (20, 20, "causal"), (24, 61, "split")]
+    torch.testing.assert_close(out, _ref(x, md, 0.2), atol=2e-5, rtol=1e-5)
+
+
+def test_chunk_route_rule(monkeypatch) -> None:  # noqa: ANN001
+    """A fresh prompt is one causal call; a chunk over a prefix splits on CUDA (CHUNK_ROUTE
+    "split"), with "pad" pads where pad_to_square says, and takes the bottom-right causal call
+    on the CPU."""
+    from xlaserve.kernels_cuda import prefill_sdpa as ps
+
+    assert ps.chunk_route(30000, 30000, True) == "causal"
+    assert ps.chunk_route(13616, 30000, True) == "split"
+    assert ps.chunk_route(13616, 30000, False) == "lower_right"
+    monkeypatch.setattr(ps, "CHUNK_ROUTE", "pad")
+    assert ps.chunk_route(13616, 30000, True) == "pad"
+    assert ps.chunk_route(2048, 128000, True) == "lower_right"
+
+
 def test_pad_to_square_rule() -> None:
     """Padding where the square call's pairs at SQUARE_SPEEDUP cost less than the chunk's own:
     the 30k prompt's second chunk pads, a short chunk over a long prefix does not, never on the
@@ -171,8 +209,9 @@ def test_min_tokens_must_be_positive() -> None:
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_real_shapes_flash(dtype: torch.dtype) -> None:
-    """32 q / 8 kv heads, D=128, 16-token pages: a fresh 3k prompt, a 2k chunk over a 3k prefix
-    and decodes, on the flash kernel (GQA without repeating K / V, bottom-right causal)."""
+    """32 q / 8 kv heads, D=128, 16-token pages: a fresh 3k prompt on the flash kernel (GQA
+    without repeating K / V), a 2k chunk over a 3k prefix through the split route (two cuDNN
+    calls merged by log-sum-exp: the private op ignores the forced backend) and decodes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     x, md = _step([3000, 1, 2048, 1], [3000, 4000, 5048, 77], 32, 8, 128, 16, dtype, "cuda")
@@ -205,18 +244,25 @@ def test_max_padded_len_is_the_longest_padded_context() -> None:
         assert max_padded_len(t, max_len) == want, (t, max_len)
 
 
+@pytest.mark.parametrize("chunk_route", ["split", "pad"])
 @pytest.mark.parametrize("max_chunk, max_len", [(64, 200), (96, 96), (200, 64)])
-def test_transient_bytes_bound_every_call(max_chunk: int, max_len: int) -> None:
-    """transient_bytes bounds call_bytes of every chunk the engine can send: q <= max_chunk
-    queries ending a context of kv <= max_len, padded exactly where pad_to_square pads, and
-    is reached by one of them (it is the max, not a looser figure)."""
-    from xlaserve.kernels_cuda.prefill_sdpa import call_bytes, pad_to_square, transient_bytes
+def test_transient_bytes_bound_every_call(
+    monkeypatch,  # noqa: ANN001
+    chunk_route: str,
+    max_chunk: int,
+    max_len: int,
+) -> None:
+    """transient_bytes bounds call_bytes of every chunk the engine can send on CUDA: q <=
+    max_chunk queries ending a context of kv <= max_len, by the route chunk_route takes (under
+    either CHUNK_ROUTE), and is reached by one of them (it is the max, not a looser figure)."""
+    from xlaserve.kernels_cuda import prefill_sdpa as ps
 
+    monkeypatch.setattr(ps, "CHUNK_ROUTE", chunk_route)
     for quant in (False, True):
         shape = (8, 2, 16, 2, quant)
-        bound = transient_bytes(max_chunk, max_len, *shape)
+        bound = ps.transient_bytes(max_chunk, max_len, *shape)
         calls = [
-            call_bytes(q, kv, *shape, padded=pad_to_square(q, kv, True))
+            ps.call_bytes(q, kv, *shape, route=ps.chunk_route(q, kv, True))
             for kv in range(1, max_len + 1)
             for q in range(1, min(max_chunk, kv) + 1)
         ]
@@ -258,11 +304,12 @@ def test_sdpa_reserve_follows_the_switch() -> None:
 def test_gpu_transient_bytes_bound_the_peak(q_len: int, kv_len: int) -> None:
     """What sdpa_prefill allocates on top of its inputs stays within call_bytes of its shape,
     which transient_bytes (the KV profiling reserve) bounds, and is most of it: a fresh prompt,
-    a padded chunk, a chunk over a long prefix (not padded: the gathered context dominates).
-    H100, 2026-12-05: 25,167,360 / 104,400,384 / 58,164,224 bytes used."""
+    chunks over a prefix (split by lse: the repeated K / V and the merge dominate).
+    H100, 2026-12-05, before the split route (padded / bottom right): 25,167,360 / 104,400,384
+    / 58,164,224 bytes used."""
     from xlaserve.kernels_cuda.prefill_sdpa import (
         call_bytes,
-        pad_to_square,
+        chunk_route,
         sdpa_prefill,
         transient_bytes,
     )
@@ -276,7 +323,7 @@ def test_gpu_transient_bytes_bound_the_peak(q_len: int, kv_len: int) -> None:
     sdpa_prefill(x["q"], x["k_cache"], x["v_cache"], md.block_tables, long, 128**-0.5, out)
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
-    padded = pad_to_square(q_len, kv_len, True)
-    own = call_bytes(q_len, kv_len, 32, 8, 128, 2, False, padded)
+    route = chunk_route(q_len, kv_len, True)
+    own = call_bytes(q_len, kv_len, 32, 8, 128, 2, False, route)
     assert used <= own <= transient_bytes(q_len, kv_len, 32, 8, 128, 2, False), (used, own)
-    assert used >= 0.8 * own, (used, own, padded)
+    assert used >= 0.8 * own, (used, own, route)

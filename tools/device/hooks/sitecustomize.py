@@ -5,6 +5,7 @@ DEVRUN_LONG_DECODE=0|1      paged_attention.LONG_DECODE_ENABLED
 DEVRUN_QUANT_F16=0|1        paged_attention.QUANT_F16_DOTS
 DEVRUN_INT8_TILES_JSON=p    quant_matmul.INT8_DOT_TILES buckets from quant_gemm_sweep's suggest
 DEVRUN_W8A8_AUTO_JSON=p     scaled_mm.AUTO_LIBRARY / SCALED_MM_TILES buckets from the same
+DEVRUN_CHUNK_ROUTE=r        prefill_sdpa.CHUNK_ROUTE ("split" | "pad")
 """
 
 import importlib.abc
@@ -77,7 +78,15 @@ def _patch_sm(mod):
         _log(f"{fmt}: AUTO_LIBRARY = {mod.AUTO_LIBRARY[fmt]}; tiles = {mod.SCALED_MM_TILES[fmt]}")
 
 
+def _patch_ps(mod):
+    r = os.environ.get("DEVRUN_CHUNK_ROUTE")
+    if r:
+        mod.CHUNK_ROUTE = r
+        _log(f"prefill_sdpa.CHUNK_ROUTE = {r}")
+
+
 _PATCHES = {
+    "xlaserve.kernels_cuda.prefill_sdpa": _patch_ps,
     "xlaserve.kernels_cuda.paged_attention": _patch_pa,
     "xlaserve.kernels_cuda.quant_matmul": _patch_qm,
     "xlaserve.kernels_cuda.scaled_mm": _patch_sm,
@@ -105,6 +114,9 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-_ENV = ("DEVRUN_LONG_DECODE", "DEVRUN_QUANT_F16", "DEVRUN_INT8_TILES_JSON", "DEVRUN_W8A8_AUTO_JSON")
+_ENV = (
+    "DEVRUN_LONG_DECODE", "DEVRUN_QUANT_F16", "DEVRUN_INT8_TILES_JSON", "DEVRUN_W8A8_AUTO_JSON",
+    "DEVRUN_CHUNK_ROUTE",
+)  # fmt: skip
 if any(os.environ.get(k) for k in _ENV):
     sys.meta_path.insert(0, _Finder())
