@@ -27,6 +27,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
 from .kv_quant import gather_context
@@ -185,20 +187,16 @@ def call_bytes(
     Counted: the gathered K and V [kv_len, Hkv, D] (a quantized cache's gather also holds the
     codes and a float32 product of one of them); then by route: "causal" / "lower_right" the
     output [q_len, Hq, D]; "pad" the padded queries and the square output, each [kv_len, Hq,
-    D]; "split" the larger of its prefix call (the prefix's K and V repeated to the query heads,
-    as cuDNN's calls take them, and its output) and its own call with the merge (both calls'
-    outputs and their float32 merge [q_len, Hq, D]); and the kernel's scratch
-    (SCRATCH_BYTES_PER_HEAD_ROW, SCRATCH_FIXED_BYTES). No GQA repeat on the SDPA routes: the
-    GPU test measured none (enable_gqa reaches the kernels without a copy)."""
+    D]; "split" both calls' outputs [q_len, Hq, D] (`merge_lse` writes into the step's output);
+    and the kernel's scratch (SCRATCH_BYTES_PER_HEAD_ROW, SCRATCH_FIXED_BYTES). No K / V
+    repeated to the query heads on any route: the GPU test measured none."""
     kv = num_kv_heads * head_dim
     qrow = num_heads * head_dim * elem
     gathered = 2 * kv_len * kv * elem + (kv_len * kv * 5 if quantized_cache else 0)
     if route == "pad":
         own = 2 * kv_len * qrow
-    elif route == "split":  # the larger of the prefix call and the own call + merge
-        gqa = num_heads != num_kv_heads
-        prefix = (2 * (kv_len - q_len) * qrow if gqa else 0) + q_len * qrow
-        own = max(prefix, 2 * q_len * qrow + q_len * num_heads * head_dim * 4)
+    elif route == "split":  # both calls' outputs (the merge writes into out)
+        own = 2 * q_len * qrow
     else:
         own = q_len * qrow
     scratch = SCRATCH_BYTES_PER_HEAD_ROW * num_heads * max(q_len, kv_len) + SCRATCH_FIXED_BYTES
@@ -224,9 +222,7 @@ def transient_bytes(
     q = min(max_chunk, max_len)
     worst = call_bytes(q, max_len, *shape, route="causal")
     if max_len > 1 and CHUNK_ROUTE == "split":  # every chunk over a prefix
-        # The prefix call shrinks with the chunk, the own call grows: the worst is at an end.
-        for q_len in (1, min(q, max_len - 1)):
-            worst = max(worst, call_bytes(q_len, max_len, *shape, route="split"))
+        worst = max(worst, call_bytes(min(q, max_len - 1), max_len, *shape, route="split"))
     elif max_len > 1:
         worst = max(worst, call_bytes(min(q, max_len - 1), max_len, *shape, route="lower_right"))
         lp = max_padded_len(max_chunk, max_len)
@@ -286,11 +282,10 @@ def lse_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1, Hq, Lq, D], k / v [1, Hkv, Lk, D] (causal: Lq == Lk) -> (output [1, Hq, Lq, D],
     its natural log-sum-exp float32 [1, Hq, Lq]). CUDA: cuDNN's fused attention (the private
-    aten op that returns the log-sum-exp), with K / V repeated to the query heads; elsewhere
-    the same in plain torch (tests)."""
+    aten op that returns the log-sum-exp), GQA by the heads' shapes without repeating K / V (the
+    H100 probe: 9.16 ms against 9.41 with them repeated; bench/RESULTS.md); elsewhere the same
+    in plain torch (tests)."""
     hq, hkv = q.shape[1], k.shape[1]
-    if hkv != hq:
-        k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
     if q.is_cuda:
         o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale
@@ -299,6 +294,8 @@ def lse_attention(
         if lse.shape[1] != hq:  # [1, Lq, H] layout
             lse = lse.transpose(1, 2)
         return o, lse.float()
+    if hkv != hq:
+        k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         n = q.shape[2]
@@ -308,6 +305,69 @@ def lse_attention(
     return o, lse
 
 
+@triton.jit
+def _merge_lse_kernel(
+    o1_ptr,
+    o2_ptr,
+    l1_ptr,
+    l2_ptr,
+    out_ptr,
+    s1h,
+    s1l,
+    s2h,
+    s2l,
+    sl1h,
+    sl1l,
+    sl2h,
+    sl2l,
+    soh,
+    sol,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One query row, BLOCK_H heads: out = (o1 e^l1 + o2 e^l2) / (e^l1 + e^l2), float32 math."""
+    row = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    hm = h < num_heads
+    m2 = hm[:, None] & (d[None, :] < head_dim)
+    a = tl.load(l1_ptr + h * sl1h + row * sl1l, mask=hm, other=0.0)
+    b = tl.load(l2_ptr + h * sl2h + row * sl2l, mask=hm, other=0.0)
+    top = tl.maximum(a, b)
+    wa = tl.exp(a - top)
+    wb = tl.exp(b - top)
+    total = wa + wb
+    x = tl.load(o1_ptr + h[:, None] * s1h + row * s1l + d[None, :], mask=m2, other=0.0)
+    y = tl.load(o2_ptr + h[:, None] * s2h + row * s2l + d[None, :], mask=m2, other=0.0)
+    r = (x.to(tl.float32) * (wa / total)[:, None]) + (y.to(tl.float32) * (wb / total)[:, None])
+    tl.store(out_ptr + row * sol + h[:, None] * soh + d[None, :], r.to(out_ptr.dtype.element_ty),
+             mask=m2)  # fmt: skip
+
+
+def merge_lse(
+    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Two attention outputs over disjoint key sets -> the one over their union, in one pass:
+    o1 / o2 [1, H, Lq, D] (any strides, D contiguous), their log-sum-exps l1 / l2 float32
+    [1, H, Lq], out [Lq, H, D] (D contiguous). Both key sets are non-empty for every row
+    (finite log-sum-exps)."""
+    _, h, lq, d = o1.shape
+    for name, t in (("o1", o1), ("o2", o2), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"merge_lse: {name}'s last dim must be contiguous, got {t.stride()}")
+    if lq == 0:
+        return
+    block_h = min(8, triton.next_power_of_2(h))
+    grid = (lq, triton.cdiv(h, block_h))
+    _merge_lse_kernel[grid](
+        o1, o2, l1, l2, out, o1.stride(1), o1.stride(2), o2.stride(1), o2.stride(2),
+        l1.stride(1), l1.stride(2), l2.stride(1), l2.stride(2), out.stride(1), out.stride(0),
+        h, d, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+    )  # fmt: skip
+
+
 def split_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
 ) -> None:
@@ -315,12 +375,8 @@ def split_attention(
     the last Lq positions of the k / v [1, Hkv, L, D] context. The queries see the L - Lq
     prefix keys without a mask and their own Lq keys causally (square: top left = bottom
     right), so every query-key pair is computed once; out [Lq, Hq, D] gets the softmax over
-    both key sets (the merge in float32)."""
+    both key sets (`merge_lse`, one fused pass)."""
     p = k.shape[2] - q.shape[2]
     o1, l1 = lse_attention(q, k[:, :, :p], v[:, :, :p], False, scale)
     o2, l2 = lse_attention(q, k[:, :, p:], v[:, :, p:], True, scale)
-    lse = torch.logaddexp(l1, l2)
-    merged = o1.float().mul_((l1 - lse).exp_().unsqueeze(-1))
-    del o1
-    merged.addcmul_(o2, (l2 - lse).exp_().unsqueeze(-1))
-    out.copy_(merged[0].transpose(0, 1))
+    merge_lse(o1, l1, o2, l2, out)

@@ -131,6 +131,29 @@ def test_chunk_over_prefix_split_by_lse(monkeypatch) -> None:  # noqa: ANN001
     torch.testing.assert_close(out, _ref(x, md, 0.2), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h, d", [(5, 48), (8, 32)])
+def test_merge_lse_matches_torch(dtype: torch.dtype, h: int, d: int) -> None:
+    """The fused merge (Triton; interpreted on the CPU) against the float32 torch formula:
+    heads not a multiple of its head block, a head size not a power of 2, o1 in [1, H, Lq, D]
+    memory and o2 in [1, Lq, H, D] memory (cuDNN's outputs may be either), out [Lq, H, D]."""
+    from xlaserve.kernels_cuda.prefill_sdpa import merge_lse
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    lq = 7
+    o1 = torch.randn(1, h, lq, d, generator=g).to(dev, dtype)
+    o2 = torch.randn(1, lq, h, d, generator=g).to(dev, dtype).transpose(1, 2)
+    l1 = (3 * torch.randn(1, h, lq, generator=g)).to(dev)
+    l2 = (3 * torch.randn(1, h, lq, generator=g)).to(dev)
+    out = torch.empty(lq, h, d, dtype=dtype, device=dev)
+    merge_lse(o1, l1, o2, l2, out)
+    lse = torch.logaddexp(l1, l2)[..., None]
+    want = o1.float() * torch.exp(l1[..., None] - lse) + o2.float() * torch.exp(l2[..., None] - lse)
+    tol = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}[dtype]
+    torch.testing.assert_close(out.float(), want[0].transpose(0, 1), atol=tol[0], rtol=tol[1])
+
+
 def test_chunk_route_rule(monkeypatch) -> None:  # noqa: ANN001
     """A fresh prompt is one causal call; a chunk over a prefix splits on CUDA (CHUNK_ROUTE
     "split"), with "pad" pads where pad_to_square says, and takes the bottom-right causal call

@@ -1,18 +1,22 @@
-# The twentieth session's third call (<= 10 min; `run` with carry [".whl"], command
-# `bash tools/device/next_lease.sh`): the split route for a prefill chunk over a cached prefix
-# (prefill_sdpa.split_attention, two cuDNN calls merged by log-sum-exp): GPU tests, the kernel
-# probe beside the other routes, where the engine's 30k prefill GPU time goes with
-# prefill_sdpa on, and the 30k TTFT against transformers (hf, sdpa, bf16 stages).
+# The twentieth session's fourth call (<= 10 min; `run` with carry [".whl"], command
+# `bash tools/device/next_lease.sh`): the split route with cuDNN's native GQA and the fused
+# log-sum-exp merge (prefill_sdpa.merge_lse): GPU tests, the kernel probe, the 30k TTFT against
+# transformers (hf, sdpa, bf16 stages), the engine's 30k prefill GPU time with prefill_sdpa
+# on, then issue 30's batch-256 row with the engine core in its own process.
 source tools/device/setup.sh
 stamp gpu tests prefill_sdpa
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels_cuda/test_prefill_sdpa.py \
     2>&1 | grep -E "^E |passed|failed" | tail -8
 stamp chunk attention routes
-timeout 90 python3 bench/gpu_probes/chunk_attention.py 2>&1 | grep -v Warning | tail -14
-stamp prefill profile engine_sdpa
-timeout 120 python3 bench/gpu_probes/prefill_profile.py 30000 engine_sdpa 2>&1 | grep -v INFO \
-    | grep -v -i warn | tail -12
+timeout 90 python3 bench/gpu_probes/chunk_attention.py 2>&1 | grep -E "^(padded|split|square)" | tail -8
 stamp long_context
 timeout 220 python3 bench/long_context.py --llama8b --stages hf,sdpa,bf16 --output-json "$OUT/lc.json" \
     2>&1 | grep -v INFO | grep -E "prefill|TTFT|decode at" | tail -6
+stamp prefill profile engine_sdpa
+timeout 120 python3 bench/gpu_probes/prefill_profile.py 30000 engine_sdpa 2>&1 | grep -v INFO \
+    | grep -v -i warn | tail -12
+stamp structured engine process
+timeout 100 python3 bench/structured_bench.py --llama8b --backend torch --batches 256 --repeats 4 \
+    --only-batches --engine-process --output-json "$OUT/so_proc.json" 2>&1 \
+    | grep -E "^\{|rror" | tail -2 | cut -c1-700
 stamp done
