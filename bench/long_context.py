@@ -19,9 +19,10 @@ and GPU memory is returned between them; the JSON is merged into ``--output-json
 - ``ctx128k``: max_model_len 131072 (``--long-max-model-len``), one ``--long-len`` (128,000)
   token prompt: TTFT (after a short warm-up prompt) and the decode rate as above
   (``--long-repeats``, default 1), and the KV block count.
-- ``sdpa``: the ``bf16`` stage with ``prefill_sdpa="on"`` (prefill chunks of >= 1024 queries
-  through torch SDPA over their gathered context): its TTFT, decode and offline rows beside the
-  default's (the A/B of that switch; ``rows.prefill30k.prefill_sdpa_on``).
+- ``nosdpa``: the ``bf16`` stage with ``prefill_sdpa="off"`` (every prefill chunk through the
+  Triton kernel; the default on CUDA sends chunks of >= 1024 queries through cuDNN over their
+  gathered context): its TTFT, decode and offline rows beside the default's (the A/B of that
+  switch; ``rows.prefill30k.prefill_sdpa_off``).
 - ``splits32``: the ``bf16`` engine with ``graph_max_kv_splits=32`` (the batch-1 decode graph's
   split-KV factor; the default cap is 16), max_num_seqs 8: the decode rate at the 30k context
   only (the A/B of that default).
@@ -65,12 +66,12 @@ from typing import Any
 from xlaserve.bench.common import run_stage as run_bench_stage
 from xlaserve.bench.timing import graph_time_us
 
-STAGES = ("bf16", "hf", "fp8kv", "ctx128k", "kernels", "splits32", "sdpa")
+STAGES = ("bf16", "hf", "fp8kv", "ctx128k", "kernels", "splits32", "nosdpa")
 ENGINE_STAGES: dict[str, dict[str, Any]] = {
     "bf16": {},
-    # Prefill chunks of >= 1024 queries through torch SDPA (flash) over their gathered context
-    # (KernelConfig.prefill_sdpa, off by default until this A/B): the bf16 stage's rows.
-    "sdpa": {"prefill_sdpa": "on"},
+    # Every prefill chunk through the Triton kernel (KernelConfig.prefill_sdpa off; the default
+    # on CUDA sends long chunks through cuDNN): the bf16 stage's rows, the A/B of that switch.
+    "nosdpa": {"prefill_sdpa": "off"},
     "fp8kv": {"kv_cache_dtype": "fp8"},
     "ctx128k": {},
     # The batch-1 decode graph with 32 KV splits (default cap 16: 8 kv heads x 16 = 128
@@ -692,9 +693,9 @@ def derive_rows(stages: dict[str, Any], args: argparse.Namespace) -> dict[str, A
         "goal": "<= 0.9",
         "meets_goal": None if ratio is None else ratio <= 0.9,
     }
-    fl = stages.get("sdpa", {})
+    fl = stages.get("nosdpa", {})
     ttft_fl = _get(fl, "long", "ttft_median_s")
-    rows["prefill30k"]["prefill_sdpa_on"] = {
+    rows["prefill30k"]["prefill_sdpa_off"] = {
         "xlaserve_ttft_s": ttft_fl,
         "ratio_vs_sdpa": _ratio(ttft_fl, sdpa),
         "ttft_vs_default": _ratio(ttft_fl, ttft),
@@ -860,12 +861,12 @@ def main(argv: list[str] | None = None) -> int:
         f"prefill {args.prefill_len}: TTFT {_fmt(p['xlaserve_ttft_s'])} s vs SDPA "
         f"{_fmt(p['sdpa_forward_s'])} s = {_fmt(p['ratio_vs_sdpa'], '.2f')}x (goal <= 0.9)"
     )
-    on = p["prefill_sdpa_on"]
+    off = p["prefill_sdpa_off"]
     print(
-        f"  with prefill_sdpa on: TTFT {_fmt(on['xlaserve_ttft_s'])} s = "
-        f"{_fmt(on['ratio_vs_sdpa'], '.2f')}x SDPA, {_fmt(on['ttft_vs_default'], '.2f')}x the "
-        f"default's; offline {_fmt(on['offline_vs_default'], '.2f')}x, decode "
-        f"{_fmt(on['decode_vs_default'], '.2f')}x"
+        f"  with prefill_sdpa off: TTFT {_fmt(off['xlaserve_ttft_s'])} s = "
+        f"{_fmt(off['ratio_vs_sdpa'], '.2f')}x SDPA, {_fmt(off['ttft_vs_default'], '.2f')}x the "
+        f"default's; offline {_fmt(off['offline_vs_default'], '.2f')}x, decode "
+        f"{_fmt(off['decode_vs_default'], '.2f')}x"
     )
     print(
         f"decode at {args.prefill_len}: {_fmt(dcd['decode_tokens_per_s'], '.1f')} tok/s, "

@@ -1,15 +1,16 @@
-"""Long prefill chunks through torch's fused SDPA (FlashAttention-2 on CUDA) over the paged cache.
+"""Long prefill chunks through cuDNN's fused attention (torch SDPA on CUDA) over the paged cache.
 
 The unified Triton kernel (paged_attention.py) reads K / V through the block table tile by tile;
-on the H200 its causal prefill of a 30,000-token prompt ran at 352 TFLOP/s against 628 for
-torch SDPA's flash kernel on the same q / k / v (bench/RESULTS.md, tenth session): the prefill
-attention is most of the gap between a 30k-token TTFT and transformers' forward. For a chunk of
-at least `min_tokens` queries, gathering its context into contiguous K / V (one copy of
-2 * context * Hkv * D elements per layer, ~1% of the attention's time at 30k) costs little, so
-those sequences attend through SDPA: causal aligned to the bottom right (the chunk's queries are
-the last q_len positions of its context, which also covers a chunk over a cached prefix), GQA
-without repeating K / V (`enable_gqa`). The other sequences of the step (decodes, short chunks)
-keep the Triton kernel, packed into a launch of their own.
+on the H100 it spent 592 ms of a 30,000-token prompt's prefill in attention against 398 ms for
+transformers' cuDNN calls on the same prompt (bench/gpu_probes/prefill_profile.py, 2026-12-05).
+For a chunk of at least `min_tokens` queries, gathering its context into contiguous K / V (one
+copy of 2 * context * Hkv * D elements per layer, ~1% of the attention's time at 30k) costs
+little, so those sequences attend through SDPA without repeating K / V for GQA: a fresh prompt as
+one causal call; a chunk over a cached prefix (its queries are the last q_len positions of its
+context) by `chunk_route`: on CUDA as two cuDNN calls merged by their log-sum-exp
+(`split_attention`), since torch runs a bottom-right causal call on FlashAttention-2 at about
+half cuDNN's rate. The other sequences of the step (decodes, short chunks) keep the Triton
+kernel, packed into a launch of their own.
 
 Layouts as kernels_cuda.paged_attention: q [T, Hq, D]; caches [N, S, Hkv, D] (or int8 / fp8
 codes with float32 scales [N, S, Hkv], dequantized to q's dtype by the gather); query_start_loc

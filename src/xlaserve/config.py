@@ -451,18 +451,17 @@ class KernelConfig:
     # Largest split-KV factor a torch decode CUDA graph is captured with (a power of 2).
     graph_max_kv_splits: int = 16
     # Torch "triton" attention backend: sequences whose prefill chunk has at least
-    # prefill_sdpa_min_tokens queries attend through torch SDPA (FlashAttention-2 on CUDA) over
-    # their context gathered from the paged cache (kernels_cuda/prefill_sdpa.py); the rest of
-    # the step keeps the Triton kernel. Layers with a sliding window, soft-cap or attention
-    # chunk always keep it. "auto" = on CUDA. The H200 ran the Triton causal prefill of a 30k
-    # prompt at 352 TFLOP/s, SDPA at 628 on the same tensors; a chunk over a cached prefix only
-    # gains as a zero-padded square call (H100: 11.6 vs 14.5 ms for the 30k prompt's second
-    # chunk; `prefill_sdpa.pad_to_square`). Off: engine A/B on the H100 (`long_context
-    # --stages hf,sdpa,bf16`, 2026-12-05, before the wide prefill tiles) 30k TTFT 0.90x the
-    # default's but offline 0.97x. The wide prefill tiles (paged_attention.PREFILL_WIDE_CONFIGS)
-    # since run the 30k prompt's second chunk in 11.42 ms against the padded SDPA call's 11.57
-    # (H100 sweeps); the engine A/B with them has not run.
-    prefill_sdpa: str = "off"
+    # prefill_sdpa_min_tokens queries attend through cuDNN's fused attention over their context
+    # gathered from the paged cache (kernels_cuda/prefill_sdpa.py: a fresh prompt as one causal
+    # call, a chunk over a cached prefix as two calls merged by log-sum-exp); the rest of the
+    # step keeps the Triton kernel. Layers with a sliding window, soft-cap or attention chunk
+    # always keep it. "auto" = on CUDA. H100 (2026-12-05, twentieth session): the 30k prompt's
+    # second chunk (13,616 queries over 30,000 keys) 9.61 ms split against 11.68 padded to a
+    # square call and 14.50 for the Triton kernel (`chunk_attention.py`); the engine's 30k
+    # prefill attention 412.6 ms of GPU time against 592.0 (`prefill_profile.py`); TTFT
+    # (`long_context --stages hf,sdpa,bf16`, the split merged in torch ops) 1.128 s against
+    # 1.209 s off and transformers' 1.209 s, offline 0.99x, decode 1.00x (bench/RESULTS.md).
+    prefill_sdpa: str = "auto"
     prefill_sdpa_min_tokens: int = 1024
     # fp8 weights emulated (dequantized matmul) where the device has no fp8 GEMM; otherwise
     # runtime fp8 raises there (a pre-quantized fp8 checkpoint is emulated with a warning).

@@ -1,8 +1,8 @@
 # The twentieth session's fourth call (<= 10 min; `run` with carry [".whl"], command
 # `bash tools/device/next_lease.sh`): the split route with cuDNN's native GQA and the fused
 # log-sum-exp merge (prefill_sdpa.merge_lse): GPU tests, the kernel probe, the 30k TTFT against
-# transformers (hf, sdpa, bf16 stages), the engine's 30k prefill GPU time with prefill_sdpa
-# on, then issue 30's batch-256 row with the engine core in its own process.
+# transformers (stages hf, bf16 = the new default, nosdpa), the engine's 30k prefill GPU time with
+# prefill_sdpa on, then issue 30's batch-256 row with the engine core in its own process.
 source tools/device/setup.sh
 stamp gpu tests prefill_sdpa
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels_cuda/test_prefill_sdpa.py \
@@ -10,7 +10,7 @@ timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels_cuda/te
 stamp chunk attention routes
 timeout 90 python3 bench/gpu_probes/chunk_attention.py 2>&1 | grep -E "^(padded|split|square)" | tail -8
 stamp long_context
-timeout 220 python3 bench/long_context.py --llama8b --stages hf,sdpa,bf16 --output-json "$OUT/lc.json" \
+timeout 220 python3 bench/long_context.py --llama8b --stages hf,bf16,nosdpa --output-json "$OUT/lc.json" \
     2>&1 | grep -v INFO | grep -E "prefill|TTFT|decode at" | tail -6
 stamp prefill profile engine_sdpa
 timeout 120 python3 bench/gpu_probes/prefill_profile.py 30000 engine_sdpa 2>&1 | grep -v INFO \
