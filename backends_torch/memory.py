@@ -91,19 +91,23 @@ def _nbytes(caches: torch.Tensor | tuple | list) -> int:
 def sdpa_reserve(runner: TorchModelRunner) -> int:
     """Bytes the long-prefill SDPA path (KernelConfig.prefill_sdpa) may allocate at run time
     beyond what the profiling forward saw (kernels_cuda.prefill_sdpa.transient_bytes): 0 when
-    the path is off for this runner."""
+    the path is off for this runner, or when no step can hold a chunk long enough for it."""
     from xlaserve.backends_torch.attention_triton import prefill_sdpa_on
+    from xlaserve.config import kernel_switch
 
     if runner.attn_backend_name != "triton" or not prefill_sdpa_on(runner.kernels, runner.device):
         return 0
-    from xlaserve.kernels_cuda.prefill_sdpa import transient_bytes
+    max_chunk = runner.config.scheduler.max_num_batched_tokens
+    if max_chunk < kernel_switch("prefill_sdpa_min_tokens", runner.kernels):
+        return 0
+    from xlaserve.kernels_cuda.prefill_sdpa import cudnn_attention_ok, transient_bytes
 
     spec, elem = runner.spec, torch.empty((), dtype=runner.dtype).element_size()
     hkv = kv_heads_per_rank(spec.num_kv_heads)
     hq = max(1, spec.num_heads // tp_world_size())  # this rank's query heads
     return transient_bytes(
-        runner.config.scheduler.max_num_batched_tokens, runner.max_model_len, hq, hkv,
-        spec.head_dim, elem, runner.kv_code_dtype is not None,
+        max_chunk, runner.max_model_len, hq, hkv, spec.head_dim, elem,
+        runner.kv_code_dtype is not None, cudnn_attention_ok(runner.device),
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ and GPU memory is returned between them; the JSON is merged into ``--output-json
   token prompt: TTFT (after a short warm-up prompt) and the decode rate as above
   (``--long-repeats``, default 1), and the KV block count.
 - ``nosdpa``: the ``bf16`` stage with ``prefill_sdpa="off"`` (every prefill chunk through the
-  Triton kernel; the default on CUDA sends chunks of >= 1024 queries through cuDNN over their
+  Triton kernel; the default on CUDA sends chunks of >= 4096 queries through cuDNN over their
   gathered context): its TTFT, decode and offline rows beside the default's (the A/B of that
   switch; ``rows.prefill30k.prefill_sdpa_off``).
 - ``splits32``: the ``bf16`` engine with ``graph_max_kv_splits=32`` (the batch-1 decode graph's

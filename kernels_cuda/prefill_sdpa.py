@@ -129,15 +129,35 @@ SQUARE_SPEEDUP = 1.8
 CHUNK_ROUTE = "split"
 
 
-def chunk_route(q_len: int, kv_len: int, cuda: bool) -> str:
+def chunk_route(q_len: int, kv_len: int, cuda: bool, cudnn: bool = True) -> str:
     """How `sdpa_prefill` attends a chunk of q_len queries ending a kv_len context: "causal"
     (the whole context is new), "split", "pad" or "lower_right" (see CHUNK_ROUTE; the CPU's
-    math kernel gains from neither split nor padding)."""
+    math kernel gains from neither split nor padding). cudnn: the device runs cuDNN's fused
+    attention (`cudnn_attention_ok`); without it the split is not taken."""
     if q_len >= kv_len:
         return "causal"
-    if cuda and CHUNK_ROUTE == "split":
+    if cuda and cudnn and CHUNK_ROUTE == "split":
         return "split"
     return "pad" if pad_to_square(q_len, kv_len, cuda) else "lower_right"
+
+
+_CUDNN_OK: dict[torch.device, bool] = {}
+
+
+def cudnn_attention_ok(device: torch.device) -> bool:
+    """Whether the split route's cuDNN op runs on `device`: an NVIDIA GPU (not ROCm) of compute
+    capability 8.0 or newer (cuDNN's fused attention needs it) with cuDNN and the aten op."""
+    ok = _CUDNN_OK.get(device)
+    if ok is None:
+        ok = (
+            device.type == "cuda"
+            and torch.version.hip is None
+            and torch.backends.cudnn.is_available()
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and torch.cuda.get_device_capability(device)[0] >= 8
+        )
+        _CUDNN_OK[device] = ok
+    return ok
 
 
 def pad_to_square(q_len: int, kv_len: int, cuda: bool) -> bool:
@@ -212,17 +232,18 @@ def transient_bytes(
     head_dim: int,
     elem: int,
     quantized_cache: bool,
+    cudnn: bool = True,
 ) -> int:
     """Peak bytes `sdpa_prefill` allocates beyond the step's own activations, for one layer (the
     allocator reuses them layer after layer), at chunks of <= max_chunk queries over contexts
-    of <= max_len tokens (`chunk_route` on CUDA): the largest `call_bytes` of the longest call
+    of <= max_len tokens (`chunk_route` on CUDA, cudnn as it takes): the largest `call_bytes` of the longest call
     of each route (a padded one's context bounded by `max_padded_len`). The KV-cache profiling
     forward runs one max_chunk-token prompt, which never takes this path at long contexts, so
     the runner reserves this on top of its peak."""
     shape = (num_heads, num_kv_heads, head_dim, elem, quantized_cache)
     q = min(max_chunk, max_len)
     worst = call_bytes(q, max_len, *shape, route="causal")
-    if max_len > 1 and CHUNK_ROUTE == "split":  # every chunk over a prefix
+    if max_len > 1 and cudnn and CHUNK_ROUTE == "split":  # every chunk over a prefix
         worst = max(worst, call_bytes(min(q, max_len - 1), max_len, *shape, route="split"))
     elif max_len > 1:
         worst = max(worst, call_bytes(min(q, max_len - 1), max_len, *shape, route="lower_right"))
@@ -251,7 +272,7 @@ def sdpa_prefill(
         # [L, H, D] -> [1, H, L, D] views: the memory stays [L, H, D], the layout flash reads.
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k, v))
         q_len = q1 - q0
-        route = chunk_route(q_len, kv_len, q.is_cuda)
+        route = chunk_route(q_len, kv_len, q.is_cuda, q.is_cuda and cudnn_attention_ok(q.device))
         if route == "causal":  # the whole context is new: plain causal
             o = F.scaled_dot_product_attention(
                 qb, kb, vb, is_causal=True, scale=sm_scale, enable_gqa=True

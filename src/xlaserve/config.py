@@ -455,14 +455,16 @@ class KernelConfig:
     # gathered from the paged cache (kernels_cuda/prefill_sdpa.py: a fresh prompt as one causal
     # call, a chunk over a cached prefix as two calls merged by log-sum-exp); the rest of the
     # step keeps the Triton kernel. Layers with a sliding window, soft-cap or attention chunk
-    # always keep it. "auto" = on CUDA. H100 (2026-12-05, twentieth session): the 30k prompt's
-    # second chunk (13,616 queries over 30,000 keys) 9.61 ms split against 11.68 padded to a
-    # square call and 14.50 for the Triton kernel (`chunk_attention.py`); the engine's 30k
-    # prefill attention 412.6 ms of GPU time against 592.0 (`prefill_profile.py`); TTFT
-    # (`long_context --stages hf,sdpa,bf16`, the split merged in torch ops) 1.128 s against
-    # 1.209 s off and transformers' 1.209 s, offline 0.99x, decode 1.00x (bench/RESULTS.md).
+    # always keep it. "auto" = on CUDA. H100 (2026-12-05, twentieth session, bench/RESULTS.md):
+    # the 30k prompt's second chunk (13,616 queries over 30,000 keys) 8.27 ms split against
+    # 12.20 padded to a square call (`chunk_attention.py`); the 30k prefill's attention 426 ms of
+    # GPU time against 592 for the Triton kernel (`prefill_profile.py`); 30k TTFT 1.101 s against
+    # 1.234 s off and transformers' 1.228 s (`long_context --stages hf,bf16,nosdpa`).
     prefill_sdpa: str = "auto"
-    prefill_sdpa_min_tokens: int = 1024
+    # 4096, not 1024: with 1024 the offline run of 1024-token prompts (16 SDPA sequences a step,
+    # a gather and a call each per layer) ran at 0.98x / 0.99x the Triton kernel's (the same
+    # calls); chunks this long are where the fused calls gain (the 30k prompt's are 13-16k).
+    prefill_sdpa_min_tokens: int = 4096
     # fp8 weights emulated (dequantized matmul) where the device has no fp8 GEMM; otherwise
     # runtime fp8 raises there (a pre-quantized fp8 checkpoint is emulated with a warning).
     fp8_emulation: bool = False

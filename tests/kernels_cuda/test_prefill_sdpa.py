@@ -117,8 +117,8 @@ def test_chunk_over_prefix_split_by_lse(monkeypatch) -> None:  # noqa: ANN001
     routes: list[tuple[int, int, str]] = []
     inner = ps.chunk_route
 
-    def route(q: int, kv: int, cuda: bool) -> str:
-        r = "split" if q < kv else inner(q, kv, cuda)
+    def route(q: int, kv: int, cuda: bool, cudnn: bool = True) -> str:
+        r = "split" if q < kv else inner(q, kv, cuda, cudnn)
         routes.append((q, kv, r))
         return r
 
@@ -163,6 +163,7 @@ def test_chunk_route_rule(monkeypatch) -> None:  # noqa: ANN001
     assert ps.chunk_route(30000, 30000, True) == "causal"
     assert ps.chunk_route(13616, 30000, True) == "split"
     assert ps.chunk_route(13616, 30000, False) == "lower_right"
+    assert ps.chunk_route(13616, 30000, True, cudnn=False) == "pad"  # e.g. ROCm, pre-sm80
     monkeypatch.setattr(ps, "CHUNK_ROUTE", "pad")
     assert ps.chunk_route(13616, 30000, True) == "pad"
     assert ps.chunk_route(2048, 128000, True) == "lower_right"
@@ -239,7 +240,7 @@ def test_gpu_real_shapes_flash(dtype: torch.dtype) -> None:
 
     x, md = _step([3000, 1, 2048, 1], [3000, 4000, 5048, 77], 32, 8, 128, 16, dtype, "cuda")
     be = TritonAttention()
-    be.kernels = KernelConfig(prefill_sdpa="on")
+    be.kernels = KernelConfig(prefill_sdpa="on", prefill_sdpa_min_tokens=1024)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # fail rather than fall back to another kernel
         out = be.forward(x["q"], x["k_cache"], x["v_cache"], md, 128**-0.5)
     assert ("prefill_sdpa", 1024) in md.derived
@@ -267,25 +268,26 @@ def test_max_padded_len_is_the_longest_padded_context() -> None:
         assert max_padded_len(t, max_len) == want, (t, max_len)
 
 
-@pytest.mark.parametrize("chunk_route", ["split", "pad"])
+@pytest.mark.parametrize("chunk_route, cudnn", [("split", True), ("pad", True), ("split", False)])
 @pytest.mark.parametrize("max_chunk, max_len", [(64, 200), (96, 96), (200, 64)])
 def test_transient_bytes_bound_every_call(
     monkeypatch,  # noqa: ANN001
     chunk_route: str,
+    cudnn: bool,
     max_chunk: int,
     max_len: int,
 ) -> None:
     """transient_bytes bounds call_bytes of every chunk the engine can send on CUDA: q <=
     max_chunk queries ending a context of kv <= max_len, by the route chunk_route takes (under
-    either CHUNK_ROUTE), and is reached by one of them (it is the max, not a looser figure)."""
+    either CHUNK_ROUTE, with and without cuDNN), and is reached by one of them (it is the max, not a looser figure)."""
     from xlaserve.kernels_cuda import prefill_sdpa as ps
 
     monkeypatch.setattr(ps, "CHUNK_ROUTE", chunk_route)
     for quant in (False, True):
         shape = (8, 2, 16, 2, quant)
-        bound = ps.transient_bytes(max_chunk, max_len, *shape)
+        bound = ps.transient_bytes(max_chunk, max_len, *shape, cudnn=cudnn)
         calls = [
-            ps.call_bytes(q, kv, *shape, route=ps.chunk_route(q, kv, True))
+            ps.call_bytes(q, kv, *shape, route=ps.chunk_route(q, kv, True, cudnn))
             for kv in range(1, max_len + 1)
             for q in range(1, min(max_chunk, kv) + 1)
         ]
@@ -301,12 +303,18 @@ def test_sdpa_reserve_follows_the_switch() -> None:
     from xlaserve.backends_torch.memory import sdpa_reserve
     from xlaserve.kernels_cuda.prefill_sdpa import transient_bytes
 
-    def runner(mode: str, backend: str = "triton", max_len: int = 32768, codes=None) -> object:  # noqa: ANN001
+    def runner(  # noqa: ANN202
+        mode: str,
+        backend: str = "triton",
+        max_len: int = 32768,
+        codes=None,
+        step: int = 8192,  # noqa: ANN001
+    ):
         return SimpleNamespace(
             kernels=KernelConfig(prefill_sdpa=mode), device=torch.device("cpu"),
             attn_backend_name=backend, dtype=torch.bfloat16, kv_code_dtype=codes,
             spec=SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=128),
-            config=SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=8192)),
+            config=SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=step)),
             max_model_len=max_len,
         )  # fmt: skip
 
@@ -314,10 +322,12 @@ def test_sdpa_reserve_follows_the_switch() -> None:
     assert sdpa_reserve(runner("auto")) == 0  # auto takes SDPA on CUDA only
     assert sdpa_reserve(runner("on", backend="torch_sdpa")) == 0
     on = sdpa_reserve(runner("on"))
-    assert on == transient_bytes(8192, 32768, 32, 8, 128, 2, False) > 0
+    # (the stand-in runner is on the CPU: no cuDNN, the reserve of the routes it would take)
+    assert on == transient_bytes(8192, 32768, 32, 8, 128, 2, False, cudnn=False) > 0
     assert (
         sdpa_reserve(runner("on", max_len=131072)) >= on > sdpa_reserve(runner("on", max_len=8192))
     )
+    assert sdpa_reserve(runner("on", step=4095)) == 0  # no chunk reaches min_tokens (4096)
     assert sdpa_reserve(runner("on", codes=torch.float8_e4m3fn)) > on
 
 
