@@ -343,7 +343,10 @@ class StructuredOutputConfig:
     bitmask_fill_threads: int = 0
     # Threads of the grammars' batch accept of a step's tokens (xgrammar releases the GIL
     # inside it): 0 = auto, the fill's rule (`fill_threads`); each thread takes >= 32 rows
-    # (StructuredOutputManager.batch_accept).
+    # (StructuredOutputManager.batch_accept). Measured on the H100 host (bench/RESULTS.md,
+    # twentieth session): no gain shown. Alone, 256 rows: 1 / 4 / 16 threads 0.51 / 0.67 /
+    # 0.48 ms; in one engine at batch 256 (`--accept-ab 4`), constrained / plain 0.946 with 4
+    # against 0.940 with 1 (noise). Left at auto because the goal runs (0.967-0.980) used it.
     accept_threads: int = 0
     # Async steps with late masks: the fill of the next step's masks runs on a worker thread
     # as soon as the grammars took this step's tokens (xgrammar's fill releases the GIL) and
