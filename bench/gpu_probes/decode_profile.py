@@ -2,8 +2,8 @@
 """GPU probe: where a decode step of the offline benchmark spends its GPU time, at real context
 lengths (the graph-replay profile in gpu_bench replays with whatever the last step left behind).
 
-    OUT=dir python bench/gpu_probes/decode_profile.py MAX_NUM_SEQS MAX_NUM_BATCHED_TOKENS [N]
-    # -> $OUT/decode_profile_<MAX_NUM_SEQS>.json
+    OUT=dir python bench/gpu_probes/decode_profile.py MAX_NUM_SEQS MAX_NUM_BATCHED_TOKENS [N] [Q]
+    # -> $OUT/decode_profile_<MAX_NUM_SEQS>[_<Q>].json; Q: LLM(quantization=Q), e.g. fp8
 
 Llama-3.1-8B shape, dummy bf16 weights, the gpu_bench engine settings except the two limits.
 Runs the offline 256 / 256 benchmark over N prompts (default 1000) and, inside it, profiles
@@ -37,12 +37,14 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "/tmp")
     seqs, tokens = int(sys.argv[1]), int(sys.argv[2])
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 1000
+    quant = sys.argv[4] if len(sys.argv) > 4 else None
     model_dir = gb.write_model_dir("/tmp/llama8b", 32)
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_num_seqs=seqs,
-              max_num_batched_tokens=tokens, gpu_memory_utilization=0.9)  # fmt: skip
+              max_num_batched_tokens=tokens, gpu_memory_utilization=0.9,
+              quantization=quant)  # fmt: skip
     res: dict[str, Any] = {"max_num_seqs": seqs, "max_num_batched_tokens": tokens,
-                           "init_s": time.perf_counter() - t0,
+                           "quantization": quant, "init_s": time.perf_counter() - t0,
                            "num_kv_blocks": llm.llm_engine.kv_manager.num_blocks}  # fmt: skip
     sched = llm.llm_engine.scheduler
     inner = sched.schedule
@@ -103,7 +105,7 @@ def main() -> None:
                 {"us": round(u, 1), "calls": round(c, 2), "name": k} for u, c, k in rows[:30]
             ],  # fmt: skip
         }
-    path = os.path.join(out_dir, f"decode_profile_{seqs}.json")
+    path = os.path.join(out_dir, f"decode_profile_{seqs}{'_' + quant if quant else ''}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
     p = res.get("profile", {})
