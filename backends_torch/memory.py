@@ -100,14 +100,15 @@ def sdpa_reserve(runner: TorchModelRunner) -> int:
     max_chunk = runner.config.scheduler.max_num_batched_tokens
     if max_chunk < kernel_switch("prefill_sdpa_min_tokens", runner.kernels):
         return 0
-    from xlaserve.kernels_cuda.prefill_sdpa import cudnn_attention_ok, transient_bytes
+    from xlaserve.kernels_cuda.prefill_sdpa import split_supported, transient_bytes
 
     spec, elem = runner.spec, torch.empty((), dtype=runner.dtype).element_size()
     hkv = kv_heads_per_rank(spec.num_kv_heads)
     hq = max(1, spec.num_heads // tp_world_size())  # this rank's query heads
     return transient_bytes(
         max_chunk, runner.max_model_len, hq, hkv, spec.head_dim, elem,
-        runner.kv_code_dtype is not None, cudnn_attention_ok(runner.device),
+        runner.kv_code_dtype is not None,
+        split_supported(runner.device, runner.dtype, spec.head_dim),
     )  # fmt: skip
 
 

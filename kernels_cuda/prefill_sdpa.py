@@ -160,6 +160,18 @@ def cudnn_attention_ok(device: torch.device) -> bool:
     return ok
 
 
+def split_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `split_attention` runs these queries: a device where `cudnn_attention_ok`, 16-bit
+    queries, a head size that is a multiple of 8 and at most 128 (256 on sm_90 and newer), the
+    cuDNN fused attention's limits. The split has no fallback inside (the private op raises),
+    so anything else takes the public SDPA routes, which choose among their kernels."""
+    if dtype not in (torch.float16, torch.bfloat16) or head_dim % 8:
+        return False
+    if not cudnn_attention_ok(device):
+        return False
+    return head_dim <= (256 if torch.cuda.get_device_capability(device)[0] >= 9 else 128)
+
+
 def pad_to_square(q_len: int, kv_len: int, cuda: bool) -> bool:
     """Whether a chunk of q_len queries ending a kv_len context attends as a padded square
     causal call (CUDA only: the CPU's math kernel gains nothing from it)."""
@@ -266,13 +278,14 @@ def sdpa_prefill(
 ) -> None:
     """Attention of each `long` sequence (SdpaSplit.long) into its rows of `out` [T, Hq, D]:
     the chunk's q_len queries are the last positions of its kv_len-token context, causal."""
+    cudnn = q.is_cuda and split_supported(q.device, q.dtype, q.shape[2])
     for b, q0, q1, kv_len in long:
         k = gather_context(k_cache, k_scale, block_tables[b], kv_len, q.dtype)
         v = gather_context(v_cache, v_scale, block_tables[b], kv_len, q.dtype)
         # [L, H, D] -> [1, H, L, D] views: the memory stays [L, H, D], the layout flash reads.
         qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q[q0:q1], k, v))
         q_len = q1 - q0
-        route = chunk_route(q_len, kv_len, q.is_cuda, q.is_cuda and cudnn_attention_ok(q.device))
+        route = chunk_route(q_len, kv_len, q.is_cuda, cudnn)
         if route == "causal":  # the whole context is new: plain causal
             o = F.scaled_dot_product_attention(
                 qb, kb, vb, is_causal=True, scale=sm_scale, enable_gqa=True

@@ -169,6 +169,26 @@ def test_chunk_route_rule(monkeypatch) -> None:  # noqa: ANN001
     assert ps.chunk_route(2048, 128000, True) == "lower_right"
 
 
+def test_split_supported_rule(monkeypatch) -> None:  # noqa: ANN001
+    """The split route's cuDNN limits: 16-bit queries, head size a multiple of 8 up to 128
+    (256 from sm_90), a device where cuDNN's fused attention runs (never the CPU)."""
+    from xlaserve.kernels_cuda import prefill_sdpa as ps
+
+    assert not ps.split_supported(torch.device("cpu"), torch.bfloat16, 128)
+    gpu = torch.device("cuda", 0)
+    cap = {"v": (9, 0)}
+    monkeypatch.setattr(ps, "cudnn_attention_ok", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["v"])
+    assert ps.split_supported(gpu, torch.bfloat16, 128)
+    assert ps.split_supported(gpu, torch.float16, 256)
+    assert not ps.split_supported(gpu, torch.float32, 128)
+    assert not ps.split_supported(gpu, torch.bfloat16, 100)
+    assert not ps.split_supported(gpu, torch.bfloat16, 264)
+    cap["v"] = (8, 0)
+    assert ps.split_supported(gpu, torch.bfloat16, 128)
+    assert not ps.split_supported(gpu, torch.bfloat16, 256)
+
+
 def test_pad_to_square_rule() -> None:
     """Padding where the square call's pairs at SQUARE_SPEEDUP cost less than the chunk's own:
     the 30k prompt's second chunk pads, a short chunk over a long prefix does not, never on the
