@@ -63,6 +63,20 @@ def _summary(prof: Any, wall: float) -> dict[str, Any]:  # noqa: ANN401 - torch 
     }
 
 
+def _measure(run: Any) -> dict[str, Any]:  # noqa: ANN401 - run(seed) -> seconds
+    """A warm-up run, a timed one (wall) and a profiled one, each on a fresh prompt."""
+    run(1)
+    wall = run(2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(3)
+    return _summary(prof, wall)
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -90,14 +104,9 @@ def hf_side(n: int) -> dict[str, Any]:
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    forward(1)
-    wall = forward(2)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        forward(3)
-    res = _summary(prof, wall)
+    res = _measure(forward)
     model = None  # (the closure above holds it: free it before the engine loads)
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free()
     return res
 
 
@@ -117,17 +126,12 @@ def engine_side(n: int, **settings: Any) -> dict[str, Any]:  # noqa: ANN401
         llm.generate([{"prompt_token_ids": _prompt(n, vocab, seed)}], sp, use_tqdm=False)
         return time.perf_counter() - t
 
-    run(1)
-    wall = run(2)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(3)
-    res = _summary(prof, wall)
+    res = _measure(run)
     res["max_num_batched_tokens"] = llm.llm_engine.config.scheduler.max_num_batched_tokens
     res["settings"] = settings
     llm.llm_engine.shutdown()
     llm = None  # (the closure above holds it: free the engine before the next side)
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free()
     return res
 
 
