@@ -60,6 +60,7 @@ _RENAME = {
     ("structured", "compile_workers"): "grammar_compile_workers",
     ("structured", "jump_forward"): "structured_jump_forward",
     ("structured", "jump_forward_max_tokens"): "structured_jump_forward_max_tokens",
+    ("structured", "accept_threads"): "grammar_accept_threads",
     ("engine", "speculative"): "speculative_config",
 }
 # Help for fields that carry no comment in config.py.
