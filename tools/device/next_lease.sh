@@ -1,9 +1,13 @@
 # The next lease's first call (<= 10 min; `run` with carry [".whl"], command
 # `bash tools/device/next_lease.sh`), in priority order (the twentieth session's closing note
-# says why): issue 24's fp8 offline loss (1.25x bf16 against the 1.4x goal) located by kernel:
+# says why): the prefill_sdpa GPU tests (the split route's checks added after the last lease),
+# issue 24's fp8 offline loss (1.25x bf16 against the 1.4x goal) located by kernel:
 # the decode step and the full prefill steps of the offline run, bf16 then fp8, side by side;
 # then quant_bench's rows again.
 source tools/device/setup.sh
+stamp gpu tests prefill_sdpa
+timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels_cuda/test_prefill_sdpa.py \
+    2>&1 | grep -E "^E |passed|failed" | tail -8
 for q in "" fp8; do
     stamp decode profile ${q:-bf16}
     timeout 200 python3 bench/gpu_probes/decode_profile.py 256 16384 1000 $q 2>&1 | grep -v INFO \
