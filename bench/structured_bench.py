@@ -368,8 +368,8 @@ def accept_times(
 ) -> dict[int, float]:
     """threads -> median ms of one `StructuredOutputManager.batch_accept` of `rows` matchers
     inside the schema's string, each taking the next token of `text` (ACCEPT_TEXT's tokens: a
-    decode step's accept), split over that many threads. Raises if a token is refused (then the timing
-    would be of rejections)."""
+    decode step's accept), split over that many threads. Raises if a token is refused (then
+    the timing would be of rejections)."""
     import xgrammar as xgr
 
     ms = [xgr.GrammarMatcher(compiled) for _ in range(rows)]

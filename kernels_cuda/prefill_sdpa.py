@@ -248,10 +248,10 @@ def transient_bytes(
 ) -> int:
     """Peak bytes `sdpa_prefill` allocates beyond the step's own activations, for one layer (the
     allocator reuses them layer after layer), at chunks of <= max_chunk queries over contexts
-    of <= max_len tokens (`chunk_route` on CUDA, cudnn as it takes): the largest `call_bytes` of the longest call
-    of each route (a padded one's context bounded by `max_padded_len`). The KV-cache profiling
-    forward runs one max_chunk-token prompt, which never takes this path at long contexts, so
-    the runner reserves this on top of its peak."""
+    of <= max_len tokens, by the routes `chunk_route` takes on CUDA (cudnn: as it is given):
+    the largest `call_bytes` of the longest call of each route (a padded one's context bounded
+    by `max_padded_len`). The KV-cache profiling forward runs one max_chunk-token prompt, which
+    never takes this path at long contexts, so the runner reserves this on top of its peak."""
     shape = (num_heads, num_kv_heads, head_dim, elem, quantized_cache)
     q = min(max_chunk, max_len)
     worst = call_bytes(q, max_len, *shape, route="causal")

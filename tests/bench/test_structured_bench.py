@@ -93,7 +93,11 @@ def test_fill_thread_ab_in_one_engine(tmp_path, monkeypatch) -> None:  # noqa: A
 
     set_structured = sb._set_structured
 
-    def switch(llm, fill_thread: bool | None = None, accept_threads: int | None = None) -> None:  # noqa: ANN001
+    def switch(  # noqa: ANN202
+        llm,  # noqa: ANN001
+        fill_thread: bool | None = None,
+        accept_threads: int | None = None,
+    ):
         if fill_thread is not None:
             switches.append(fill_thread)
             state["on"] = fill_thread

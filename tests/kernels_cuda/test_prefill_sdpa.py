@@ -321,7 +321,8 @@ def test_transient_bytes_bound_every_call(
 ) -> None:
     """transient_bytes bounds call_bytes of every chunk the engine can send on CUDA: q <=
     max_chunk queries ending a context of kv <= max_len, by the route chunk_route takes (under
-    either CHUNK_ROUTE, with and without cuDNN), and is reached by one of them (it is the max, not a looser figure)."""
+    either CHUNK_ROUTE, with and without cuDNN), and is reached by one of them (it is the max,
+    not a looser figure)."""
     from xlaserve.kernels_cuda import prefill_sdpa as ps
 
     monkeypatch.setattr(ps, "CHUNK_ROUTE", chunk_route)
