@@ -111,7 +111,7 @@ class EagleProposer:
     def bytes_per_block(self, kv_bytes_per_token: int) -> int:
         """Device bytes per block id: the head's KV (kv_bytes_per_token of its spec per slot) and
         one feature row."""
-        elem = torch.empty((), dtype=self.runner.dtype).element_size()
+        elem = self.runner.dtype.itemsize
         return self.runner.block_size * kv_bytes_per_token + self.spec.hidden_size * elem
 
     def init_cache(self, num_blocks: int) -> None:

@@ -66,7 +66,7 @@ def alloc_kv_caches(
 
 def kv_bytes_per_block(runner: TorchModelRunner) -> int:
     """Bytes of one block id: the target's KV plus, with a draft model, the draft's KV."""
-    elem = torch.empty((), dtype=runner.dtype).element_size()
+    elem = runner.dtype.itemsize
 
     def rank_bytes(spec: ModelSpec) -> int:  # this rank's KV heads only (tensor parallel)
         h = spec.num_kv_heads
@@ -102,7 +102,7 @@ def sdpa_reserve(runner: TorchModelRunner) -> int:
         return 0
     from xlaserve.kernels_cuda.prefill_sdpa import split_supported, transient_bytes
 
-    spec, elem = runner.spec, torch.empty((), dtype=runner.dtype).element_size()
+    spec, elem = runner.spec, runner.dtype.itemsize
     hkv = kv_heads_per_rank(spec.num_kv_heads)
     hq = max(1, spec.num_heads // tp_world_size())  # this rank's query heads
     return transient_bytes(

@@ -116,7 +116,7 @@ class PinnedRing:
     def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
         """A pinned [numel] view of the next slot and its index (None when it is too small)."""
         k = self.i % len(self.bufs)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes > self.bufs[k].numel():
             return None
         self.i += 1

@@ -44,7 +44,7 @@ __all__ = ["check_state_model_config", "is_state_model"]
 def split_cache(runner: TorchModelRunner, budget_bytes: int | None) -> tuple[int, int]:
     """(num KV blocks, num state slots) of the runner's model (ssm.plan_state_cache); the
     scratch slot (`alloc_caches`) comes out of budget_bytes first."""
-    elem = torch.empty((), dtype=runner.dtype).element_size()
+    elem = runner.dtype.itemsize
     if budget_bytes is not None:
         budget_bytes -= cache_layout(runner.spec, elem, runner.block_size).bytes_per_slot
     return plan_state_cache(runner.spec, runner.config, elem, runner.block_size,

@@ -314,11 +314,7 @@ def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]: 
     threads = [t for t in (1, 2, 4, 8, 16) if t <= (os.cpu_count() or 1)]
     out: dict[str, float] = {}
     for b in batches:
-        ms = [xgr.GrammarMatcher(compiled) for _ in range(b)]
-        for m in ms:
-            for t in prefix:
-                if not m.accept_token(t):
-                    break
+        ms = _matchers_at(compiled, prefix, b)
         mask = np.full((b, mgr.num_words), -1, dtype=np.int32)
         for th in threads:
             bm = xgr.BatchGrammarMatcher(max_threads=th)
@@ -349,6 +345,18 @@ def fill_times(eng: Any, batches: list[int], repeats: int) -> dict[str, float]: 
     return out
 
 
+def _matchers_at(compiled: Any, prefix: list[int], rows: int) -> list:  # noqa: ANN401 - xgrammar
+    """`rows` fresh matchers of `compiled`, each past the tokens of `prefix` it accepts."""
+    import xgrammar as xgr
+
+    ms = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+    for m in ms:
+        for t in prefix:
+            if not m.accept_token(t):
+                break
+    return ms
+
+
 # Text a JSON string takes token by token (no quote, backslash or control character).
 ACCEPT_TEXT = (
     "In the beginning the engine took one token for every request of the batch, and the "
@@ -370,12 +378,7 @@ def accept_times(
     inside the schema's string, each taking the next token of `text` (ACCEPT_TEXT's tokens: a
     decode step's accept), split over that many threads. Raises if a token is refused (then
     the timing would be of rejections)."""
-    import xgrammar as xgr
-
-    ms = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
-    for m in ms:
-        for t in prefix:
-            m.accept_token(t)
+    ms = _matchers_at(compiled, prefix, rows)
     saved, out, i = mgr.accept_threads, {}, 0
     try:
         for th in threads:

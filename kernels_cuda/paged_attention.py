@@ -105,8 +105,8 @@ def wide_smem(device: torch.device) -> bool:
 def use_wide_tiles(q: torch.Tensor) -> bool:
     """Whether a prefill launch with queries q may take PREFILL_WIDE_CONFIGS: 16-bit queries
     (float32 would double the tile's shared memory) on a GPU with PREFILL_WIDE_SMEM; never in
-    the CPU interpreter."""
-    return q.device.type != "cpu" and q.element_size() == 2 and wide_smem(q.device)
+    the CPU interpreter (`wide_smem` is False off CUDA)."""
+    return q.element_size() == 2 and wide_smem(q.device)
 
 
 # Long-context decode (issue 24): a decode launch with at least LONG_DECODE_MIN_SPLITS splits

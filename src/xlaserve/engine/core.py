@@ -52,9 +52,10 @@ logger = logging.getLogger(__name__)
 # thread runs Python. At CPython's default switch interval (5 ms) it waits until this thread
 # blocks, i.e. it runs after the work it should overlap. While a fill is in flight the interval
 # is this. Measured (`structured_bench.py --llama8b --tiny --backend torch --batches 256
-# --repeats 5 --output-len 4 --input-len 8`, `fill` row, 2-core dev host, 2026-12-05): 256 rows of a 128k vocabulary (a 0.8 ms fill) beside 3 ms of Python were filled
-# 3.88 ms after the submit at 5 ms (the engine thread then waited 0.94 ms for them), 1.43 ms
-# after it at 0.2 ms (no wait). `structured_bench --fill-thread ab` measures the engine.
+# --repeats 5 --output-len 4 --input-len 8`, `fill` row, 2-core dev host, 2026-12-05): 256 rows
+# of a 128k vocabulary (a 0.8 ms fill) beside 3 ms of Python were filled 3.88 ms after the
+# submit at 5 ms (the engine thread then waited 0.94 ms for them), 1.43 ms after it at 0.2 ms
+# (no wait). `structured_bench --fill-thread ab` measures the engine.
 FILL_SWITCH_INTERVAL_S = 2e-4
 
 # One position's logprobs on the wire: (token ids, logprobs, rank of token_ids[0]); entry 0 is
