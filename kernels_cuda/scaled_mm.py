@@ -379,7 +379,25 @@ def scale_epilogue(
 ) -> torch.Tensor:
     """acc int32 [M, N] (torch._int_mm's result) -> acc * xs[m] * ws[n] (+ bias) in out_dtype."""
     m, n = acc.shape
-    y = torch.empty((m, n), dtype=out_dtype, device=acc.device)
+    return _scale_epilogue_into(acc, xs, ws, bias, torch.empty((m, n), dtype=out_dtype,
+                                                                device=acc.device))  # fmt: skip
+
+
+def scale_epilogue_(acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """In place: acc [M, N] float (an unscaled fp8 product, e.g. torch._scaled_mm with unit
+    scalar scales) *= xs[m] * ws[n]; returns acc. Each element is read and written by one
+    program, so the in-place pass is safe."""
+    return _scale_epilogue_into(acc, xs, ws, None, acc)
+
+
+def _scale_epilogue_into(
+    acc: torch.Tensor,
+    xs: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    m, n = acc.shape
     if m == 0 or n == 0:
         return y
     grid = (triton.cdiv(m, 32), triton.cdiv(n, 128))

@@ -131,6 +131,8 @@ def variants(family: str, m: int, dev: str) -> list[tuple[str, tuple | None, Any
             "scaled_mm", KernelConfig(fp8_gemm="scaled_mm"))  # fmt: skip
         if dev == "cuda" and (fmt == "fp8" or m > 16):  # _int_mm wants M > 16
             out.append((lib[0], None, lambda x, d: mm(x, d[wq], d[ws], kernels=lib[1])))
+        if dev == "cuda" and fmt == "fp8":
+            out += _fp8_tensorwise_variants()
         table = sm.scaled_mm_tiles(fmt, m)
         cands = [table] + [sm.DotTiles(*c) for c in W8A8_CANDIDATES if sm.DotTiles(*c) != table]
         for t in cands:
@@ -140,6 +142,29 @@ def variants(family: str, m: int, dev: str) -> list[tuple[str, tuple | None, Any
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     return out
+
+
+def _fp8_tensorwise_variants() -> list[tuple[str, None, Any]]:
+    """torch._scaled_mm with unit scalar scales (cuBLASLt's tensor-wise fp8 GEMM, where the
+    row-wise form takes another kernel): alone, the ceiling of that route without the per-token
+    and per-channel scales; then with `scale_epilogue` applying them to its bf16 output in place
+    (what the route would cost a layer). Both include the activation quantization."""
+    import torch
+
+    from xlaserve.kernels_cuda import scaled_mm as sm
+
+    def raw(x: Any, d: dict[str, Any]) -> tuple[Any, Any]:
+        xq, xs = sm.quant_rows(x, "fp8")
+        one = torch.ones((), device=x.device, dtype=torch.float32)
+        y = torch._scaled_mm(xq, d["qf"].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return y, xs
+
+    def scaled(x: Any, d: dict[str, Any]) -> Any:
+        y, xs = raw(x, d)
+        return sm.scale_epilogue_(y, xs, d["sf"])
+
+    return [("scaled_mm tensorwise, no scales (ceiling)", None, lambda x, d: raw(x, d)[0]),
+            ("scaled_mm tensorwise + scale epilogue", None, scaled)]  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,26 +1,24 @@
-# The next lease (two calls of <= 10 min; `run` with carry [".whl"], commands
-# `bash tools/device/next_lease.sh 1` then `... 2`), in priority order (the twentieth session's
-# closing note says why). Part 1: the prefill_sdpa GPU tests (the split route's checks added
-# after the last lease); issue 24's fp8 offline loss (1.25x bf16 against the 1.4x goal) located
-# by kernel: the decode step and the full prefill steps of the offline run, bf16 then fp8, side
-# by side. Part 2: quant_bench's bf16 / fp8 rows, and the 128k context's TTFT / decode with the
-# split prefill route (the ninth session's 16.14 s TTFT predates it).
+# The twenty-first session's lease (calls of <= 10 min; `run` with carry [".whl"], commands
+# `bash tools/device/next_lease.sh 1`, then `... 2`). Part 1: the prefill_sdpa GPU tests (the
+# split route's real-shape check has not run on a GPU); the fp8 GEMM sweep with cuBLASLt's
+# tensor-wise fp8 GEMM (unit scales: the ceiling; + the in-place scale epilogue: what a layer
+# would pay) against the row-wise `_scaled_mm` and Triton, at the decode / prefill M sizes.
+# Part 2: quant_bench's bf16 / fp8 rows (fp8_tw: the tensor-wise route), then the 128k context's
+# TTFT / decode with the split prefill route.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
     stamp gpu tests prefill_sdpa
-    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/kernels_cuda/test_prefill_sdpa.py 2>&1 | grep -E "^E |passed|failed" | tail -8
-    for q in "" fp8; do
-        stamp decode profile ${q:-bf16}
-        timeout 220 python3 bench/gpu_probes/decode_profile.py 256 16384 1000 $q 2>&1 \
-            | grep -v INFO | tail -34
-    done
+    stamp fp8 sweep
+    timeout 300 python3 bench/gpu_probes/quant_gemm_sweep.py --families fp8 --ms 256 2048 8192 \
+        --out "$OUT/fp8_sweep.json" 2>&1 | grep -E "bf16 |scaled_mm|table|best|suggest" | tail -60
 else
     stamp quant_bench
-    timeout 260 python3 bench/quant_bench.py --llama8b --rows bf16,fp8 \
-        --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -6
+    timeout 300 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8} \
+        --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
     stamp long_context ctx128k
-    timeout 280 python3 bench/long_context.py --llama8b --stages ctx128k \
+    timeout 250 python3 bench/long_context.py --llama8b --stages ctx128k \
         --output-json "$OUT/lc128k.json" 2>&1 | grep -v INFO | grep -E "ctx 128000" | tail -2
 fi
 stamp done
