@@ -15,7 +15,7 @@ if [ "${1:-1}" = 1 ]; then
         --out "$OUT/fp8_sweep.json" 2>&1 | grep -E "bf16 |scaled_mm|table|best|suggest" | tail -60
 else
     stamp quant_bench
-    timeout 300 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8} \
+    timeout 300 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8,fp8_tw} \
         --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
     stamp long_context ctx128k
     timeout 250 python3 bench/long_context.py --llama8b --stages ctx128k \
