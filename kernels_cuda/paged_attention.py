@@ -228,12 +228,19 @@ def _attend_tile(
         s_offs = blk * stride_sn + slot * stride_ss + kvh
         k_sc = tl.load(ks_ptr + s_offs, mask=n_ok, other=0.0)
         v_sc = tl.load(vs_ptr + s_offs, mask=n_ok, other=0.0)
-        if QUANT_F16:  # fp8 codes: exact in fp16, one convert per two; V scaled in fp16
+        # V's per-key scales go on P's columns (P diag(s) V = P (diag(s) V)): BLOCK_M x BLOCK_N
+        # multiplies instead of BLOCK_N x D on V, which decode's few rows make 4-8x fewer.
+        # Normalised by the tile's largest scale (put back on the tile's product) so the
+        # scaled P stays in [0, 1]: in fp16 a raw p * s could fall below the normal range.
+        v_top = tl.max(v_sc, 0)
+        v_top = tl.where(v_top > 0.0, v_top, 1.0)
+        v_rel = v_sc / v_top
+        if QUANT_F16:  # fp8 codes: exact in fp16, one convert per two
             k = k.to(tl.float16)
-            v = v.to(tl.float16) * v_sc.to(tl.float16)[:, None]
-        else:
+            v = v.to(tl.float16)
+        else:  # codes (int8, fp8) are exact in bf16 / fp16 / fp32
             k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+            v = v.to(q.dtype)
     elif UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -266,7 +273,11 @@ def _attend_tile(
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    if QUANT:
+        pv = tl.dot((p * v_rel[None, :]).to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + pv * v_top
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from xlaserve.backends_torch.layers.linear import MergedLinear, make_linear, make_merged_linear
 from xlaserve.config import KernelConfig
+from xlaserve.kernels_cuda.quant_act import QuantAct
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -109,9 +110,11 @@ class MLP(nn.Module):
             return None
         return fmt_of(gu[:, : gu.shape[1] // 2])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
+        """x [T, H] float, or a QuantAct for a w8a8 gate_up_proj (the post-attention norm's
+        fused output, see layers.norm.norm_residual_for) -> [T, H]."""
         if self.fused:
-            if self._gate_act_gemv(x):
+            if not isinstance(x, QuantAct) and self._gate_act_gemv(x):
                 # Batch-1 decode: act(gate) * up in the gate_up GEMV's epilogue.
                 from xlaserve.kernels_cuda.dense_gemv import dense_gemv_gate_act
 

@@ -20,9 +20,10 @@ from xlaserve.backends_torch.distributed.parallel_state import kv_heads_per_rank
 from xlaserve.backends_torch.layers.activation import MLP
 from xlaserve.backends_torch.layers.attention import Attention, AttentionBackend
 from xlaserve.backends_torch.layers.linear import can_fuse, make_linear, make_merged_linear
-from xlaserve.backends_torch.layers.norm import make_norm
+from xlaserve.backends_torch.layers.norm import make_norm, norm_residual_for
 from xlaserve.backends_torch.layers.rotary import RotaryEmbedding
 from xlaserve.config import KernelConfig
+from xlaserve.kernels_cuda.quant_act import QuantAct
 from xlaserve.model_loader.spec import ModelSpec
 
 
@@ -150,6 +151,28 @@ def project_qkv(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     if mod.fused:
         return mod.qkv_proj(x).split(mod.qkv_sizes, dim=-1)
     return mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)
+
+
+def input_linear(mod: nn.Module) -> nn.Module | None:
+    """The one linear that reads block `mod`'s input x [T, H], first and alone: the fused
+    `qkv_proj` of an attention module built by `build_qkv`, or a fused MLP's `gate_up_proj`.
+    None where several linears read x (unfused q / k / v or gate / up) or the block is another
+    kind (MLA, MoE). The pre-norm before `mod` may hand that linear its input already quantized
+    (layers.norm.norm_residual_for)."""
+    if type(mod) is MLP:
+        return mod.gate_up_proj if mod.fused else None
+    if getattr(mod, "fused", False) and hasattr(mod, "qkv_sizes"):  # build_qkv's fused form
+        return mod.qkv_proj
+    return None
+
+
+def pre_norm(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, block: nn.Module
+) -> tuple[torch.Tensor | QuantAct, torch.Tensor]:
+    """The pre-norm of `block`: (norm(x + residual), x + residual), the first handed to the
+    block's `input_linear` already quantized where that linear would quantize it itself
+    (`norm_residual_for`)."""
+    return norm_residual_for(norm, x, residual, input_linear(block))
 
 
 def make_mlp(

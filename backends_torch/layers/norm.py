@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from xlaserve.config import KernelConfig
+from xlaserve.kernels_cuda.quant_act import QuantAct
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +50,28 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         return self.forward(x), x
+
+
+def norm_residual_for(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, consumer: nn.Module | None
+) -> tuple[torch.Tensor | QuantAct, torch.Tensor]:
+    """norm.forward_residual(x, residual) -> (normed [T, H], x + residual [T, H]), with the normed
+    rows handed as a per-token `QuantAct` when `consumer` (the linear that reads them next)
+    would quantize them itself: one `rms_norm_quant` kernel instead of the norm then the
+    consumer's `quant_rows` (same bits). That takes an RMSNorm, a consumer whose
+    `quant_act_fmt(x)` names a format (a w8a8 QuantLinear on CUDA with
+    KernelConfig.fuse_act_quant on, above its GEMV rows) and no forward hooks on it (LoRA's
+    hook reads the float input)."""
+    fmt_of = getattr(consumer, "quant_act_fmt", None)
+    fmt = None
+    if fmt_of is not None and type(norm) is RMSNorm and not consumer._forward_hooks:
+        fmt = fmt_of(x)
+    if fmt is None:
+        return norm.forward_residual(x, residual)
+    from xlaserve.kernels_cuda.fused_act_quant import rms_norm_quant
+
+    a, new_res = rms_norm_quant(x, norm.weight, norm.eps, fmt, residual, norm.weight_offset)
+    return a, (x if new_res is None else new_res)
 
 
 class LayerNorm(nn.Module):

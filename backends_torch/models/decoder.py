@@ -27,6 +27,7 @@ from xlaserve.backends_torch.layers.blocks import (
     layer_window,
     make_attention,
     make_mlp,
+    pre_norm,
     project_qkv,
     spec_norm,
 )
@@ -71,13 +72,12 @@ class DecoderAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, md: AttentionMetadata
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = project_qkv(self, x)
+        q, k, v = project_qkv(self, x)  # x may be a QuantAct (blocks.pre_norm): T from q
         if self.full_qk_norm:  # OLMo2: normalise the whole projection before the head split
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(t, self.hq, self.d)  # [T, Hq, D]
-        k = k.view(t, self.hkv, self.d)  # [T, Hkv, D]
-        v = v.view(t, self.hkv, self.d)
+        q = q.view(-1, self.hq, self.d)  # [T, Hq, D]
+        k = k.view(-1, self.hkv, self.d)  # [T, Hkv, D]
+        v = v.view(-1, self.hkv, self.d)
         if self.qk_norm and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
             a = self.self_attn(positions, h, kv, md)
             return a + self.mlp(self.post_attention_layernorm(residual)), residual
         if self.pre_norms:
-            h, residual = self.input_layernorm.forward_residual(x, residual)
+            h, residual = pre_norm(self.input_layernorm, x, residual, self.self_attn)
         else:  # OLMo2: the block sees the raw residual stream
             residual = x if residual is None else x + residual
             h = residual
@@ -149,7 +149,7 @@ class DecoderLayer(nn.Module):
         if self.rm != 1.0:
             h = h * self.rm
         if self.pre_norms:
-            h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+            h, residual = pre_norm(self.post_attention_layernorm, h, residual, self.mlp)
         else:
             residual = h + residual
             h = residual

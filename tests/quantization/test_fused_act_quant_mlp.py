@@ -77,3 +77,69 @@ def test_gpu_mlp_fused_equals_unfused(method: str) -> None:
     assert torch.equal(out[True], out[False])
     mlp.lora_attached = True  # LoRA needs the float input of down_proj: no fusion
     assert mlp._down_quant_fmt(mlp.gate_up_proj(x), "silu_and_mul") is None
+
+
+def test_norm_not_fused_off_cuda() -> None:
+    """On the CPU (the consumer's quant_act_fmt is None there) norm_residual_for is the plain
+    forward_residual: same outputs, floats, the residual stream started by the first layer."""
+    from xlaserve.backends_torch.layers.norm import RMSNorm, norm_residual_for
+
+    mlp = _mlp("fp8", "cpu", torch.float32)
+    norm = RMSNorm(64)
+    torch.nn.init.normal_(norm.weight, std=0.5)
+    x, res = torch.randn(12, 64), torch.randn(12, 64)
+    for r in (res, None):
+        h, new = norm_residual_for(norm, x, r, mlp.gate_up_proj)
+        want_h, want_new = norm.forward_residual(x, r)
+        assert isinstance(h, torch.Tensor)
+        assert torch.equal(h, want_h) and torch.equal(new, want_new)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("method", ["int8_w8a8", "fp8"])
+def test_gpu_decoder_norms_hand_quant_act(method: str, tiny_model_dir) -> None:  # noqa: ANN001
+    """With fuse_act_quant on, each decoder layer's two pre-norms hand their w8a8 consumer (the
+    fused qkv_proj, the MLP's gate_up_proj) a QuantAct from one rms_norm_quant kernel, and the
+    consumer's output and the residual stream are bit-equal to the unfused chain; a forward hook
+    on the consumer (LoRA's) keeps the float input. End to end, greedy tokens and prompt
+    logprobs of LLM(...) equal the fusion off."""
+    from xlaserve import LLM, SamplingParams
+    from xlaserve.backends_torch.layers.blocks import input_linear
+    from xlaserve.backends_torch.layers.norm import norm_residual_for
+
+    if method == "fp8" and not fp8_supported("cuda"):
+        pytest.skip("no fp8 GEMM on this GPU")
+    model = tiny_model_dir("llama")
+    prompt = [(5 * i + 2) % 300 + 1 for i in range(40)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    outs = {}
+    for fuse in (True, False):
+        llm = LLM(model=model, quantization=method, fuse_act_quant=fuse, dtype="bfloat16",
+                  enforce_eager=True, gpu_memory_utilization=0.3)  # fmt: skip
+        if fuse:
+            torch.manual_seed(0)
+            for layer in llm.llm_engine.runner.model.layers:
+                h_dim = layer.input_layernorm.weight.shape[0]
+                x = torch.randn(40, h_dim, device="cuda", dtype=torch.bfloat16)
+                res = torch.randn_like(x)
+                for norm, consumer in (
+                    (layer.input_layernorm, input_linear(layer.self_attn)),
+                    (layer.post_attention_layernorm, input_linear(layer.mlp)),
+                ):
+                    for r in (res, None):
+                        a, new = norm_residual_for(norm, x, r, consumer)
+                        assert isinstance(a, QuantAct), (method, r is None)
+                        h, want_new = norm.forward_residual(x, r)
+                        assert torch.equal(new, want_new)
+                        assert torch.equal(consumer(a), consumer(h))
+                    hook = consumer.register_forward_hook(lambda *_: None)
+                    assert not isinstance(norm_residual_for(norm, x, res, consumer)[0], QuantAct)
+                    hook.remove()
+        o = llm.generate({"prompt_token_ids": prompt}, sp)[0]
+        lps = [next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]
+        outs[fuse] = (o.outputs[0].token_ids, lps)
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True][0] == outs[False][0]
+    assert outs[True][1] == outs[False][1]

@@ -4,7 +4,9 @@
 # tensor-wise fp8 GEMM (unit scales: the ceiling; + the in-place scale epilogue: what a layer
 # would pay) against the row-wise `_scaled_mm` and Triton, at the decode / prefill M sizes.
 # Part 2: quant_bench's bf16 / fp8 rows (fp8_tw: the tensor-wise route), then the 128k context's
-# TTFT / decode with the split prefill route.
+# TTFT / decode with the split prefill route. Part 3: the GPU tests of the norms' fused
+# quantization and the fp8 KV cache's V scales on P; quant_bench's w8a8 rows with
+# fuse_act_quant off / on and the fp8 KV row, side by side with bf16.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
     stamp gpu tests prefill_sdpa
@@ -13,6 +15,16 @@ if [ "${1:-1}" = 1 ]; then
     stamp fp8 sweep
     timeout 300 python3 bench/gpu_probes/quant_gemm_sweep.py --families fp8 --ms 256 2048 8192 \
         --out "$OUT/fp8_sweep.json" 2>&1 | grep -E "bf16 |scaled_mm|table|best|suggest" | tail -60
+elif [ "$1" = 3 ]; then
+    stamp gpu tests fused act quant, fp8 KV
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/quantization/test_fused_act_quant_mlp.py tests/kernels_cuda/test_fused_act_quant.py \
+        tests/kernels_cuda/test_paged_attention_long_decode.py tests/quantization/test_kv_quant_torch.py \
+        2>&1 | grep -E "^E |passed|failed" | tail -10
+    stamp quant_bench
+    timeout 330 python3 bench/quant_bench.py --llama8b \
+        --rows bf16,fp8,fp8_fused,int8_w8a8,int8_w8a8_fused,fp8_kv \
+        --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
 else
     stamp quant_bench
     timeout 300 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8,fp8_tw} \
