@@ -60,18 +60,20 @@ def norm_residual_for(
     would quantize them itself: one `rms_norm_quant` kernel instead of the norm then the
     consumer's `quant_rows` (same bits). That takes an RMSNorm, a consumer whose
     `quant_act_fmt(x)` names a format (a w8a8 QuantLinear on CUDA with
-    KernelConfig.fuse_act_quant on, above its GEMV rows) and no forward hooks on it (LoRA's
-    hook reads the float input)."""
+    KernelConfig.fuse_act_quant on, above its GEMV rows), no forward hooks on it (LoRA's hook
+    reads the float input) and a residual to add."""
     fmt_of = getattr(consumer, "quant_act_fmt", None)
     fmt = None
-    if fmt_of is not None and type(norm) is RMSNorm and not consumer._forward_hooks:
-        fmt = fmt_of(x)
+    # With a residual only: forward_residual then runs the fused add + norm kernel, whose bits
+    # rms_norm_quant reproduces; the first layer's plain norm rounds in torch ops.
+    if fmt_of is not None and type(norm) is RMSNorm and residual is not None:
+        fmt = None if consumer._forward_hooks else fmt_of(x)
     if fmt is None:
         return norm.forward_residual(x, residual)
     from xlaserve.kernels_cuda.fused_act_quant import rms_norm_quant
 
     a, new_res = rms_norm_quant(x, norm.weight, norm.eps, fmt, residual, norm.weight_offset)
-    return a, (x if new_res is None else new_res)
+    return a, new_res
 
 
 class LayerNorm(nn.Module):

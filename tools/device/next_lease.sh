@@ -25,6 +25,16 @@ elif [ "$1" = 3 ]; then
     timeout 330 python3 bench/quant_bench.py --llama8b \
         --rows bf16,fp8,fp8_fused,int8_w8a8,int8_w8a8_fused,fp8_kv \
         --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
+elif [ "$1" = 4 ]; then
+    stamp gpu tests: the norms\' fused quantization, fp8 KV V scales on P
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_fused_act_quant.py \
+        tests/quantization/test_fused_act_quant_mlp.py tests/kernels_cuda/test_paged_attention_long_decode.py \
+        2>&1 | grep -E "^E |passed|failed" | tail -10
+    stamp quant_bench fp8 KV, V scales on P on / off
+    DEVRUN_KV_SCALE_ON_P=1 timeout 150 python3 bench/quant_bench.py --llama8b --rows bf16,fp8_kv \
+        --output-json "$OUT/quant_on.json" 2>&1 | grep -v INFO | tail -3
+    DEVRUN_KV_SCALE_ON_P=0 timeout 90 python3 bench/quant_bench.py --llama8b --rows fp8_kv \
+        --output-json "$OUT/quant_off.json" 2>&1 | grep -v INFO | tail -2
 else
     stamp quant_bench
     timeout 300 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8,fp8_tw} \
