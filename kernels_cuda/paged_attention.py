@@ -199,7 +199,6 @@ def _attend_tile(
     OFFS64: tl.constexpr,
     MASKED: tl.constexpr,
     QUANT_F16: tl.constexpr = False,
-    V_ON_P: tl.constexpr = False,
 ):
     """One BLOCK_N key tile starting at start_n: the online-softmax update of (m_i, l_i, acc).
     MASKED=False: every key of the tile is < kv_end and visible to every row (causal, no window
@@ -229,21 +228,7 @@ def _attend_tile(
         s_offs = blk * stride_sn + slot * stride_ss + kvh
         k_sc = tl.load(ks_ptr + s_offs, mask=n_ok, other=0.0)
         v_sc = tl.load(vs_ptr + s_offs, mask=n_ok, other=0.0)
-        if V_ON_P:
-            # V's per-key scales on P's columns (P diag(s) V = P (diag(s) V)): BLOCK_M x
-            # BLOCK_N multiplies instead of BLOCK_N x D on V, 4-8x fewer on decode's few rows.
-            # Normalised by the tile's largest scale (put back on the tile's product) so the
-            # scaled P stays in [0, 1]: in fp16 a raw p * s could fall below the normal range.
-            v_top = tl.max(v_sc, 0)
-            v_top = tl.where(v_top > 0.0, v_top, 1.0)
-            v_rel = v_sc / v_top
-            if QUANT_F16:  # fp8 codes: exact in fp16, one convert per two
-                k = k.to(tl.float16)
-                v = v.to(tl.float16)
-            else:  # codes (int8, fp8) are exact in bf16 / fp16 / fp32
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-        elif QUANT_F16:  # fp8 codes: exact in fp16, one convert per two; V scaled in fp16
+        if QUANT_F16:  # fp8 codes: exact in fp16, one convert per two; V scaled in fp16
             k = k.to(tl.float16)
             v = v.to(tl.float16) * v_sc.to(tl.float16)[:, None]
         else:
@@ -281,11 +266,7 @@ def _attend_tile(
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if V_ON_P:
-        pv = tl.dot((p * v_rel[None, :]).to(v.dtype), v, input_precision=DOT_PREC)
-        acc = acc * alpha[:, None] + pv * v_top
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
@@ -339,7 +320,6 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
     QUANT_F16: tl.constexpr,
-    V_ON_P: tl.constexpr,
     ZERO_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
     FAST_CAUSAL: tl.constexpr,
@@ -433,7 +413,7 @@ def _unified_attention_kernel(
             stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
             stride_bt, stride_sn, stride_ss, d, d_ok, sm_scale, soft_cap, window, chunk,
             PAGE, BLOCK_N, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, UPCAST, DOT_PREC, QUANT, OFFS64,
-            MASKED=False, QUANT_F16=QUANT_F16, V_ON_P=V_ON_P,
+            MASKED=False, QUANT_F16=QUANT_F16,
         )  # fmt: skip
     for start_n in range(kv_mid, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
@@ -442,7 +422,7 @@ def _unified_attention_kernel(
             stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
             stride_bt, stride_sn, stride_ss, d, d_ok, sm_scale, soft_cap, window, chunk,
             PAGE, BLOCK_N, USE_WINDOW, USE_CHUNK, USE_SOFTCAP, UPCAST, DOT_PREC, QUANT, OFFS64,
-            MASKED=True, QUANT_F16=QUANT_F16, V_ON_P=V_ON_P,
+            MASKED=True, QUANT_F16=QUANT_F16,
         )  # fmt: skip
 
     row_mask = row_ok[:, None] & d_ok[None, :]
@@ -636,13 +616,6 @@ def attention_launch_config(
 QUANT_F16_DOTS = True
 
 
-# Quantized caches: V's per-key scales multiply P's columns (BLOCK_M x BLOCK_N products) instead
-# of V's elements (BLOCK_N x D) where the tile has at most KV_SCALE_ON_P_MAX_M query rows
-# (decode's G heads x a few tokens); prefill's 64-128-row tiles keep the scaled V, cheaper there.
-KV_SCALE_ON_P = True
-KV_SCALE_ON_P_MAX_M = 32
-
-
 def quant_f16_dots(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
     """Whether a quantized cache's attention dots run in fp16 (see QUANT_F16_DOTS)."""
     return (
@@ -830,7 +803,6 @@ def unified_attention(
         NUM_SPLITS=num_kv_splits,
         QUANT=quant,
         QUANT_F16=quant_f16_dots(k_cache.dtype, q.dtype),
-        V_ON_P=quant and KV_SCALE_ON_P and cfg["BLOCK_M"] <= KV_SCALE_ON_P_MAX_M,
         ZERO_PAD=zero_main,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

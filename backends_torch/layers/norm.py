@@ -58,13 +58,13 @@ def norm_residual_for(
     """norm.forward_residual(x, residual) -> (normed [T, H], x + residual [T, H]), with the normed
     rows handed as a per-token `QuantAct` when `consumer` (the linear that reads them next)
     would quantize them itself: one `rms_norm_quant` kernel instead of the norm then the
-    consumer's `quant_rows` (same bits). That takes an RMSNorm, a consumer whose
-    `quant_act_fmt(x)` names a format (a w8a8 QuantLinear on CUDA with
-    KernelConfig.fuse_act_quant on, above its GEMV rows), no forward hooks on it (LoRA's hook
-    reads the float input) and a residual to add."""
+    consumer's `quant_rows` (the same math; see kernels_cuda/fused_act_quant.py). That takes
+    an RMSNorm, a consumer whose `quant_act_fmt(x)` names a format (a w8a8 QuantLinear on CUDA
+    with KernelConfig.fuse_act_quant on, above its GEMV rows), no forward hooks on it (LoRA's
+    hook reads the float input) and a residual to add."""
     fmt_of = getattr(consumer, "quant_act_fmt", None)
     fmt = None
-    # With a residual only: forward_residual then runs the fused add + norm kernel, whose bits
+    # With a residual only: forward_residual then runs the fused add + norm kernel, whose math
     # rms_norm_quant reproduces; the first layer's plain norm rounds in torch ops.
     if fmt_of is not None and type(norm) is RMSNorm and residual is not None:
         fmt = None if consumer._forward_hooks else fmt_of(x)

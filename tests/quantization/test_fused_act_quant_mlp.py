@@ -1,12 +1,13 @@
 """KernelConfig.fuse_act_quant: the gated MLP's SiLU-and-mul hands a w8a8 down_proj its input
 already quantized (`QuantAct`); the layer's pre-quantized path gives the bits of the float path.
 CPU: the layer path under the Triton interpreter, and the gate (never fused off CUDA). GPU: the
-whole MLP with the fusion on / off, bit-equal."""
+whole MLP with the fusion on / off, equal within a code step (not bit-equal on the H100)."""
 
 from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 from optional_deps import import_or_skip
 
@@ -34,6 +35,7 @@ def _mlp(method: str, device: str, dtype: torch.dtype, hidden: int = 64, inter: 
     return mlp
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU Triton interpreter's test")
 def test_layer_takes_quant_act_int8_on_cpu() -> None:
     # int8_w8a8 on the CPU runs the reference matmul; a QuantAct goes through the interpreter's
     # Triton GEMM. Both are exact integer sums, so the outputs agree to the float rounding.
@@ -76,9 +78,19 @@ def test_gpu_mlp_fused_equals_unfused(method: str) -> None:
         fmt = mlp._down_quant_fmt(gu, "silu_and_mul")
         assert fmt == (("int8" if method == "int8_w8a8" else "fp8") if fuse else None)
         out[fuse] = mlp(x)
-    assert torch.equal(out[True], out[False])
+    _assert_close_to_unfused(out[True], out[False])
     mlp.lora_attached = True  # LoRA needs the float input of down_proj: no fusion
     assert mlp._down_quant_fmt(mlp.gate_up_proj(x), "silu_and_mul") is None
+
+
+def _assert_close_to_unfused(fused: torch.Tensor, unfused: torch.Tensor) -> None:
+    """A fused quantization kernel and the unfused chain give the same codes but for one step
+    on a few elements (kernels_cuda/test_fused_act_quant.py `_assert_same`: on the H100 the
+    scales differed in the last bit), so a layer's outputs agree to about a bf16 ulp; a lost or
+    doubled scale is off by the whole output."""
+    torch.testing.assert_close(
+        fused.float(), unfused.float(), rtol=0.0, atol=float(unfused.abs().max()) * 2e-2
+    )
 
 
 def test_norm_not_fused_off_cuda() -> None:
@@ -103,9 +115,9 @@ def test_norm_not_fused_off_cuda() -> None:
 def test_gpu_decoder_norms_hand_quant_act(method: str, tiny_model_dir) -> None:  # noqa: ANN001
     """With fuse_act_quant on, each decoder layer's two pre-norms hand their w8a8 consumer (the
     fused qkv_proj, the MLP's gate_up_proj) a QuantAct from one rms_norm_quant kernel, and the
-    consumer's output and the residual stream are bit-equal to the unfused chain; a forward hook
-    on the consumer (LoRA's) keeps the float input. End to end, greedy tokens and prompt
-    logprobs of LLM(...) equal the fusion off."""
+    consumer's output is the unfused chain's within a code step, the residual stream bit-equal;
+    a forward hook on the consumer (LoRA's) keeps the float input. End to end, greedy tokens
+    equal and prompt logprobs close to the fusion off."""
     from xlaserve import LLM, SamplingParams
     from xlaserve.backends_torch.layers.blocks import input_linear
     from xlaserve.backends_torch.layers.norm import norm_residual_for
@@ -133,7 +145,7 @@ def test_gpu_decoder_norms_hand_quant_act(method: str, tiny_model_dir) -> None: 
                     assert isinstance(a, QuantAct), method
                     h, want_new = norm.forward_residual(x, res)
                     assert torch.equal(new, want_new)
-                    assert torch.equal(consumer(a), consumer(h))
+                    _assert_close_to_unfused(consumer(a), consumer(h))
                     # The first layer's norm (no residual yet) rounds in torch ops: not fused.
                     assert not isinstance(norm_residual_for(norm, x, None, consumer)[0], QuantAct)
                     hook = consumer.register_forward_hook(lambda *_: None)
@@ -146,4 +158,4 @@ def test_gpu_decoder_norms_hand_quant_act(method: str, tiny_model_dir) -> None: 
         gc.collect()
         torch.cuda.empty_cache()
     assert outs[True][0] == outs[False][0]
-    assert outs[True][1] == outs[False][1]
+    np.testing.assert_allclose(outs[True][1], outs[False][1], atol=5e-2)

@@ -35,6 +35,14 @@ elif [ "$1" = 4 ]; then
         --output-json "$OUT/quant_on.json" 2>&1 | grep -v INFO | tail -3
     DEVRUN_KV_SCALE_ON_P=0 timeout 90 python3 bench/quant_bench.py --llama8b --rows fp8_kv \
         --output-json "$OUT/quant_off.json" 2>&1 | grep -v INFO | tail -2
+elif [ "$1" = 5 ]; then
+    stamp gpu tests: fused quantization within a code step
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels_cuda/test_fused_act_quant.py \
+        tests/quantization/test_fused_act_quant_mlp.py 2>&1 | grep -E "^E  |passed|failed" | tail -12
+    stamp quant_bench w8a8 fuse_act_quant off / on
+    timeout 260 python3 bench/quant_bench.py --llama8b \
+        --rows bf16,fp8,fp8_fused,int8_w8a8,int8_w8a8_fused \
+        --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -6
 else
     stamp quant_bench
     timeout 300 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8,fp8_tw} \

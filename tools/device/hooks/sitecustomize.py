@@ -3,7 +3,6 @@ after import, from env vars.
 
 DEVRUN_LONG_DECODE=0|1      paged_attention.LONG_DECODE_ENABLED
 DEVRUN_QUANT_F16=0|1        paged_attention.QUANT_F16_DOTS
-DEVRUN_KV_SCALE_ON_P=0|1    paged_attention.KV_SCALE_ON_P
 DEVRUN_INT8_TILES_JSON=p    quant_matmul.INT8_DOT_TILES buckets from quant_gemm_sweep's suggest
 DEVRUN_W8A8_AUTO_JSON=p     scaled_mm.AUTO_LIBRARY / SCALED_MM_TILES buckets from the same
 DEVRUN_CHUNK_ROUTE=r        prefill_sdpa.CHUNK_ROUTE ("split" | "pad")
@@ -31,7 +30,6 @@ def _patch_pa(mod):
     for env, attr in (
         ("DEVRUN_LONG_DECODE", "LONG_DECODE_ENABLED"),
         ("DEVRUN_QUANT_F16", "QUANT_F16_DOTS"),
-        ("DEVRUN_KV_SCALE_ON_P", "KV_SCALE_ON_P"),
     ):
         f = _flag(env)
         if f is not None:
