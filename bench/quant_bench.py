@@ -5,8 +5,9 @@ Rows (``--rows``; each in its own subprocess so one failure or OOM leaves the ot
 merged into ``--output-json`` after each row):
 - ``bf16``, ``fp8`` (w8a8: per-token fp8 activations; batch-1 decode through the fp8 GEMV),
   ``int8`` (weight-only), ``int8_w8a8`` (per-token int8 activations), ``int4``, ``fp8_kv``
-  (bf16 weights, ``kv_cache_dtype="fp8"``), ``fp8_fused`` / ``int8_w8a8_fused`` (w8a8 with
-  KernelConfig.fuse_act_quant on: the A/B of the act quant fused into SiLU-and-mul): ``LLM(model, load_format="dummy", quantization=Q)``
+  (bf16 weights, ``kv_cache_dtype="fp8"``), ``fp8_unfused`` / ``int8_w8a8_unfused`` (w8a8 with
+  KernelConfig.fuse_act_quant off: the A/B of the act quant fused into its producers; ``_fused``
+  forces it on): ``LLM(model, load_format="dummy", quantization=Q)``
   on the Llama-3.1-8B shape (``--llama8b``, default; ``--tiny`` for a CPU smoke test, or
   ``--model DIR`` such as the demo model):
     offline: ``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len`` output
@@ -57,8 +58,11 @@ ROWS: dict[str, dict[str, Any]] = {
     "int8_w8a8": {"quantization": "int8_w8a8"},
     "int4": {"quantization": "int4"},
     "fp8_kv": {"kv_cache_dtype": "fp8"},
-    # A/B of KernelConfig.fuse_act_quant (off by default, in the rows above): the per-token
-    # quantization of down_proj's input fused into SiLU-and-mul.
+    # A/B of KernelConfig.fuse_act_quant (on by default, in the rows above): the per-token
+    # quantization of down_proj's, qkv_proj's and gate_up_proj's inputs by their producers
+    # (SiLU-and-mul, the pre-norms) off / on.
+    "fp8_unfused": {"quantization": "fp8", "fuse_act_quant": False},
+    "int8_w8a8_unfused": {"quantization": "int8_w8a8", "fuse_act_quant": False},
     "fp8_fused": {"quantization": "fp8", "fuse_act_quant": True},
     "int8_w8a8_fused": {"quantization": "int8_w8a8", "fuse_act_quant": True},
     # A/B of KernelConfig.fp8_gemm: cuBLASLt's tensor-wise fp8 GEMM (unit scales) + the scale

@@ -549,13 +549,15 @@ class KernelConfig:
     # Torch w8a8 (kernels_cuda/scaled_mm.py): per-token activation quantization by the fused
     # Triton kernel ("auto" / "triton") or by torch ops ("torch"; A/B measurements).
     act_quant: str = "auto"
-    # Torch w8a8 (int8 / fp8) with act_quant on the Triton kernel: the gated MLP's SiLU-and-mul
-    # kernel emits the down projection's per-token quantized input itself
-    # (kernels_cuda/fused_act_quant.py; same bits, one launch and one activation pass fewer per
-    # layer). Off by default until measured on a GPU (written and interpreter-tested, never
-    # compiled by real Triton): the separate quant_rows kernel. A/B: XLASERVE_FUSE_ACT_QUANT=1
-    # (quant_bench rows fp8 / fp8_fused).
-    fuse_act_quant: bool = False
+    # Torch w8a8 (int8 / fp8) with act_quant on the Triton kernel: the producers of three of a
+    # decoder layer's four linear inputs emit them quantized per token (kernels_cuda/
+    # fused_act_quant.py): the gated MLP's SiLU-and-mul for down_proj, the two pre-norms (fused
+    # add + RMSNorm) for the fused qkv_proj and gate_up_proj (layers/blocks.pre_norm). The same
+    # math as the separate quant_rows kernel (a code step apart on a few elements, compiled),
+    # one launch and one activation pass fewer per linear. Measured on the H100 (2026-12-05,
+    # quant_bench, two calls): offline fp8 +1.3% / +2.0%, int8_w8a8 +4.5% / +4.2%. A/B: the
+    # quant_bench rows fp8_unfused / int8_w8a8_unfused (XLASERVE_FUSE_ACT_QUANT=0).
+    fuse_act_quant: bool = True
     # Torch int8 w8a8 GEMM: "int_mm" = torch._int_mm (cuBLASLt) + a Triton scale epilogue,
     # "triton" = the Triton int8 tl.dot GEMM with the scales in its epilogue; "auto" = int_mm
     # where its shape rules hold (M > 16, K and N multiples of 8), else triton.
