@@ -65,9 +65,6 @@ ROWS: dict[str, dict[str, Any]] = {
     "int8_w8a8_unfused": {"quantization": "int8_w8a8", "fuse_act_quant": False},
     "fp8_fused": {"quantization": "fp8", "fuse_act_quant": True},
     "int8_w8a8_fused": {"quantization": "int8_w8a8", "fuse_act_quant": True},
-    # A/B of KernelConfig.fp8_gemm: cuBLASLt's tensor-wise fp8 GEMM (unit scales) + the scale
-    # epilogue at every M above the GEMV, against "auto" (row-wise torch._scaled_mm above M 16).
-    "fp8_tw": {"quantization": "fp8", "fp8_gemm": "scaled_mm_tw"},
     # A/B of KernelConfig.int8_dequant_min_m (0 = never, the rows above): int8 weight-only
     # steps of >= 2048 tokens (prefill) dequantize the weight and run cuBLAS.
     "int8_dq2048": {"quantization": "int8", "int8_dequant_min_m": 2048},

@@ -14,9 +14,8 @@ rate (about twice bf16 on an H200) pays:
        epilogue); "auto" = `AUTO_LIBRARY`'s pick for the M bucket (int_mm only where its shape
        rules hold: M > 16, K and N multiples of 8).
      fp8 (`fp8_gemm`): "scaled_mm" = torch._scaled_mm with row-wise scales (scale_a [M, 1],
-       scale_b [1, N]); "scaled_mm_tw" = torch._scaled_mm with unit scalar scales (cuBLASLt's
-       tensor-wise kernel) + `scale_epilogue_` in place (`fp8_tensorwise_mm`); "triton" =
-       `scaled_mm`; "auto" = `AUTO_LIBRARY`'s pick. Block-wise fp8 weights
+       scale_b [1, N]; cuBLASLt's outer-vector-scaled fp8 kernel on sm_90 with torch 2.11);
+       "triton" = `scaled_mm`; "auto" = `AUTO_LIBRARY`'s pick. Block-wise fp8 weights
        (DeepSeek-V3 / Qwen3-FP8 checkpoints: one scale per [WB_N, WB_K] weight block) always run
        `scaled_mm`, the block scale applied to each K tile's partial product inside the loop.
 Weights: wq [N, K] int8 or float8_e4m3fn (uint8 bits accepted), ws float32 [N] (per channel) or
@@ -388,7 +387,8 @@ def scale_epilogue(
 def scale_epilogue_(acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     """In place: acc [M, N] float (an unscaled fp8 product, e.g. torch._scaled_mm with unit
     scalar scales) *= xs[m] * ws[n]; returns acc. Each element is read and written by one
-    program, so the in-place pass is safe."""
+    program, so the in-place pass is safe. Used by quant_gemm_sweep's tensor-wise fp8 row
+    (that route lost to the row-wise `_scaled_mm` on the H100, so the engine has none)."""
     return _scale_epilogue_into(acc, xs, ws, None, acc)
 
 
@@ -482,7 +482,7 @@ def _quant(x: torch.Tensor | QuantAct, fmt: str, kernels: KernelConfig | None) -
     return quant_rows(x, fmt)
 
 
-FP8_GEMMS = ("auto", "scaled_mm", "scaled_mm_tw", "triton")
+FP8_GEMMS = ("auto", "scaled_mm", "triton")
 
 # KernelConfig int8_w8a8_gemm / fp8_gemm "auto": per M bucket (max M, True = the library GEMM
 # (cuBLASLt: torch._int_mm + `scale_epilogue` / torch._scaled_mm), False = the Triton
@@ -505,20 +505,6 @@ AUTO_LIBRARY: dict[str, tuple[tuple[int, bool], ...]] = {
 def auto_library(fmt: str, m: int) -> bool:
     """Whether "auto" runs an M-row product of format fmt through the library GEMM."""
     return next(lib for max_m, lib in AUTO_LIBRARY[fmt] if m <= max_m)
-
-
-def fp8_tensorwise_mm(
-    xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor
-) -> torch.Tensor:
-    """fp8_gemm "scaled_mm_tw": torch._scaled_mm with unit scalar scales (cuBLASLt's tensor-wise
-    fp8 GEMM; the row-wise form is another kernel), then `scale_epilogue_` applies xs [M, 1] and
-    ws [N] to its bf16 output in place: xq [M, K], w8 [N, K] float8_e4m3fn -> y [M, N] bf16.
-    The unscaled product is rounded to bf16 once before the scales (a second rounding: the
-    scales are positive, so the relative error is about two bf16 ulps). |xq . w8| <= 448^2 K
-    stays far inside bf16's range."""
-    one = torch.ones((), device=xq.device, dtype=torch.float32)
-    y = torch._scaled_mm(xq, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    return scale_epilogue_(y, xs, ws.reshape(-1))
 
 
 def int_mm_ok(m: int, n: int, k: int) -> bool:
@@ -571,7 +557,7 @@ def fp8_w8a8_matmul(
     m, k = xq.shape
     n = wq.shape[0]
     how = _choice("fp8_gemm", kernels, FP8_GEMMS)
-    lib = how in ("scaled_mm", "scaled_mm_tw") or (how == "auto" and auto_library("fp8", m))
+    lib = how == "scaled_mm" or (how == "auto" and auto_library("fp8", m))
     if block is None and tiles is None and lib and xq.is_cuda:
         w8 = wq.view(torch.float8_e4m3fn) if wq.dtype == torch.uint8 else wq
         _check_w8("fp8_w8a8_matmul", xq, w8, ws, None)
@@ -581,13 +567,10 @@ def fp8_w8a8_matmul(
                 xq = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad))
                 xq = xq.view(torch.float8_e4m3fn)
                 xs = torch.nn.functional.pad(xs, (0, 0, 0, pad), value=1.0)
-            if how == "scaled_mm_tw":
-                y = fp8_tensorwise_mm(xq, xs, w8, ws)
-            else:
-                y = torch._scaled_mm(
-                    xq, w8.t(), scale_a=xs, scale_b=ws.float().reshape(1, -1), bias=None,
-                    out_dtype=torch.bfloat16,  # row-wise scaling: bf16 output only (cuBLASLt)
-                )  # fmt: skip
+            y = torch._scaled_mm(
+                xq, w8.t(), scale_a=xs, scale_b=ws.float().reshape(1, -1), bias=None,
+                out_dtype=torch.bfloat16,  # row-wise scaling: bf16 output only (cuBLASLt)
+            )  # fmt: skip
             y = y[:m]
             if bias is not None:
                 y = y + bias.to(y.dtype)

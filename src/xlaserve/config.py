@@ -563,9 +563,8 @@ class KernelConfig:
     # where its shape rules hold (M > 16, K and N multiples of 8), else triton.
     int8_w8a8_gemm: str = "auto"
     # Torch fp8 w8a8 GEMM (per-channel weights) at M above the GEMV: "scaled_mm" =
-    # torch._scaled_mm with row-wise scales, "scaled_mm_tw" = torch._scaled_mm with unit
-    # scalar scales (cuBLASLt's tensor-wise kernel) + an in-place scale epilogue, "triton" = the
-    # Triton fp8 tl.dot GEMM; "auto" = the per-M table (kernels_cuda.scaled_mm.AUTO_LIBRARY).
+    # torch._scaled_mm with row-wise scales, "triton" = the Triton fp8 tl.dot GEMM; "auto" =
+    # the per-M table (kernels_cuda.scaled_mm.AUTO_LIBRARY).
     # Block-wise fp8 checkpoints always take the Triton block-scaled GEMM.
     fp8_gemm: str = "auto"
     # Torch int8 weight-only on CUDA: M at or above which the weight is dequantized to the
@@ -583,7 +582,7 @@ class KernelConfig:
         for name, allowed in (
             ("act_quant", ("auto", "triton", "torch")),
             ("int8_w8a8_gemm", ("auto", "int_mm", "triton")),
-            ("fp8_gemm", ("auto", "scaled_mm", "scaled_mm_tw", "triton")),
+            ("fp8_gemm", ("auto", "scaled_mm", "triton")),
             ("ssd_precision", ("auto", "tf32x3", "tf32", "bf16", "ieee")),
             ("lora_impl", LORA_IMPLS),
         ):

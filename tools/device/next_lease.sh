@@ -3,7 +3,7 @@
 # split route's real-shape check has not run on a GPU); the fp8 GEMM sweep with cuBLASLt's
 # tensor-wise fp8 GEMM (unit scales: the ceiling; + the in-place scale epilogue: what a layer
 # would pay) against the row-wise `_scaled_mm` and Triton, at the decode / prefill M sizes.
-# Part 2: quant_bench's bf16 / fp8 rows (fp8_tw: the tensor-wise route), then the 128k context's
+# Part 2: quant_bench's bf16 / fp8 rows, then the 128k context's
 # TTFT / decode with the split prefill route. Part 3: the GPU tests of the norms' fused
 # quantization and the fp8 KV cache's V scales on P; quant_bench's w8a8 rows with
 # fuse_act_quant off / on and the fp8 KV row, side by side with bf16.
@@ -45,7 +45,7 @@ elif [ "$1" = 5 ]; then
         --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -6
 else
     stamp quant_bench
-    timeout 300 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8,fp8_tw} \
+    timeout 300 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8} \
         --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
     stamp long_context ctx128k
     timeout 250 python3 bench/long_context.py --llama8b --stages ctx128k \
