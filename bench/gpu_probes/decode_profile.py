@@ -3,7 +3,8 @@
 lengths (the graph-replay profile in gpu_bench replays with whatever the last step left behind).
 
     OUT=dir python bench/gpu_probes/decode_profile.py MAX_NUM_SEQS MAX_NUM_BATCHED_TOKENS [N] [Q]
-    # -> $OUT/decode_profile_<MAX_NUM_SEQS>[_<Q>].json; Q: LLM(quantization=Q), e.g. fp8
+    # -> $OUT/decode_profile_<MAX_NUM_SEQS>[_<Q>].json; Q: LLM(quantization=Q), e.g. fp8,
+    # or fp8_kv: LLM(kv_cache_dtype="fp8") with bf16 weights
 
 Llama-3.1-8B shape, dummy bf16 weights, the gpu_bench engine settings except the two limits.
 Runs the offline 256 / 256 benchmark over N prompts (default 1000) and, inside it, profiles
@@ -40,9 +41,9 @@ def main() -> None:
     quant = sys.argv[4] if len(sys.argv) > 4 else None
     model_dir = gb.write_model_dir("/tmp/llama8b", 32)
     t0 = time.perf_counter()
+    kv = {"kv_cache_dtype": "fp8"} if quant == "fp8_kv" else {"quantization": quant}
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_num_seqs=seqs,
-              max_num_batched_tokens=tokens, gpu_memory_utilization=0.9,
-              quantization=quant)  # fmt: skip
+              max_num_batched_tokens=tokens, gpu_memory_utilization=0.9, **kv)  # fmt: skip
     res: dict[str, Any] = {"max_num_seqs": seqs, "max_num_batched_tokens": tokens,
                            "quantization": quant, "init_s": time.perf_counter() - t0,
                            "num_kv_blocks": llm.llm_engine.kv_manager.num_blocks}  # fmt: skip
