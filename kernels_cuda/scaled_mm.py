@@ -377,29 +377,13 @@ def scale_epilogue(
     ws: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """acc int32 [M, N] (torch._int_mm's result) -> acc * xs[m] * ws[n] (+ bias) in out_dtype."""
+    """acc int32 [M, N] (torch._int_mm's result) -> acc * xs[m] * ws[n] (+ bias) in out_dtype.
+    out: where to write (out_dtype); may be acc itself (each element is read and written by
+    one program), as quant_gemm_sweep's tensor-wise fp8 row does with a bf16 acc."""
     m, n = acc.shape
-    return _scale_epilogue_into(acc, xs, ws, bias, torch.empty((m, n), dtype=out_dtype,
-                                                                device=acc.device))  # fmt: skip
-
-
-def scale_epilogue_(acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """In place: acc [M, N] float (an unscaled fp8 product, e.g. torch._scaled_mm with unit
-    scalar scales) *= xs[m] * ws[n]; returns acc. Each element is read and written by one
-    program, so the in-place pass is safe. Used by quant_gemm_sweep's tensor-wise fp8 row
-    (that route lost to the row-wise `_scaled_mm` on the H100, so the engine has none)."""
-    return _scale_epilogue_into(acc, xs, ws, None, acc)
-
-
-def _scale_epilogue_into(
-    acc: torch.Tensor,
-    xs: torch.Tensor,
-    ws: torch.Tensor,
-    bias: torch.Tensor | None,
-    y: torch.Tensor,
-) -> torch.Tensor:
-    m, n = acc.shape
+    y = torch.empty((m, n), dtype=out_dtype, device=acc.device) if out is None else out
     if m == 0 or n == 0:
         return y
     grid = (triton.cdiv(m, 32), triton.cdiv(n, 128))
@@ -482,8 +466,6 @@ def _quant(x: torch.Tensor | QuantAct, fmt: str, kernels: KernelConfig | None) -
     return quant_rows(x, fmt)
 
 
-FP8_GEMMS = ("auto", "scaled_mm", "triton")
-
 # KernelConfig int8_w8a8_gemm / fp8_gemm "auto": per M bucket (max M, True = the library GEMM
 # (cuBLASLt: torch._int_mm + `scale_epilogue` / torch._scaled_mm), False = the Triton
 # `scaled_mm`), the first bucket with M <= max M wins. Picked from
@@ -556,7 +538,7 @@ def fp8_w8a8_matmul(
     xq, xs = _quant(x, "fp8", kernels)
     m, k = xq.shape
     n = wq.shape[0]
-    how = _choice("fp8_gemm", kernels, FP8_GEMMS)
+    how = _choice("fp8_gemm", kernels, ("auto", "scaled_mm", "triton"))
     lib = how == "scaled_mm" or (how == "auto" and auto_library("fp8", m))
     if block is None and tiles is None and lib and xq.is_cuda:
         w8 = wq.view(torch.float8_e4m3fn) if wq.dtype == torch.uint8 else wq

@@ -161,7 +161,7 @@ def _fp8_tensorwise_variants() -> list[tuple[str, None, Any]]:
 
     def scaled(x: Any, d: dict[str, Any]) -> Any:
         y, xs = raw(x, d)
-        return sm.scale_epilogue_(y, xs, d["sf"])
+        return sm.scale_epilogue(y, xs, d["sf"], None, y.dtype, out=y)
 
     return [("scaled_mm tensorwise, no scales (ceiling)", None, lambda x, d: raw(x, d)[0]),
             ("scaled_mm tensorwise + scale epilogue", None, scaled)]  # fmt: skip
