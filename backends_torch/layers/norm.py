@@ -72,8 +72,7 @@ def norm_residual_for(
         return norm.forward_residual(x, residual)
     from xlaserve.kernels_cuda.fused_act_quant import rms_norm_quant
 
-    a, new_res = rms_norm_quant(x, norm.weight, norm.eps, fmt, residual, norm.weight_offset)
-    return a, new_res
+    return rms_norm_quant(x, norm.weight, norm.eps, fmt, residual, norm.weight_offset)
 
 
 class LayerNorm(nn.Module):
