@@ -3,6 +3,7 @@
 lengths (the graph-replay profile in gpu_bench replays with whatever the last step left behind).
 
     OUT=dir python bench/gpu_probes/decode_profile.py MAX_NUM_SEQS MAX_NUM_BATCHED_TOKENS [N] [Q]
+    python bench/gpu_probes/decode_profile.py --compare BASE.json RUN.json [SPEEDUP ...]  # CPU
     # -> $OUT/decode_profile_<MAX_NUM_SEQS>[_<Q>].json; Q: LLM(quantization=Q), e.g. fp8,
     # or fp8_kv: LLM(kv_cache_dtype="fp8") with bf16 weights
 
@@ -13,6 +14,11 @@ wave's 128th decode step (contexts ~384 tokens), and the 3rd and 4th full prefil
 (MAX_NUM_BATCHED_TOKENS tokens each). The profiler's start / stop run inside the timed run, so
 this run's throughput is not a benchmark figure. Reports GPU time per step by kernel, the GPU
 busy time per step against the wall time per step, and the host/device split of gpu_bench.
+
+`--compare` (no GPU): two such JSONs (e.g. bf16 and fp8) by kernel class (attention, GEMM,
+separate act quant, other) side by side, and a computed projection of the second run with its
+GEMMs at given speedups over the first's (`project`): the bound weight quantization can reach
+while attention and the rest stay as measured.
 """
 
 from __future__ import annotations
@@ -23,17 +29,106 @@ import sys
 import time
 from typing import Any
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-
-from xlaserve.bench import gpu_bench as gb
-
 PROFILED_STEPS = 8
 FIRST_PROFILED_DECODE = 128
 
+# Kernel classes by name (lower case; the first class with a matching pattern wins). The
+# fused producers of quantized activations (_rms_norm_quant / _silu_mul_quant) count as norm /
+# activation work, "other": only the separate `quant_rows` kernel is "act_quant".
+KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("attention", "fmha", "flash", "sdpa", "merge_splits", "merge_lse")),
+    ("act_quant", ("_quant_rows_kernel",)),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "scaled_mm", "_int8_mm", "dense_gemv")),
+)
+SECTIONS = ("profile", "prefill_profile")  # the decode steps, the full prefill steps
+
+
+def kernel_class(name: str) -> str:
+    """ "attention", "act_quant", "gemm" or "other" for a profiled kernel's name."""
+    low = name.lower()
+    return next((c for c, pats in KERNEL_CLASSES if any(p in low for p in pats)), "other")
+
+
+def class_ms(section: dict[str, Any]) -> dict[str, float]:
+    """GPU ms per step by kernel class of one profiled section (decode or prefill steps), plus
+    "gpu" (the total) and "wall"; "other" is the total less the classified kernels (the JSON
+    lists the top kernels only)."""
+    per = {c: 0.0 for c, _ in KERNEL_CLASSES}
+    for k in section["kernels"]:
+        c = kernel_class(k["name"])
+        if c != "other":
+            per[c] += k["us"] / 1e3
+    gpu = section["gpu_ms_per_step"]
+    return {**per, "other": gpu - sum(per.values()), "gpu": gpu,
+            "wall": section["wall_ms_per_step"]}  # fmt: skip
+
+
+def project(
+    base: dict[str, Any], run: dict[str, Any], gemm_speedup: tuple[float, float], keep_quant: bool
+) -> dict[str, float]:
+    """Computed, not measured: `run`'s profile with its GEMMs at gemm_speedup = (decode,
+    prefill) x `base`'s GEMM time and, unless keep_quant, no separate act-quant kernel; each
+    step keeps `run`'s own wall - GPU gap. Returns the projected wall ms per decode / prefill
+    step and the offline run's ratio to base's: base's run time split into decode and full
+    prefill steps (steps_last_run, the prefill count from the prompts' tokens), each part
+    scaled by its step's ratio."""
+    out: dict[str, float] = {}
+    for sec, g in zip(SECTIONS, gemm_speedup, strict=True):
+        b, r = class_ms(base[sec]), class_ms(run[sec])
+        gpu = r["attention"] + r["other"] + b["gemm"] / g + (r["act_quant"] if keep_quant else 0)
+        out[sec] = gpu + (r["wall"] - r["gpu"])
+    off = base["offline_256_256"]
+    n_fill = off["num_prompts"] * off["input_len"] / base["max_num_batched_tokens"]
+    t_fill = n_fill * base["prefill_profile"]["wall_ms_per_step"]
+    t_dec = (off["steps_last_run"] - n_fill) * base["profile"]["wall_ms_per_step"]
+    t_new = (
+        t_dec * out["profile"] / class_ms(base["profile"])["wall"]
+        + t_fill * out["prefill_profile"] / class_ms(base["prefill_profile"])["wall"]
+    )
+    return {"decode_ms": out["profile"], "prefill_ms": out["prefill_profile"],
+            "offline_ratio": (t_dec + t_fill) / t_new}  # fmt: skip
+
+
+def compare(base_path: str, run_path: str, speedups: list[float]) -> dict[str, Any]:
+    """`--compare`: both profiles by kernel class, side by side, and `project` at each GEMM
+    speedup (the same at decode and prefill) and at the run's own measured GEMM ratios."""
+    with open(base_path) as f:
+        base = json.load(f)
+    with open(run_path) as f:
+        run = json.load(f)
+    res: dict[str, Any] = {}
+    for sec in SECTIONS:
+        res[sec] = {"base": class_ms(base[sec]), "run": class_ms(run[sec])}
+    measured = tuple(res[s]["base"]["gemm"] / res[s]["run"]["gemm"] for s in SECTIONS)
+    res["measured_gemm_ratio"] = measured
+    res["measured_offline_ratio"] = (
+        run["offline_256_256"]["output_tokens_per_s"]
+        / base["offline_256_256"]["output_tokens_per_s"]
+    )
+    res["projected_measured_gemms"] = project(base, run, measured, keep_quant=True)
+    res["projected"] = {str(g): project(base, run, (g, g), keep_quant=False) for g in speedups}
+    return res
+
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--compare":
+        speedups = [float(v) for v in sys.argv[4:]] or [1.5, 1.75, 2.0]
+        res = compare(sys.argv[2], sys.argv[3], speedups)
+        for sec in SECTIONS:
+            for side in ("base", "run"):
+                row = ", ".join(f"{k} {v:.2f}" for k, v in res[sec][side].items())
+                print(f"{sec} {side}: {row} ms/step")
+        print("measured GEMM ratio (decode, prefill):", res["measured_gemm_ratio"],
+              "offline ratio:", round(res["measured_offline_ratio"], 3))  # fmt: skip
+        print("projected with the measured GEMMs:", res["projected_measured_gemms"])
+        for g, p in res["projected"].items():
+            print(f"projected, GEMMs {g}x base, no act quant (computed): {p}")
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     from xlaserve import LLM
+    from xlaserve.bench import gpu_bench as gb
 
     out_dir = os.environ.get("OUT", "/tmp")
     seqs, tokens = int(sys.argv[1]), int(sys.argv[2])
