@@ -2,15 +2,19 @@
 # `bash tools/device/next_lease.sh 1`, then `... 2`); the twenty-first session's closing note says
 # why. Part 1: where the fp8 KV cache's offline loss comes from (0.95-0.97x bf16 on the H100,
 # against the 1.0x goal): the offline decode step and full prefill steps profiled by kernel, bf16
-# then kv_cache_dtype="fp8", side by side. Part 2: quant_bench's rows with the defaults as on
+# then kv_cache_dtype="fp8" (then fp8 weights, for the bound on that card), compared by class. Part 2: quant_bench's rows with the defaults as on
 # main (fuse_act_quant on), side by side with bf16; on the H200 when it is lent (the issue's
 # card), then the 30k / 128k long-context figures.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
-    for q in "" fp8_kv; do
+    for q in "" fp8_kv fp8; do
         stamp decode profile ${q:-bf16}
-        timeout 220 python3 bench/gpu_probes/decode_profile.py 256 8192 1000 $q 2>&1 \
+        timeout 150 python3 bench/gpu_probes/decode_profile.py 256 8192 1000 $q 2>&1 \
             | grep -v INFO | tail -34
+    done
+    for q in fp8_kv fp8; do
+        python3 bench/gpu_probes/decode_profile.py --compare "$OUT/decode_profile_256.json" \
+            "$OUT/decode_profile_256_$q.json" 1.5 2.0
     done
 else
     stamp quant_bench
