@@ -9,6 +9,7 @@ copy into kernels_cuda/paged_attention.py's LONG_DECODE_CONFIGS / split choice).
 
     OUT=dir python bench/gpu_probes/long_decode_sweep.py          # H200: ~40-60 s
     OUT=dir python bench/gpu_probes/long_decode_sweep.py --kv fp8 --out $OUT/ld_fp8.json
+    OUT=dir python bench/gpu_probes/long_decode_sweep.py --shapes ctx384_b256 --kv fp8  # batch 256
     python bench/gpu_probes/long_decode_sweep.py --tiny --out x.json  # CPU interpreter smoke
 
 Each row also carries max_diff_vs_first: its output against the first config's (same inputs),
@@ -41,6 +42,19 @@ CONFIGS: list[tuple[int, int, int, int]] = [
     (64, 4, 4, 32),
     (32, 4, 4, 64),
 ]
+# Batch decode (no split): the offline benchmark's batch-256 step at ~384-token contexts. The
+# table's (64, 4, 3) first; wider key tiles keep a quantized cache's bytes per tile (fp8: a
+# 128-key tile moves what a 64-key bf16 tile does), so the short loop runs half the trips.
+BATCH_CONFIGS: list[tuple[int, int, int, int]] = [
+    (64, 4, 3, 1),
+    (128, 4, 3, 1),
+    (128, 8, 3, 1),
+    (128, 4, 2, 1),
+    (64, 4, 4, 1),
+    (64, 8, 3, 1),
+    (32, 4, 3, 1),
+    (256, 8, 2, 1),
+]
 
 
 @dataclass
@@ -54,13 +68,24 @@ class Shape:
     hkv: int = 8
     head_dim: int = 128
     page: int = 16
+    batch_configs: bool = False  # BATCH_CONFIGS (no split) instead of CONFIGS
 
 
-def _shapes(tiny: bool) -> list[Shape]:
+def _shapes(tiny: bool, names: list[str] | None = None) -> list[Shape]:
+    """The shapes to sweep: names selects among them (default: all but the batch-256 one)."""
     if tiny:  # interpreter: a few hundred keys, 4 / 2 heads of 32
-        return [Shape("ctx700_b1", 1, 700, 4, 2, 32), Shape("ctx200_b2", 2, 200, 4, 2, 32)]
-    return [Shape("ctx30k_b1", 1, 30_000), Shape("ctx131k_b1", 1, 131_072),
-            Shape("ctx8k_b32", 32, 8192)]  # fmt: skip
+        shapes = [Shape("ctx700_b1", 1, 700, 4, 2, 32), Shape("ctx200_b2", 2, 200, 4, 2, 32),
+                  Shape("ctx40_b8", 8, 40, 4, 2, 32, batch_configs=True)]  # fmt: skip
+    else:
+        shapes = [Shape("ctx30k_b1", 1, 30_000), Shape("ctx131k_b1", 1, 131_072),
+                  Shape("ctx8k_b32", 32, 8192),
+                  Shape("ctx384_b256", 256, 384, batch_configs=True)]  # fmt: skip
+    if names is None:
+        return [x for x in shapes if not x.batch_configs]
+    unknown = set(names) - {x.name for x in shapes}
+    if unknown:
+        raise ValueError(f"unknown shapes {sorted(unknown)}; one of {[x.name for x in shapes]}")
+    return [x for x in shapes if x.name in names]
 
 
 def _inputs(s: Shape, dev: str, dtype: Any) -> dict[str, Any]:
@@ -81,7 +106,12 @@ def _inputs(s: Shape, dev: str, dtype: Any) -> dict[str, Any]:
 
 
 def run(
-    tiny: bool, reps: int, hbm_gbps: float, num_configs: int = len(CONFIGS), kv: str = "bf16"
+    tiny: bool,
+    reps: int,
+    hbm_gbps: float,
+    num_configs: int = len(CONFIGS),
+    kv: str = "bf16",
+    shapes: list[str] | None = None,
 ) -> dict[str, Any]:
     """Every config on every shape; rows plus the best config per shape. kv "fp8": the caches
     hold fp8 codes with per-token scales (kv_quant), the bytes read counting codes and scales."""
@@ -94,7 +124,7 @@ def run(
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     rows: list[dict[str, Any]] = []
     best: dict[str, dict[str, Any]] = {}
-    for s in _shapes(tiny):
+    for s in _shapes(tiny, shapes):
         x = _inputs(s, dev, dtype)
         scales: dict[str, Any] = {}
         if kv == "fp8":
@@ -104,7 +134,9 @@ def run(
         per_token = s.head_dim * x["k_cache"].element_size() + (4 if scales else 0)
         kv_bytes = 2 * s.batch * s.ctx * s.hkv * per_token
         first = None
-        for block_n, warps, stages, splits in CONFIGS[:num_configs]:
+        for block_n, warps, stages, splits in (BATCH_CONFIGS if s.batch_configs else CONFIGS)[
+            :num_configs
+        ]:
             cfg = {"BLOCK_M": 16, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
             def fn(
@@ -152,10 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N configs")
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
     ap.add_argument("--kv", default="bf16", choices=["bf16", "fp8"], help="the cache's codes")
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="shape names (default: the long ones; ctx384_b256: the offline "
+                    "benchmark's batch decode, with BATCH_CONFIGS)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    res = run(args.tiny, 1 if args.tiny else args.reps, args.hbm_gbps, args.configs, args.kv)
+    res = run(args.tiny, 1 if args.tiny else args.reps, args.hbm_gbps, args.configs, args.kv,
+              args.shapes)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")

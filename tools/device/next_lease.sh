@@ -2,11 +2,18 @@
 # `bash tools/device/next_lease.sh 1`, then `... 2`); the twenty-first session's closing note says
 # why. Part 1: where the fp8 KV cache's offline loss comes from (0.95-0.97x bf16 on the H100,
 # against the 1.0x goal): the offline decode step and full prefill steps profiled by kernel, bf16
-# then kv_cache_dtype="fp8" (then fp8 weights, for the bound on that card), compared by class. Part 2: quant_bench's rows with the defaults as on
+# then kv_cache_dtype="fp8" (then fp8 weights, for the bound on that card), compared by class;
+# first the batch-256 decode attention kernel alone over bf16 and fp8 caches, with wider key
+# tiles for the fp8 codes (BATCH_CONFIGS: a 128-key fp8 tile moves a 64-key bf16 tile's bytes). Part 2: quant_bench's rows with the defaults as on
 # main (fuse_act_quant on), side by side with bf16; on the H200 when it is lent (the issue's
 # card), then the 30k / 128k long-context figures.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
+    for kv in bf16 fp8; do
+        stamp attention sweep batch 256, $kv cache
+        timeout 120 python3 bench/gpu_probes/long_decode_sweep.py --shapes ctx384_b256 --kv $kv \
+            --out "$OUT/ld_b256_$kv.json" 2>&1 | grep -E "^ctx|^best" | tail -10
+    done
     for q in "" fp8_kv fp8; do
         stamp decode profile ${q:-bf16}
         timeout 150 python3 bench/gpu_probes/decode_profile.py 256 8192 1000 $q 2>&1 \
