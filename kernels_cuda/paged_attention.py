@@ -90,6 +90,12 @@ PREFILL_WIDE_CONFIGS: dict[int, dict[str, int]] = {
 }
 _WIDE_SMEM: dict[int, bool] = {}  # CUDA device index -> has PREFILL_WIDE_SMEM
 
+# Decode tiles over a quantized (int8 / fp8) cache by head-dim bucket, where set; unset buckets
+# keep ATTENTION_CONFIGS["decode"]. Empty: a 1-byte code makes the table's 64-key tile half a
+# bf16 tile's bytes, so a 128-key tile may suit it, but that is not measured yet (the A/B:
+# long_decode_sweep.py --shapes ctx384_b256 --kv fp8, and DEVRUN_QUANT_DECODE_TILE end to end).
+QUANT_DECODE_CONFIGS: dict[int, dict[str, int]] = {}
+
 
 def wide_smem(device: torch.device) -> bool:
     """Whether a CUDA device has PREFILL_WIDE_SMEM of opt-in shared memory per block."""
@@ -577,7 +583,8 @@ def attention_launch_config(
     """Pick BLOCK_M/BLOCK_N/num_warps/num_stages (+ derived BLOCK_Q) for one launch.
 
     Decode launches with >= LONG_DECODE_MIN_SPLITS splits over an unquantized cache (quant
-    False) take LONG_DECODE_CONFIGS; prefill launches over an unquantized cache with wide
+    False) take LONG_DECODE_CONFIGS; other decode launches over a quantized cache take
+    QUANT_DECODE_CONFIGS where it has the bucket; prefill launches over an unquantized cache with wide
     (`use_wide_tiles(q)`) take PREFILL_WIDE_CONFIGS; override (tests,
     bench sweeps) replaces the table pick, keys BLOCK_M/BLOCK_N/num_warps/num_stages.
     """
@@ -598,6 +605,8 @@ def attention_launch_config(
         and bucket in LONG_DECODE_CONFIGS
     ):
         cfg = dict(LONG_DECODE_CONFIGS[bucket])
+    elif quant and kind == "decode" and bucket in QUANT_DECODE_CONFIGS:
+        cfg = dict(QUANT_DECODE_CONFIGS[bucket])
     elif wide and not quant and kind == "prefill" and bucket in PREFILL_WIDE_CONFIGS:
         cfg = dict(PREFILL_WIDE_CONFIGS[bucket])
     else:

@@ -101,6 +101,38 @@ def test_table_pick_by_splits(monkeypatch) -> None:  # noqa: ANN001
         pa.attention_launch_config(1, 4, 128, False, 1, {"BLOCK_N": 64})
 
 
+def test_quant_decode_tiles_where_set(monkeypatch, device, tolerances) -> None:  # noqa: ANN001
+    """QUANT_DECODE_CONFIGS (empty by default) gives decode launches over a quantized cache
+    their own tiles for the buckets it has; unquantized decode, prefill and other buckets keep
+    their tables; a 128-key tile over an fp8 cache computes the reference's attention."""
+    assert pa.QUANT_DECODE_CONFIGS == {}
+    table = pa.ATTENTION_CONFIGS["decode"][128]
+    assert (
+        pa.attention_launch_config(1, 4, 128, False, 1, quant=True)["BLOCK_N"] == table["BLOCK_N"]
+    )
+    tile = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+    monkeypatch.setitem(pa.QUANT_DECODE_CONFIGS, 128, tile)
+    got = pa.attention_launch_config(1, 4, 128, False, 1, quant=True)
+    assert {k: got[k] for k in tile} == tile and got["BLOCK_Q"] == 4
+    assert pa.attention_launch_config(1, 4, 128, False, 1)["BLOCK_N"] == table["BLOCK_N"]
+    assert (
+        pa.attention_launch_config(64, 4, 128, False, 1, quant=True)["BLOCK_M"]
+        == (pa.ATTENTION_CONFIGS["prefill"][128]["BLOCK_M"])
+    )
+    assert (
+        pa.attention_launch_config(1, 4, 64, False, 1, quant=True)["BLOCK_N"]
+        == (pa.ATTENTION_CONFIGS["decode"][64]["BLOCK_N"])
+    )
+    batch = _batch([1, 1, 1], [300, 77, 129], 8, 2, 32, 16, torch.bfloat16, device, seed=4)
+    kq, ks = quantize_kv(batch["k_cache"].float(), torch.float8_e4m3fn)
+    vq, vs = quantize_kv(batch["v_cache"].float(), torch.float8_e4m3fn)
+    qb = dict(batch, k_cache=kq, v_cache=vq)
+    ref = _call(unified_attention_ref, qb, 1, None, k_scale=ks, v_scale=vs).float()
+    out = _call(unified_attention, qb, 1, tile, k_scale=ks, v_scale=vs).float()
+    atol, rtol = tolerances[torch.bfloat16]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
 def test_wide_prefill_tiles_where_shared_memory_allows() -> None:
     """Prefill over an unquantized cache on a GPU with PREFILL_WIDE_SMEM takes
     PREFILL_WIDE_CONFIGS (D=128); other GPUs, quantized caches, decode launches, D=64 / 256

@@ -6,7 +6,8 @@
 # first the batch-256 decode attention kernel alone over bf16 and fp8 caches, with wider key
 # tiles for the fp8 codes (BATCH_CONFIGS: a 128-key fp8 tile moves a 64-key bf16 tile's bytes). Part 2: quant_bench's rows with the defaults as on
 # main (fuse_act_quant on), side by side with bf16; on the H200 when it is lent (the issue's
-# card), then the 30k / 128k long-context figures.
+# card); with QTILE=n,w,s (part 1's best fp8 tile) the fp8 KV row again with that decode tile
+# (DEVRUN_QUANT_DECODE_TILE); then the 30k / 128k long-context figures.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
     for kv in bf16 fp8; do
@@ -27,6 +28,11 @@ else
     stamp quant_bench
     timeout 330 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8,int8_w8a8,fp8_kv,int8} \
         --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
+    if [ -n "${QTILE:-}" ]; then  # part 1's best batch-256 fp8 tile, e.g. QTILE=128,4,3
+        stamp quant_bench fp8_kv with the decode tile $QTILE
+        DEVRUN_QUANT_DECODE_TILE=$QTILE timeout 100 python3 bench/quant_bench.py --llama8b \
+            --rows fp8_kv --output-json "$OUT/quant_qtile.json" 2>&1 | grep -v INFO | tail -2
+    fi
     stamp long_context
     timeout 200 python3 bench/long_context.py --llama8b --stages hf,bf16,ctx128k \
         --output-json "$OUT/lc.json" 2>&1 | grep -v INFO | grep -E "TTFT|tok/s|ratio" | tail -8
