@@ -108,7 +108,7 @@ def _inputs(s: Shape, dev: str, dtype: Any) -> dict[str, Any]:
 def run(
     tiny: bool,
     reps: int,
-    hbm_gbps: float,
+    hbm_gbps: float | None,
     num_configs: int = len(CONFIGS),
     kv: str = "bf16",
     shapes: list[str] | None = None,
@@ -122,6 +122,8 @@ def run(
 
     cuda = torch.cuda.is_available() and not tiny
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if hbm_gbps is None:  # nominal rates: H100 SXM 3.35 TB/s, H200 4.8 TB/s
+        hbm_gbps = 3350.0 if cuda and "H100" in torch.cuda.get_device_name() else 4800.0
     rows: list[dict[str, Any]] = []
     best: dict[str, dict[str, Any]] = {}
     for s in _shapes(tiny, shapes):
@@ -182,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="small shapes (CPU interpreter smoke)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N configs")
-    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
+    ap.add_argument("--hbm-gbps", type=float, default=None,
+                    help="the HBM rate for the fractions (default: by GPU name, H100 3350, "
+                    "else the H200's 4800)")  # fmt: skip
     ap.add_argument("--kv", default="bf16", choices=["bf16", "fp8"], help="the cache's codes")
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="shape names (default: the long ones; ctx384_b256: the offline "
