@@ -40,7 +40,9 @@ Rows (``rows`` in the JSON; each with its goal from the issue):
   the mean decode context) / bandwidth, at ``--bandwidth-gbs`` (the GPU's spec, HBM_GBS) and
   ``--alt-bandwidth-gbs`` (4300, the issue's figure); fraction of roofline (goal >= 0.85). Weight
   bytes: every parameter but the input embedding (one row of it is read per token);
-  ``weight_bytes_all`` (with it, the issue's 16.1 GB) is there too;
+  ``weight_bytes_all`` (with it, the issue's 16.1 GB) is there too; ``issue_definition``: the
+  issue's own roofline, all 16.1 GB + KV at the card's copy rate measured in the bf16 stage
+  (``copy_gbs``, bytes read and written; the issue's 4.3 TB/s is the H200's);
 - ``ctx128k``: TTFT and decode tok/s (reported, with the roofline fraction);
 - ``fp8kv``: offline output tok/s fp8 / bf16 (goal >= 1.0), KV blocks fp8 / bf16 (goal >= 1.9),
   decode tok/s at 30k fp8 / bf16.
@@ -278,12 +280,39 @@ def _long_prompt(
     }
 
 
+def copy_gbs(nbytes: int = 1 << 30, reps: int = 10) -> float | None:
+    """The GPU's copy rate in GB/s, counting bytes read and written (the issue's 4.3 TB/s for
+    the H200 is this figure): the median of `reps` device-to-device copies of nbytes, timed with
+    CUDA events; None without CUDA. Run before the engine takes the memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
 def run_engine_stage(stage: str, args: argparse.Namespace) -> dict[str, Any]:
     """One LLM: the long prompt's TTFT and decode rate, the offline run (not in ctx128k), the KV
-    block count; partial results are written after each part."""
+    block count; partial results are written after each part. The bf16 stage first measures
+    the GPU's copy rate (`copy_gbs`: the bandwidth of the issue's roofline)."""
     from xlaserve import SamplingParams
 
     res: dict[str, Any] = {"settings": ENGINE_STAGES[stage]}
+    if stage == "bf16":
+        res["copy_gbs"] = copy_gbs()
     t = time.perf_counter()
     llm = _llm(args, stage)
     res["load_s"] = time.perf_counter() - t
@@ -676,6 +705,19 @@ def spec_bandwidth_gbs(name: str) -> float:
     return DEFAULT_GBS
 
 
+def issue_roofline(
+    cfg: dict[str, Any], context: float, rate: float | None, copy: float | None
+) -> dict[str, Any] | None:
+    """The issue's roofline: every weight byte (16.1 GB for the 8B, the input embedding too) +
+    the KV bytes at `context`, at the card's measured copy rate `copy` GB/s (the issue: 4.3 TB/s
+    on the H200); rate's fraction of it. None without a copy rate."""
+    if not copy:
+        return None
+    ent = roofline(cfg, context, rate, [copy])[f"{int(copy)}_gbs"]
+    return {"copy_gbs": copy, "roofline_tokens_per_s": ent["roofline_tokens_per_s_all_weights"],
+            "fraction": ent.get("fraction_all_weights")}  # fmt: skip
+
+
 def derive_rows(stages: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The issue's rows from the stages' raw figures (None where a stage is missing)."""
     cfg = model_config(args)
@@ -711,6 +753,7 @@ def derive_rows(stages: dict[str, Any], args: argparse.Namespace) -> dict[str, A
     rate = _get(bf, "long", "decode", "decode_tokens_per_s")
     roof = roofline(cfg, ctx, rate, bws)
     frac = _get(roof, f"{int(args.bandwidth_gbs)}_gbs", "fraction")
+    copy = _get(bf, "copy_gbs")
     rate32 = _get(stages.get("splits32", {}), "long", "decode", "decode_tokens_per_s")
     rows["decode30k"] = {
         "prompt_len": args.prefill_len,
@@ -720,6 +763,7 @@ def derive_rows(stages: dict[str, Any], args: argparse.Namespace) -> dict[str, A
         "fraction_of_roofline": frac,
         "goal": ">= 0.85",
         "meets_goal": None if frac is None else frac >= 0.85,
+        "issue_definition": issue_roofline(cfg, ctx, rate, copy),
         "graph_max_kv_splits_32": {
             "decode_tokens_per_s": rate32,
             "ratio_vs_default": _ratio(rate32, rate),
@@ -736,6 +780,9 @@ def derive_rows(stages: dict[str, Any], args: argparse.Namespace) -> dict[str, A
         "decode_tokens_per_s": rate_l,
         "num_kv_blocks": _get(lng, "num_kv_blocks"),
         "roofline": roofline(cfg, args.long_len + args.decode_output / 2, rate_l, bws),
+        "issue_definition": issue_roofline(
+            cfg, args.long_len + args.decode_output / 2, rate_l, copy
+        ),  # fmt: skip
     }
     off_b, off_f = (_get(x, "offline", "output_tokens_per_s") for x in (bf, fp))
     blk_b, blk_f = _get(bf, "num_kv_blocks"), _get(fp, "num_kv_blocks")
@@ -874,6 +921,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{int(args.bandwidth_gbs)} GB/s = {_fmt(dcd['fraction_of_roofline'], '.2f')} "
         "(goal >= 0.85)"
     )
+    iss = dcd.get("issue_definition")
+    if iss:
+        print(
+            f"  the issue's roofline (all weights + KV at the measured copy rate "
+            f"{iss['copy_gbs']:.0f} GB/s): {_fmt(iss['roofline_tokens_per_s'], '.1f')} tok/s, "
+            f"fraction {_fmt(iss['fraction'], '.2f')}"
+        )
     print(
         "  with graph_max_kv_splits=32: "
         f"{_fmt(dcd['graph_max_kv_splits_32']['decode_tokens_per_s'], '.1f')} tok/s"

@@ -113,3 +113,21 @@ def test_roofline_bandwidth_from_the_gpu_name(monkeypatch: pytest.MonkeyPatch) -
     assert spec("") == spec("NVIDIA L4") == long_context.DEFAULT_GBS == 4800.0
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi to run
     assert long_context.gpu_name() == ""
+
+
+def test_issue_roofline_at_the_measured_copy_rate() -> None:
+    """The issue's definition: all weights (16.1 GB) + KV at the card's copy rate, e.g. the
+    issue's own 154 tok/s at 30k on the H200 at 4.3 TB/s is 0.72 of ~215 tok/s; no copy rate
+    (no GPU), no row; copy_gbs is None without CUDA."""
+    cfg = dict(LLAMA_8B)
+    row = long_context.issue_roofline(cfg, 30000, 154.0, 4300.0)
+    assert row["roofline_tokens_per_s"] == pytest.approx(
+        4300e9 / (2 * 8_030_261_248 + 30000 * 131072)
+    )
+    assert row["roofline_tokens_per_s"] == pytest.approx(215, abs=1.0)
+    assert row["fraction"] == pytest.approx(0.72, abs=0.005)
+    assert long_context.issue_roofline(cfg, 30000, 154.0, None) is None
+    import torch
+
+    if not torch.cuda.is_available():
+        assert long_context.copy_gbs() is None
