@@ -5,7 +5,7 @@ Rows (``--rows``; each in its own subprocess so one failure or OOM leaves the ot
 merged into ``--output-json`` after each row):
 - ``bf16``, ``fp8`` (w8a8: per-token fp8 activations; batch-1 decode through the fp8 GEMV),
   ``int8`` (weight-only), ``int8_w8a8`` (per-token int8 activations), ``int4``, ``fp8_kv``
-  (bf16 weights, ``kv_cache_dtype="fp8"``), ``fp8_unfused`` / ``int8_w8a8_unfused`` (w8a8 with
+  (bf16 weights, ``kv_cache_dtype="fp8"``), ``fp8_fp8kv`` (both), ``fp8_unfused`` / ``int8_w8a8_unfused`` (w8a8 with
   KernelConfig.fuse_act_quant off: the A/B of the act quant fused into its producers; ``_fused``
   forces it on): ``LLM(model, load_format="dummy", quantization=Q)``
   on the Llama-3.1-8B shape (``--llama8b``, default; ``--tiny`` for a CPU smoke test, or
@@ -58,6 +58,9 @@ ROWS: dict[str, dict[str, Any]] = {
     "int8_w8a8": {"quantization": "int8_w8a8"},
     "int4": {"quantization": "int4"},
     "fp8_kv": {"kv_cache_dtype": "fp8"},
+    # fp8 weights and fp8 KV together (what a throughput deployment runs): the weights' fp8
+    # leaves the attention's KV traffic (~40% of a batch-256 decode step) to the cache's codes.
+    "fp8_fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
     # A/B of KernelConfig.fuse_act_quant (on by default, in the rows above): the per-token
     # quantization of down_proj's, qkv_proj's and gate_up_proj's inputs by their producers
     # (SiLU-and-mul, the pre-norms) off / on.

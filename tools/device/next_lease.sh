@@ -26,7 +26,7 @@ if [ "${1:-1}" = 1 ]; then
     done
 else
     stamp quant_bench
-    timeout 330 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8,int8_w8a8,fp8_kv,int8} \
+    timeout 330 python3 bench/quant_bench.py --llama8b --rows ${ROWS:-bf16,fp8,int8_w8a8,fp8_kv,fp8_fp8kv,int8} \
         --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
     if [ -n "${QTILE:-}" ]; then  # part 1's best batch-256 fp8 tile, e.g. QTILE=128,4,3
         stamp quant_bench fp8_kv with the decode tile $QTILE
