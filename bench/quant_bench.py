@@ -8,8 +8,8 @@ merged into ``--output-json`` after each row):
   (bf16 weights, ``kv_cache_dtype="fp8"``), ``fp8_fp8kv`` (both), ``fp8_unfused`` /
   ``int8_w8a8_unfused`` (w8a8 with KernelConfig.fuse_act_quant off: the A/B of the act quant
   fused into its producers; ``_fused`` forces it on): ``LLM(model, load_format="dummy",
-  quantization=Q)`` on the Llama-3.1-8B shape (``--llama8b``, default; ``--tiny`` for a CPU smoke test, or
-  ``--model DIR`` such as the demo model):
+  quantization=Q)`` on the Llama-3.1-8B shape (``--llama8b``, default; ``--tiny`` for a CPU
+  smoke test, or ``--model DIR`` such as the demo model):
     offline: ``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len`` output
       tokens each (EOS ignored): output tokens / wall time;
     batch 1: a ``--batch1-input``-token prompt, ``--batch1-output`` greedy tokens: decode rate =
