@@ -584,9 +584,9 @@ def attention_launch_config(
 
     Decode launches with >= LONG_DECODE_MIN_SPLITS splits over an unquantized cache (quant
     False) take LONG_DECODE_CONFIGS; other decode launches over a quantized cache take
-    QUANT_DECODE_CONFIGS where it has the bucket; prefill launches over an unquantized cache with wide
-    (`use_wide_tiles(q)`) take PREFILL_WIDE_CONFIGS; override (tests,
-    bench sweeps) replaces the table pick, keys BLOCK_M/BLOCK_N/num_warps/num_stages.
+    QUANT_DECODE_CONFIGS where it has the bucket; prefill launches over an unquantized cache
+    with wide (`use_wide_tiles(q)`) take PREFILL_WIDE_CONFIGS; override (tests, bench sweeps)
+    replaces the table pick, keys BLOCK_M/BLOCK_N/num_warps/num_stages.
     """
     kind = "decode" if max_query_len <= 1 else "prefill"
     bucket = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
