@@ -39,6 +39,7 @@ from xlaserve.kernels_cuda._common import (
     check_last_dim_contiguous,
     grouped_mm_tile,
     interpret_mode,
+    mma_sync_compile,
     next_pow2,
     pdl_kwargs,
     pdl_prologue,
@@ -76,7 +77,9 @@ def _tiles(m: int) -> tuple[int, int, int]:
 class Int8DotTiles(NamedTuple):
     """One launch of the int8 weight-only tl.dot kernel. block_m: rows of x (tokens), block_n:
     weight rows, block_k: the K step (powers of two >= 16); group_m: tiles that share a sweep
-    (grouped launch order); swap_ab: y^T = W x^T (see above)."""
+    (grouped launch order); swap_ab: y^T = W x^T (see above); mma_sync: compiled with the
+    warp-level mma.sync instead of Hopper's wgmma (`_common.mma_sync_compile`), so the converted
+    weight goes from registers to the tensor cores with no shared-memory round trip."""
 
     block_m: int
     block_n: int
@@ -85,6 +88,7 @@ class Int8DotTiles(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    mma_sync: bool = False
 
 
 INT8_DOT_TILES: tuple[tuple[int, Int8DotTiles], ...] = (
@@ -219,9 +223,10 @@ def _check_gemv_tiles(name: str, tiles: GemvTiles | tuple) -> GemvTiles:
 
 def _check_dot_tiles(name: str, tiles: tuple, extra: bool = False) -> tuple[int, ...]:
     """A user (BLOCK_M, BLOCK_N, BLOCK_K) override of the tl.dot path (extra: optionally
-    followed by group_m, num_warps, num_stages, swap_ab: the int8 kernel's `Int8DotTiles`);
+    followed by group_m, num_warps, num_stages, swap_ab, mma_sync: the int8 kernel's
+    `Int8DotTiles`);
     ValueError when bad."""
-    n_ok = 3 <= len(tiles) <= 7 if extra and isinstance(tiles, tuple) else len(tiles) == 3
+    n_ok = 3 <= len(tiles) <= 8 if extra and isinstance(tiles, tuple) else len(tiles) == 3
     if (
         not isinstance(tiles, tuple)
         or not n_ok
@@ -231,7 +236,7 @@ def _check_dot_tiles(name: str, tiles: tuple, extra: bool = False) -> tuple[int,
     ):
         raise ValueError(
             f"{name}: tl.dot tiles (M > {GEMV_MAX_M}) must be (BLOCK_M, BLOCK_N, BLOCK_K"
-            f"{'[, group_m, num_warps, num_stages, swap_ab]' if extra else ''}), "
+            f"{'[, group_m, num_warps, num_stages, swap_ab, mma_sync]' if extra else ''}), "
             f"powers of two in 16..256, got {tiles!r}"
         )
     return tiles
@@ -297,9 +302,10 @@ def _int8_mm_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False, MMA_SYNC: tl.constexpr = False,
 ):  # fmt: skip
-    # 1-D grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM about
+    # MMA_SYNC only keys the compiled variant (`mma_sync_compile` picks the mma form). 1-D
+    # grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM about
     # once per GROUP_M tiles. Plain: acc [BLOCK_M, BLOCK_N] = x @ W^T. SWAP_AB: acc [BLOCK_N,
     # BLOCK_M] = W @ x^T, the converted weight as the dot's FIRST operand: Hopper's wgmma takes
     # that operand from registers, where the int8 -> bf16 conversion leaves it (the plain
@@ -682,13 +688,14 @@ def _int8_dot(
         return y
     t = int8_dot_tiles(m) if tiles is None else Int8DotTiles(*tiles)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    _int8_mm_kernel[grid](
-        x, qweight, scales, y, m, n, k,
-        x.stride(0), qweight.stride(0), y.stride(0),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        UPCAST=upcast_dot(x.dtype), SWAP_AB=bool(t.swap_ab),
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )  # fmt: skip
+    with mma_sync_compile(bool(t.mma_sync)):
+        _int8_mm_kernel[grid](
+            x, qweight, scales, y, m, n, k,
+            x.stride(0), qweight.stride(0), y.stride(0),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+            UPCAST=upcast_dot(x.dtype), SWAP_AB=bool(t.swap_ab), MMA_SYNC=bool(t.mma_sync),
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )  # fmt: skip
     return y
 
 
