@@ -91,10 +91,15 @@ PREFILL_WIDE_CONFIGS: dict[int, dict[str, int]] = {
 _WIDE_SMEM: dict[int, bool] = {}  # CUDA device index -> has PREFILL_WIDE_SMEM
 
 # Decode tiles over a quantized (int8 / fp8) cache by head-dim bucket, where set; unset buckets
-# keep ATTENTION_CONFIGS["decode"]. Empty: a 1-byte code makes the table's 64-key tile half a
-# bf16 tile's bytes, so a 128-key tile may suit it, but that is not measured yet (the A/B:
-# long_decode_sweep.py --shapes ctx384_b256 --kv fp8, and DEVRUN_QUANT_DECODE_TILE end to end).
-QUANT_DECODE_CONFIGS: dict[int, dict[str, int]] = {}
+# keep ATTENTION_CONFIGS["decode"]. A 1-byte code makes the table's 64-key tile half a bf16
+# tile's bytes, and the kernel is then bound by its loop trips, not HBM: at the offline
+# benchmark's batch-256 decode step (ctx 384, 32 / 8 heads, D 128; `long_decode_sweep.py
+# --shapes ctx384_b256 --kv fp8`, H200, 2026-12-05) the table's (64 keys, 4 warps, 3 stages)
+# took 150.9 us over an fp8 cache against 121.4 us over bf16, and (128, 4, 3) 112.5 us (bf16:
+# 113.1); 256 keys or 8 warps were slower.
+QUANT_DECODE_CONFIGS: dict[int, dict[str, int]] = {
+    128: {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+}
 
 
 def wide_smem(device: torch.device) -> bool:

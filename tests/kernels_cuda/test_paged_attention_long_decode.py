@@ -75,13 +75,14 @@ def test_long_decode_fp8_kv(device, tolerances) -> None:
 def test_table_pick_by_splits(monkeypatch) -> None:  # noqa: ANN001
     """With LONG_DECODE_ENABLED (the default, measured), decode launches with >=
     LONG_DECODE_MIN_SPLITS splits over an unquantized cache take LONG_DECODE_CONFIGS; fewer
-    splits, prefill, head 256 and quantized caches keep the earlier tables; disabled, every
-    launch keeps them."""
+    splits, prefill and head 256 keep the earlier tables, quantized caches their own
+    (QUANT_DECODE_CONFIGS); disabled, every launch keeps them."""
     few = pa.LONG_DECODE_MIN_SPLITS // 2
     many = pa.LONG_DECODE_MIN_SPLITS
     assert pa.LONG_DECODE_ENABLED
     quant = pa.attention_launch_config(1, 4, 128, False, many, quant=True)
-    assert quant["BLOCK_N"] == pa.ATTENTION_CONFIGS["decode"][128]["BLOCK_N"]
+    assert quant["num_stages"] == pa.QUANT_DECODE_CONFIGS[128]["num_stages"]
+    assert quant["num_stages"] != pa.LONG_DECODE_CONFIGS[128]["num_stages"]
     monkeypatch.setattr(pa, "LONG_DECODE_ENABLED", False)
     off = pa.attention_launch_config(1, 4, 128, False, many)
     assert off["BLOCK_N"] == pa.ATTENTION_CONFIGS["decode"][128]["BLOCK_N"]
@@ -102,11 +103,14 @@ def test_table_pick_by_splits(monkeypatch) -> None:  # noqa: ANN001
 
 
 def test_quant_decode_tiles_where_set(monkeypatch, device, tolerances) -> None:  # noqa: ANN001
-    """QUANT_DECODE_CONFIGS (empty by default) gives decode launches over a quantized cache
-    their own tiles for the buckets it has; unquantized decode, prefill and other buckets keep
-    their tables; a 128-key tile over an fp8 cache computes the reference's attention."""
-    assert pa.QUANT_DECODE_CONFIGS == {}
+    """QUANT_DECODE_CONFIGS gives decode launches over a quantized cache their own tiles for
+    the buckets it has (D 128: 128 keys, measured); unquantized decode, prefill and other
+    buckets keep their tables; a 128-key tile over an fp8 cache computes the reference's
+    attention."""
+    assert set(pa.QUANT_DECODE_CONFIGS) == {128}
+    assert pa.attention_launch_config(1, 4, 128, False, 1, quant=True)["BLOCK_N"] == 128
     table = pa.ATTENTION_CONFIGS["decode"][128]
+    monkeypatch.delitem(pa.QUANT_DECODE_CONFIGS, 128)
     assert (
         pa.attention_launch_config(1, 4, 128, False, 1, quant=True)["BLOCK_N"] == table["BLOCK_N"]
     )

@@ -5,9 +5,9 @@
 # the int8 family of the GEMM sweep, its GPU test, then quant_bench bf16 / int8 with the
 # sweep's picks (DEVRUN_INT8_TILES_JSON) and with the committed table, side by side; then the
 # batch-256 decode attention over bf16 and fp8 caches with wider fp8 key tiles (BATCH_CONFIGS).
-# Part 2: quant_bench's rows as on main, side by side with bf16 (INT8=path: the int8 row with
-# part 1's table; QTILE=n,w,s: the fp8 KV row again with part 1's best decode tile), then the
-# 30k / 128k long-context figures with the measured copy rate. Part 3: the decode profiles.
+# Part 2: quant_bench's rows as on main, side by side with bf16, then A/B rows of the decode
+# tiles (fp8 KV with the old 64-key tile, bf16 with the 128-key one). Part 3: the 30k / 128k
+# long-context figures with the measured copy rate. Part 4: the decode profiles.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
     stamp int8 GEMM sweep, mma.sync candidates
@@ -27,15 +27,17 @@ if [ "${1:-1}" = 1 ]; then
     done
 elif [ "$1" = 2 ]; then
     stamp quant_bench
-    INT8_ENV=${INT8:+DEVRUN_INT8_TILES_JSON=$INT8}
-    env $INT8_ENV timeout 330 python3 bench/quant_bench.py --llama8b \
+    timeout 360 python3 bench/quant_bench.py --llama8b \
         --rows ${ROWS:-bf16,fp8,int8_w8a8,fp8_kv,fp8_fp8kv,int8} \
         --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
-    if [ -n "${QTILE:-}" ]; then  # part 1's best batch-256 fp8 tile, e.g. QTILE=128,4,3
-        stamp quant_bench fp8_kv with the decode tile $QTILE
-        DEVRUN_QUANT_DECODE_TILE=$QTILE timeout 100 python3 bench/quant_bench.py --llama8b \
-            --rows fp8_kv --output-json "$OUT/quant_qtile.json" 2>&1 | grep -v INFO | tail -2
-    fi
+    # A/B in the same lease: fp8 KV with the decode table's old tile, bf16 with the 128-key one.
+    stamp quant_bench fp8_kv, old decode tile 64,4,3
+    DEVRUN_QUANT_DECODE_TILE=64,4,3 timeout 90 python3 bench/quant_bench.py --llama8b \
+        --rows fp8_kv --output-json "$OUT/quant_kv_old.json" 2>&1 | grep -v INFO | tail -2
+    stamp quant_bench bf16, decode tile 128,4,3
+    DEVRUN_DECODE_TILE=128,4,3 timeout 90 python3 bench/quant_bench.py --llama8b \
+        --rows bf16 --output-json "$OUT/quant_bf16_128.json" 2>&1 | grep -v INFO | tail -2
+elif [ "$1" = 3 ]; then
     stamp long_context
     timeout 200 python3 bench/long_context.py --llama8b --stages hf,bf16,ctx128k \
         --output-json "$OUT/lc.json" 2>&1 | grep -v INFO | grep -E "TTFT|tok/s|ratio|GB/s" | tail -10

@@ -5,6 +5,7 @@ DEVRUN_LONG_DECODE=0|1      paged_attention.LONG_DECODE_ENABLED
 DEVRUN_QUANT_F16=0|1        paged_attention.QUANT_F16_DOTS
 DEVRUN_QUANT_DECODE_TILE=n,w,s  paged_attention.QUANT_DECODE_CONFIGS[128] = BLOCK_N n, w warps,
                             s stages (BLOCK_M 16)
+DEVRUN_DECODE_TILE=n,w,s    paged_attention.ATTENTION_CONFIGS["decode"][128], the same form
 DEVRUN_INT8_TILES_JSON=p    quant_matmul.INT8_DOT_TILES buckets from quant_gemm_sweep's suggest
 DEVRUN_W8A8_AUTO_JSON=p     scaled_mm.AUTO_LIBRARY / SCALED_MM_TILES buckets from the same
 DEVRUN_CHUNK_ROUTE=r        prefill_sdpa.CHUNK_ROUTE ("split" | "pad")
@@ -37,16 +38,15 @@ def _patch_pa(mod):
         if f is not None:
             setattr(mod, attr, f)
             _log(f"paged_attention.{attr} = {f}")
-    t = os.environ.get("DEVRUN_QUANT_DECODE_TILE")
-    if t:
-        n, w, st = (int(v) for v in t.split(","))
-        mod.QUANT_DECODE_CONFIGS[128] = {
-            "BLOCK_M": 16,
-            "BLOCK_N": n,
-            "num_warps": w,
-            "num_stages": st,
-        }
-        _log(f"paged_attention.QUANT_DECODE_CONFIGS = {mod.QUANT_DECODE_CONFIGS}")
+    for env, table in (
+        ("DEVRUN_QUANT_DECODE_TILE", mod.QUANT_DECODE_CONFIGS),
+        ("DEVRUN_DECODE_TILE", mod.ATTENTION_CONFIGS["decode"]),
+    ):
+        t = os.environ.get(env)
+        if t:
+            n, w, st = (int(v) for v in t.split(","))
+            table[128] = {"BLOCK_M": 16, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+            _log(f"{env}: paged_attention decode tile [128] = {table[128]}")
 
 
 def _suggest(path, fam):
@@ -128,7 +128,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 _ENV = (
     "DEVRUN_LONG_DECODE", "DEVRUN_QUANT_F16", "DEVRUN_INT8_TILES_JSON", "DEVRUN_W8A8_AUTO_JSON",
-    "DEVRUN_CHUNK_ROUTE", "DEVRUN_QUANT_DECODE_TILE",
+    "DEVRUN_CHUNK_ROUTE", "DEVRUN_QUANT_DECODE_TILE", "DEVRUN_DECODE_TILE",
 )  # fmt: skip
 if any(os.environ.get(k) for k in _ENV):
     sys.meta_path.insert(0, _Finder())
