@@ -6,11 +6,8 @@ Imported only by the kernel modules (which import torch and triton), never by th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
-from collections.abc import Iterator
 
 import torch
 import triton
@@ -65,32 +62,6 @@ def next_pow2(n: int) -> int:
 def row_num_warps(block: int) -> int:
     """Warps of a one-row-per-program reduction kernel (RMSNorm and its kin) over `block` lanes."""
     return 4 if block <= 2048 else (8 if block <= 4096 else 16)
-
-
-_MMA_ENV_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def mma_sync_compile(on: bool) -> Iterator[None]:
-    """Around a Triton launch: when on, a kernel compiled by it uses the pre-Hopper warp-level
-    `mma.sync` instead of Hopper's warpgroup `wgmma` (Triton reads DISABLE_MMA_V3 at compile
-    time; the env var is part of its disk-cache key, and the launched kernel must carry a
-    constexpr that tells the two forms apart, since the in-memory cache keys on arguments only).
-    Why: mma.sync takes both operands from registers, so a weight converted in registers (int8
-    -> bf16) feeds it directly, where wgmma's B operand must be stored back to shared memory
-    first. A no-op when off or already set; pre-Hopper GPUs use mma.sync anyway. The env var
-    is process-wide, so the lock keeps two such launches from restoring it out of order; a
-    kernel compiled by another thread in that window would also get mma.sync (correct, maybe
-    slower)."""
-    if not on or os.environ.get("DISABLE_MMA_V3") == "1":
-        yield
-        return
-    with _MMA_ENV_LOCK:
-        os.environ["DISABLE_MMA_V3"] = "1"
-        try:
-            yield
-        finally:
-            del os.environ["DISABLE_MMA_V3"]
 
 
 def upcast_dot(dtype: torch.dtype) -> bool:

@@ -39,7 +39,6 @@ from xlaserve.kernels_cuda._common import (
     check_last_dim_contiguous,
     grouped_mm_tile,
     interpret_mode,
-    mma_sync_compile,
     next_pow2,
     pdl_kwargs,
     pdl_prologue,
@@ -73,13 +72,15 @@ def _tiles(m: int) -> tuple[int, int, int]:
 # (128, 128, 64, 8 warps), 1.25x the old (64, 128, 128) pick's speed (0.488x vs 0.390x bf16;
 # swapped 0.486x); at M = 4096 swap_ab with 256-row tiles ties the plain table (0.590x vs
 # 0.587x), so the plain order stays; M = 16 keeps its tile (1.276x bf16, swapped 1.129x).
-# Converting in the K loop costs ~40% at large M against bf16 either way.
+# Converting in the K loop costs ~40% at large M against bf16 either way. The warp-level
+# mma.sync (Triton's DISABLE_MMA_V3 at compile time; the weight is then converted in registers
+# and never stored back) was slower still on the H200 (2026-12-05, twenty-second session, same
+# sweep; tried and removed): 0.36x bf16 at M = 256 and 0.43x at 4096 with its best tiles,
+# against this table's 0.42x and 0.61x.
 class Int8DotTiles(NamedTuple):
     """One launch of the int8 weight-only tl.dot kernel. block_m: rows of x (tokens), block_n:
     weight rows, block_k: the K step (powers of two >= 16); group_m: tiles that share a sweep
-    (grouped launch order); swap_ab: y^T = W x^T (see above); mma_sync: compiled with the
-    warp-level mma.sync instead of Hopper's wgmma (`_common.mma_sync_compile`), so the converted
-    weight goes from registers to the tensor cores with no shared-memory round trip."""
+    (grouped launch order); swap_ab: y^T = W x^T (see above)."""
 
     block_m: int
     block_n: int
@@ -88,7 +89,6 @@ class Int8DotTiles(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
-    mma_sync: bool = False
 
 
 INT8_DOT_TILES: tuple[tuple[int, Int8DotTiles], ...] = (
@@ -223,10 +223,9 @@ def _check_gemv_tiles(name: str, tiles: GemvTiles | tuple) -> GemvTiles:
 
 def _check_dot_tiles(name: str, tiles: tuple, extra: bool = False) -> tuple[int, ...]:
     """A user (BLOCK_M, BLOCK_N, BLOCK_K) override of the tl.dot path (extra: optionally
-    followed by group_m, num_warps, num_stages, swap_ab, mma_sync: the int8 kernel's
-    `Int8DotTiles`);
+    followed by group_m, num_warps, num_stages, swap_ab: the int8 kernel's `Int8DotTiles`);
     ValueError when bad."""
-    n_ok = 3 <= len(tiles) <= 8 if extra and isinstance(tiles, tuple) else len(tiles) == 3
+    n_ok = 3 <= len(tiles) <= 7 if extra and isinstance(tiles, tuple) else len(tiles) == 3
     if (
         not isinstance(tiles, tuple)
         or not n_ok
@@ -236,7 +235,7 @@ def _check_dot_tiles(name: str, tiles: tuple, extra: bool = False) -> tuple[int,
     ):
         raise ValueError(
             f"{name}: tl.dot tiles (M > {GEMV_MAX_M}) must be (BLOCK_M, BLOCK_N, BLOCK_K"
-            f"{'[, group_m, num_warps, num_stages, swap_ab, mma_sync]' if extra else ''}), "
+            f"{'[, group_m, num_warps, num_stages, swap_ab]' if extra else ''}), "
             f"powers of two in 16..256, got {tiles!r}"
         )
     return tiles
@@ -302,10 +301,9 @@ def _int8_mm_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False, MMA_SYNC: tl.constexpr = False,
+    UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
-    # MMA_SYNC only keys the compiled variant (`mma_sync_compile` picks the mma form). 1-D
-    # grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM about
+    # 1-D grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM about
     # once per GROUP_M tiles. Plain: acc [BLOCK_M, BLOCK_N] = x @ W^T. SWAP_AB: acc [BLOCK_N,
     # BLOCK_M] = W @ x^T, the converted weight as the dot's FIRST operand: Hopper's wgmma takes
     # that operand from registers, where the int8 -> bf16 conversion leaves it (the plain
@@ -688,14 +686,13 @@ def _int8_dot(
         return y
     t = int8_dot_tiles(m) if tiles is None else Int8DotTiles(*tiles)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    with mma_sync_compile(bool(t.mma_sync)):
-        _int8_mm_kernel[grid](
-            x, qweight, scales, y, m, n, k,
-            x.stride(0), qweight.stride(0), y.stride(0),
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-            UPCAST=upcast_dot(x.dtype), SWAP_AB=bool(t.swap_ab), MMA_SYNC=bool(t.mma_sync),
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )  # fmt: skip
+    _int8_mm_kernel[grid](
+        x, qweight, scales, y, m, n, k,
+        x.stride(0), qweight.stride(0), y.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        UPCAST=upcast_dot(x.dtype), SWAP_AB=bool(t.swap_ab),
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
     return y
 
 

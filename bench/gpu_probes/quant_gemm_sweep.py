@@ -6,9 +6,8 @@ prefill chunks / batch-256 decode up to 8192).
 Families (each timed as a layer pays it: the w8a8 rows include the per-token activation
 quantization):
 - ``int8``: weight-only int8, the tl.dot kernel. The committed table's pick for the M
-  (`quant_matmul.int8_dot_tiles`) and candidate `Int8DotTiles`: plain, swapped (swap_ab: the
-  converted weight as the dot's first operand, see `quant_matmul._int8_mm_kernel`) and
-  compiled with mma.sync instead of wgmma (mma_sync: the converted weight stays in registers).
+  (`quant_matmul.int8_dot_tiles`) and candidate `Int8DotTiles`, plain and swapped (swap_ab: the
+  converted weight as the dot's first operand, see `quant_matmul._int8_mm_kernel`).
 - ``int8_w8a8``: torch._int_mm (cuBLASLt) + the scale epilogue, and the Triton `scaled_mm` with
   the table's tiles and candidates.
 - ``fp8``: torch._scaled_mm (row-wise scales) and the Triton `scaled_mm` with candidates.
@@ -45,24 +44,21 @@ MS = (16, 64, 256, 2048, 8192)
 TINY_MS = (16, 40)
 FAMILIES = ("int8", "int8_w8a8", "fp8")
 
-# (block_m, block_n, block_k, group_m, num_warps, num_stages[, swap_ab[, mma_sync]]) candidates;
-# a config runs at M when block_m <= pow2ceil(M) (at least 16) and block_m >= min(pow2ceil(M),
-# 512) / 8. The swapped wgmma order measured no faster than the plain one at any M (eighteenth
-# session), so two swapped tiles stay as controls; the rest try mma.sync.
+# (block_m, block_n, block_k, group_m, num_warps, num_stages[, swap_ab]) candidates; a config
+# runs at M when block_m <= pow2ceil(M) (at least 16) and block_m >= min(pow2ceil(M), 512) / 8.
 INT8_CANDIDATES: list[tuple] = [
     (16, 64, 128, 1, 4, 4, True),
+    (16, 128, 128, 1, 4, 4, True),
+    (32, 128, 128, 4, 4, 4, True),
+    (64, 64, 128, 8, 4, 4, True),
+    (64, 128, 128, 8, 4, 4, True),
+    (128, 128, 64, 8, 4, 4, True),
     (128, 128, 64, 8, 8, 4, True),
+    (128, 128, 128, 8, 8, 3, True),
+    (256, 128, 64, 8, 8, 3, True),
+    (128, 256, 64, 8, 8, 3, True),
+    (128, 128, 64, 8, 8, 4, False),
     (128, 256, 64, 8, 8, 3, False),
-    (16, 64, 128, 1, 4, 4, False, True),
-    (16, 128, 64, 1, 4, 4, False, True),
-    (32, 128, 64, 4, 4, 4, False, True),
-    (64, 64, 128, 8, 4, 4, False, True),
-    (64, 128, 64, 8, 4, 4, False, True),
-    (128, 128, 64, 8, 4, 4, False, True),
-    (128, 128, 64, 8, 8, 4, False, True),
-    (128, 128, 32, 8, 4, 5, False, True),
-    (128, 256, 64, 8, 8, 3, False, True),
-    (256, 128, 64, 8, 8, 3, False, True),
 ]
 W8A8_CANDIDATES: list[tuple] = [
     (16, 64, 128, 1, 4, 4),

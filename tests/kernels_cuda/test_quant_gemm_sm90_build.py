@@ -37,15 +37,13 @@ def build(fn, sig, consts, warps, stages):
 
 def one(kind):
   if kind.startswith("int8_weight_only"):
-      # The table's large-M tiles in the named form: plain order with wgmma, swapped (swap_ab),
-      # or plain with mma.sync (mma_sync, compiled as `_int8_dot` launches it).
-      bm, bn, bk, gm, warps, stages = qm.int8_dot_tiles(1 << 20)[:6]
-      swap, sync = kind.endswith("swap"), kind.endswith("sync")
+      bm, bn, bk, gm, warps, stages, swap = qm.int8_dot_tiles(1 << 20)
+      if kind.endswith("swap") != swap:  # the other operand order, same tiles
+          swap = not swap
       sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
              "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-      with qm.mma_sync_compile(sync):
-          k = build(qm._int8_mm_kernel, sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                    GROUP_M=gm, UPCAST=False, SWAP_AB=swap, MMA_SYNC=sync), warps, stages)
+      k = build(qm._int8_mm_kernel, sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                UPCAST=False, SWAP_AB=swap), warps, stages)
       stage_bytes = bm * bk * 2 + bk * bn  # a bf16 x tile and an int8 weight tile
   else:
       fmt = "int8" if kind == "int8" else "fp8"
@@ -63,7 +61,6 @@ def one(kind):
   ptx = k.asm["ptx"]
   wg = re.search(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*(\S)", ptx)
   return {"wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
-          "mma_sync": len(re.findall(r"^\s*mma\.sync", ptx, re.M)),
           "shared": k.metadata.shared, "stage_bytes": stage_bytes,
           "a_from_registers": bool(wg and wg.group(1) == "{"),
           "st_shared": len(re.findall(r"^\s*st\.shared", ptx, re.M)),
@@ -79,9 +76,9 @@ KINDS = ("int8", "fp8", "fp8_block", "int8_weight_only", "int8_weight_only_swap"
 
 @pytest.fixture(scope="module")
 def builds() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DISABLE_MMA_V3")}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *KINDS, "int8_weight_only_sync"], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", SCRIPT, *KINDS], env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     if proc.returncode and "ImportError" in proc.stderr and "ASTSource" in proc.stderr:
@@ -106,19 +103,6 @@ def test_int8_weight_only_operand_order(builds: dict) -> None:
     plain, swap = builds["int8_weight_only"], builds["int8_weight_only_swap"]
     assert not plain["a_from_registers"] and plain["st_shared"] >= 4, plain
     assert swap["a_from_registers"] and swap["st_shared"] <= 1, swap
-
-
-def test_int8_weight_only_mma_sync(builds: dict) -> None:
-    """`Int8DotTiles.mma_sync`: the same tiles compiled with the warp-level mma.sync (what
-    `_int8_dot` launches under `mma_sync_compile`) load the int8 weight tile from shared memory
-    straight into registers, convert it there and feed the tensor cores from registers: no
-    wgmma and no shared-memory store in the K loop (the epilogue's stmatrix is not st.shared),
-    still pipelined. The plain wgmma build of the same tiles stores the converted tile."""
-    sync, plain = builds["int8_weight_only_sync"], builds["int8_weight_only"]
-    assert sync["mma_sync"] > 0 and not sync["wgmma"], sync
-    assert sync["st_shared"] == 0 and sync["ld_shared"] > 0, sync
-    assert sync["cp_async"] and sync["shared"] >= 2 * sync["stage_bytes"], sync
-    assert plain["wgmma"] and plain["mma_sync"] == 0 and plain["st_shared"] >= 4, plain
 
 
 def test_fp8_gemm_loop_matches_int8(builds: dict) -> None:
