@@ -33,14 +33,17 @@ elif [ "$1" = 2 ]; then
     # A/B in the same lease: fp8 KV with the decode table's old tile, bf16 with the 128-key one.
     stamp quant_bench fp8_kv, old decode tile 64,4,3
     DEVRUN_QUANT_DECODE_TILE=64,4,3 timeout 90 python3 bench/quant_bench.py --llama8b \
-        --rows fp8_kv --output-json "$OUT/quant_kv_old.json" 2>&1 | grep -v INFO | tail -2
+        --rows fp8_kv --repeats 2 --output-json "$OUT/quant_kv_old.json" 2>&1 | grep -v INFO | tail -2
     stamp quant_bench bf16, decode tile 128,4,3
     DEVRUN_DECODE_TILE=128,4,3 timeout 90 python3 bench/quant_bench.py --llama8b \
-        --rows bf16 --output-json "$OUT/quant_bf16_128.json" 2>&1 | grep -v INFO | tail -2
+        --rows bf16 --repeats 2 --output-json "$OUT/quant_bf16_128.json" 2>&1 | grep -v INFO | tail -2
 elif [ "$1" = 3 ]; then
     stamp long_context
     timeout 200 python3 bench/long_context.py --llama8b --stages hf,bf16,ctx128k \
         --output-json "$OUT/lc.json" 2>&1 | grep -v INFO | grep -E "TTFT|tok/s|ratio|GB/s" | tail -10
+    stamp quant_bench int8 with and without prefill steps dequantized to bf16 for cuBLAS
+    timeout 150 python3 bench/quant_bench.py --llama8b --rows int8,int8_dq2048 --repeats 1 \
+        --output-json "$OUT/quant_dq.json" 2>&1 | grep -v INFO | tail -3
 else
     for q in "" fp8_kv fp8; do
         stamp decode profile ${q:-bf16}
