@@ -80,7 +80,8 @@ def _tiles(m: int) -> tuple[int, int, int]:
 class Int8DotTiles(NamedTuple):
     """One launch of the int8 weight-only tl.dot kernel. block_m: rows of x (tokens), block_n:
     weight rows, block_k: the K step (powers of two >= 16); group_m: tiles that share a sweep
-    (grouped launch order); swap_ab: y^T = W x^T (see above)."""
+    (grouped launch order); swap_ab: y^T = W x^T (see above); split_k: K slices per output
+    tile, summed in fp32 by a second pass (1: none; 0: auto, `dot_split_k`)."""
 
     block_m: int
     block_n: int
@@ -89,6 +90,7 @@ class Int8DotTiles(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    split_k: int = 0
 
 
 INT8_DOT_TILES: tuple[tuple[int, Int8DotTiles], ...] = (
@@ -102,6 +104,34 @@ INT8_DOT_TILES: tuple[tuple[int, Int8DotTiles], ...] = (
 def int8_dot_tiles(m: int) -> Int8DotTiles:
     """The default tiles of the int8 weight-only tl.dot kernel for an M-row product."""
     return next(t for max_m, t in INT8_DOT_TILES if m <= max_m)
+
+
+# Auto split-K of the tl.dot kernel: double the K slices (up to DOT_MAX_SPLIT) while the grid
+# stays within DOT_SPLIT_PROGRAMS (two 8-warp programs per SM on a 132-SM H100 / H200) and every
+# slice keeps >= DOT_SPLIT_MIN_STEPS K steps for the pipeline. Why: at M = 256 the table's 128 x
+# 128 tiles give `down` (N 4096, K 14,336) and `o` 64 programs, half the SMs idle through a long
+# K loop: 0.26x / 0.36x of bf16 against 0.64x for `gate_up` (448 programs; H200 sweep, bench/
+# RESULTS.md twenty-second session). The fp32 partials cost M * N * 4 bytes per slice, twice.
+DOT_SPLIT_PROGRAMS = 256
+DOT_SPLIT_MIN_STEPS = 8
+DOT_MAX_SPLIT = 8
+
+
+def dot_split_k(t: Int8DotTiles, m: int, n: int, k: int) -> int:
+    """K slices of an [m, k] x [n, k]^T product with tiles t: t.split_k when set, else the
+    auto rule above (1 = no split)."""
+    if t.split_k:
+        return t.split_k
+    programs = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    steps = triton.cdiv(k, t.block_k)
+    split = 1
+    while (
+        split < DOT_MAX_SPLIT
+        and programs * split * 2 <= DOT_SPLIT_PROGRAMS
+        and steps >= 2 * split * DOT_SPLIT_MIN_STEPS
+    ):
+        split *= 2
+    return split
 
 
 # GEMV path (decode): possible for 1 <= M <= GEMV_MAX_M. Larger M has enough rows per weight tile
@@ -223,19 +253,20 @@ def _check_gemv_tiles(name: str, tiles: GemvTiles | tuple) -> GemvTiles:
 
 def _check_dot_tiles(name: str, tiles: tuple, extra: bool = False) -> tuple[int, ...]:
     """A user (BLOCK_M, BLOCK_N, BLOCK_K) override of the tl.dot path (extra: optionally
-    followed by group_m, num_warps, num_stages, swap_ab: the int8 kernel's `Int8DotTiles`);
-    ValueError when bad."""
-    n_ok = 3 <= len(tiles) <= 7 if extra and isinstance(tiles, tuple) else len(tiles) == 3
+    followed by group_m, num_warps, num_stages, swap_ab, split_k: the int8 kernel's
+    `Int8DotTiles`); ValueError when bad."""
+    n_ok = 3 <= len(tiles) <= 8 if extra and isinstance(tiles, tuple) else len(tiles) == 3
     if (
         not isinstance(tiles, tuple)
         or not n_ok
         or not all(isinstance(v, int) and _is_pow2(v) and 16 <= v <= 256 for v in tiles[:3])
         or not all(isinstance(v, int) and v >= 1 for v in tiles[3:6])
-        or not all(isinstance(v, bool) or v in (0, 1) for v in tiles[6:])
+        or not all(isinstance(v, bool) or v in (0, 1) for v in tiles[6:7])
+        or not all(isinstance(v, int) and 0 <= v <= 64 for v in tiles[7:])
     ):
         raise ValueError(
             f"{name}: tl.dot tiles (M > {GEMV_MAX_M}) must be (BLOCK_M, BLOCK_N, BLOCK_K"
-            f"{'[, group_m, num_warps, num_stages, swap_ab]' if extra else ''}), "
+            f"{'[, group_m, num_warps, num_stages, swap_ab, split_k 0..64]' if extra else ''}), "
             f"powers of two in 16..256, got {tiles!r}"
         )
     return tiles
@@ -298,11 +329,14 @@ def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
 @triton.jit
 def _int8_mm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_ym,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_ys, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
+    # Split-K: program_id(1) owns K range [pid_k * K_SPLIT, +K_SPLIT) (K_SPLIT a multiple of
+    # BLOCK_K) and writes its scaled fp32 partial to plane pid_k of y (a workspace; stride_ys 0
+    # and y the output when there is one slice).
     # 1-D grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM about
     # once per GROUP_M tiles. Plain: acc [BLOCK_M, BLOCK_N] = x @ W^T. SWAP_AB: acc [BLOCK_N,
     # BLOCK_M] = W @ x^T, the converted weight as the dot's FIRST operand: Hopper's wgmma takes
@@ -320,7 +354,11 @@ def _int8_mm_kernel(
         )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rk = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_SPLIT
+    a_ptrs += k_lo
+    b_ptrs += k_lo
+    for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
         k_ok = k0 + rk < K
         a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & b_ok[None, :], other=0)
@@ -342,7 +380,7 @@ def _int8_mm_kernel(
         out = acc * tl.load(s_ptr + rb, mask=b_ok, other=0.0).to(tl.float32)[None, :]
         rm, rn = ra, rb
     tl.store(
-        y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+        y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
         out.to(y_ptr.dtype.element_ty),
         mask=(rm[:, None] < M) & (rn[None, :] < N),
     )
@@ -685,14 +723,23 @@ def _int8_dot(
     if m == 0:
         return y
     t = int8_dot_tiles(m) if tiles is None else Int8DotTiles(*tiles)
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    split = dot_split_k(t, m, n, k)
+    k_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
+    split = triton.cdiv(k, k_split)  # no empty trailing slice
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     _int8_mm_kernel[grid](
-        x, qweight, scales, y, m, n, k,
-        x.stride(0), qweight.stride(0), y.stride(0),
+        x, qweight, scales, out, m, n, k, k_split,
+        x.stride(0), qweight.stride(0), 0 if split == 1 else m * n, n,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         UPCAST=upcast_dot(x.dtype), SWAP_AB=bool(t.swap_ab),
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
+    if split > 1:
+        mn = m * n
+        _splitk_sum_kernel[(triton.cdiv(mn, _SPLITK_SUM_BLOCK),)](
+            out, y, mn, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK, USE_PDL=False, **pdl_kwargs(False)
+        )
     return y
 
 

@@ -37,8 +37,8 @@ GROUPS = ("attention", "attention_prefill", "int8_mm", "scaled_mm", "ssm", "act_
 def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], warps: int = 4,  # noqa: ANN401
              stages: int = 3) -> str:  # fmt: skip
     """fn's sm_90 PTX: sig names the typed arguments, consts the constexprs; pointers, stride_*
-    arguments and N / K are declared divisible by 16, as Triton's launcher specializes them at
-    run time on the model's shapes (without it the K-masked loads of a GEMM do not vectorize
+    arguments, N, K and K_SPLIT are declared divisible by 16, as Triton's launcher specializes
+    them at run time on the model's shapes (without it the K-masked loads of a GEMM do not vectorize
     or go through cp.async, which is not the code a GPU runs)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -47,7 +47,7 @@ def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], warps: int = 
     names = fn.arg_names
     aligned = {(names.index(n),): [["tt.divisibility", 16]]
                for n in sig if n.endswith("_ptr") or n.startswith("stride")
-               or n in ("N", "K")}  # fmt: skip
+               or n in ("N", "K", "K_SPLIT")}  # fmt: skip
     src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
                     constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=aligned)  # fmt: skip
@@ -127,7 +127,8 @@ def _int8_mm() -> dict[str, dict[str, int]]:
     from xlaserve.kernels_cuda import quant_matmul as qm
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
-           "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}  # fmt: skip
+           "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32", "stride_wn": "i32",
+           "stride_ys": "i32", "stride_ym": "i32"}  # fmt: skip
     t = qm.int8_dot_tiles(1 << 20)
     out = {}
     for swap in (False, True):

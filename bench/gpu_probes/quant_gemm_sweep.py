@@ -44,8 +44,9 @@ MS = (16, 64, 256, 2048, 8192)
 TINY_MS = (16, 40)
 FAMILIES = ("int8", "int8_w8a8", "fp8")
 
-# (block_m, block_n, block_k, group_m, num_warps, num_stages[, swap_ab]) candidates; a config
-# runs at M when block_m <= pow2ceil(M) (at least 16) and block_m >= min(pow2ceil(M), 512) / 8.
+# (block_m, block_n, block_k, group_m, num_warps, num_stages[, swap_ab[, split_k]]) candidates;
+# a config runs at M when block_m <= pow2ceil(M) (at least 16) and block_m >= min(pow2ceil(M),
+# 512) / 8.
 INT8_CANDIDATES: list[tuple] = [
     (16, 64, 128, 1, 4, 4, True),
     (16, 128, 128, 1, 4, 4, True),
@@ -59,6 +60,12 @@ INT8_CANDIDATES: list[tuple] = [
     (128, 256, 64, 8, 8, 3, True),
     (128, 128, 64, 8, 8, 4, False),
     (128, 256, 64, 8, 8, 3, False),
+    # split_k (8th field; the table's 0 = auto, `quant_matmul.dot_split_k`): none, 2, 4, 8.
+    (128, 128, 64, 8, 8, 4, False, 1),
+    (128, 128, 64, 8, 8, 4, False, 2),
+    (128, 128, 64, 8, 8, 4, False, 4),
+    (128, 128, 64, 8, 8, 4, False, 8),
+    (64, 64, 128, 8, 4, 4, False, 1),
 ]
 W8A8_CANDIDATES: list[tuple] = [
     (16, 64, 128, 1, 4, 4),

@@ -29,7 +29,7 @@ from xlaserve.kernels_cuda import scaled_mm as sm
 def build(fn, sig, consts, warps, stages):
     names = fn.arg_names
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in sig
-               if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")}
+               if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "K_SPLIT")}
     src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
                     constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -37,11 +37,12 @@ def build(fn, sig, consts, warps, stages):
 
 def one(kind):
   if kind.startswith("int8_weight_only"):
-      bm, bn, bk, gm, warps, stages, swap = qm.int8_dot_tiles(1 << 20)
+      bm, bn, bk, gm, warps, stages, swap = qm.int8_dot_tiles(1 << 20)[:7]
       if kind.endswith("swap") != swap:  # the other operand order, same tiles
           swap = not swap
       sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
-             "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+             "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32", "stride_wn": "i32",
+             "stride_ys": "i32", "stride_ym": "i32"}
       k = build(qm._int8_mm_kernel, sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
                 UPCAST=False, SWAP_AB=swap), warps, stages)
       stage_bytes = bm * bk * 2 + bk * bn  # a bf16 x tile and an int8 weight tile

@@ -453,6 +453,47 @@ def test_int8_weight_only_swap_ab_kernel(m: int, tiles: tuple) -> None:
     assert _rel(qm._int8_dot(x, wq, ws, t), ref) < 1e-5
 
 
+def test_int8_dot_split_k_rule() -> None:
+    """Auto split-K (`dot_split_k`) on the 8B linears: at M = 256 the table's 128 x 128 tiles
+    leave down / o at 64 programs (split 4) and qkv at 96 (split 2); gate_up (448) and every
+    M = 4096 product keep one slice; an explicit split_k wins; short K never splits below
+    DOT_SPLIT_MIN_STEPS steps per slice."""
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    shapes = {
+        "qkv": (4096, 6144),
+        "gate_up": (4096, 28672),
+        "down": (14336, 4096),
+        "o": (4096, 4096),
+    }
+    got = {
+        name: qm.dot_split_k(qm.int8_dot_tiles(256), 256, n, k) for name, (k, n) in shapes.items()
+    }
+    assert got == {"qkv": 2, "gate_up": 1, "down": 4, "o": 4}
+    assert {qm.dot_split_k(qm.int8_dot_tiles(4096), 4096, n, k) for k, n in shapes.values()} == {1}
+    assert qm.dot_split_k(qm.int8_dot_tiles(256)._replace(split_k=3), 256, 28672, 4096) == 3
+    t = qm.Int8DotTiles(32, 64, 64)
+    assert qm.dot_split_k(t, 32, 64, 64 * (2 * qm.DOT_SPLIT_MIN_STEPS - 1)) == 1
+    assert qm.dot_split_k(t, 32, 64, 64 * 2 * qm.DOT_SPLIT_MIN_STEPS) == 2
+
+
+@pytest.mark.parametrize("split", [0, 2, 3, 4, 8])
+def test_int8_weight_only_split_k_kernel(split: int) -> None:
+    """Split-K slices (summed in fp32 by the second pass) give the reference on ragged M / N /
+    K edges: K 200 in slices of 96 / 64 / 32 keys (split 8 becomes 7: no empty slice), both
+    operand orders; split 0 (auto) on a long K splits too (4 slices)."""
+    from xlaserve.kernels_cuda import quant_matmul as qm
+
+    m, n, k = 40, 72, 200 if split else 1024
+    wq, ws = _w8("int8", n, k, split)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(split)).to(DEV)
+    ref = qm.int8_matmul_ref(x, wq, ws)
+    for swap in (False, True):
+        t = qm.Int8DotTiles(32, 64, 32, 2, 4, 2, swap, split)
+        assert qm.dot_split_k(t, m, n, k) == (split or 4)
+        assert _rel(qm.int8_matmul(x, wq, ws, tiles=t), ref) < 1e-5, swap
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_gpu_quant_layers_w8a8_and_int8_large_m() -> None:
@@ -490,6 +531,15 @@ def test_gpu_quant_layers_w8a8_and_int8_large_m() -> None:
         ref = qm.int8_matmul_ref(x, q8.qweight, q8.scales)
         t = qm.Int8DotTiles(*tiles, swap_ab=True)
         assert _rel(qm.int8_matmul(x, q8.qweight, q8.scales, tiles=t), ref) < 1e-2, (m, t)
+    # Auto split-K at the shapes that take it (down at M 64 / 256: 4 slices).
+    lin = Linear(14336, 4096, False, torch.bfloat16, "cuda")
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    down = QuantLinear.from_float(lin, QuantScheme("int8"))
+    for m in (64, 256):
+        x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+        assert qm.dot_split_k(qm.int8_dot_tiles(m), m, 4096, 14336) == 4
+        ref = qm.int8_matmul_ref(x, down.qweight, down.scales)
+        assert _rel(qm.int8_matmul(x, down.qweight, down.scales), ref) < 1e-2, m
 
 
 def test_kernel_switches_validated() -> None:

@@ -1,13 +1,15 @@
 # The next lease (calls of <= 10 min; `run` with carry [".whl"], commands
-# `bash tools/device/next_lease.sh 1`, then `2`, then `3`); the twenty-second session's closing
+# `bash tools/device/next_lease.sh N`, N = 1..5); the twenty-second session's closing
 # note says why. Part 1: int8 weight-only compiled with mma.sync (Int8DotTiles.mma_sync: the
 # converted weight stays in registers, no shared-memory round trip as with wgmma's B operand):
 # the int8 family of the GEMM sweep, its GPU test, then quant_bench bf16 / int8 with the
 # sweep's picks (DEVRUN_INT8_TILES_JSON) and with the committed table, side by side; then the
 # batch-256 decode attention over bf16 and fp8 caches with wider fp8 key tiles (BATCH_CONFIGS).
 # Part 2: quant_bench's rows as on main, side by side with bf16, then A/B rows of the decode
-# tiles (fp8 KV with the old 64-key tile, bf16 with the 128-key one). Part 3: the 30k / 128k
-# long-context figures with the measured copy rate. Part 4: the decode profiles.
+# tiles (fp8 KV with the old 64-key tile, bf16 with the 128-key one). Part 3: int8 weight-only
+# with auto split-K (its GPU test, the sweep at M 64 / 256, quant_bench with and without it, and
+# the prefill-dequantized route). Part 4: the 30k / 128k long-context figures with the measured
+# copy rate. Part 5: the decode profiles.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
     stamp int8 GEMM sweep, mma.sync candidates
@@ -27,8 +29,8 @@ if [ "${1:-1}" = 1 ]; then
     done
 elif [ "$1" = 2 ]; then
     stamp quant_bench
-    timeout 360 python3 bench/quant_bench.py --llama8b \
-        --rows ${ROWS:-bf16,fp8,int8_w8a8,fp8_kv,fp8_fp8kv,int8} \
+    timeout 330 python3 bench/quant_bench.py --llama8b \
+        --rows ${ROWS:-bf16,fp8,int8_w8a8,fp8_kv,fp8_fp8kv} \
         --output-json "$OUT/quant.json" 2>&1 | grep -v INFO | tail -8
     # A/B in the same lease: fp8 KV with the decode table's old tile, bf16 with the 128-key one.
     stamp quant_bench fp8_kv, old decode tile 64,4,3
@@ -38,12 +40,21 @@ elif [ "$1" = 2 ]; then
     DEVRUN_DECODE_TILE=128,4,3 timeout 90 python3 bench/quant_bench.py --llama8b \
         --rows bf16 --repeats 2 --output-json "$OUT/quant_bf16_128.json" 2>&1 | grep -v INFO | tail -2
 elif [ "$1" = 3 ]; then
+    stamp GPU tests, int8 split-K
+    timeout 90 python3 -m pytest -q -m gpu tests/quantization/test_w8a8.py -k "large_m" 2>&1 | tail -3
+    stamp int8 GEMM sweep, split-K candidates
+    timeout 100 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 --ms 64 256 \
+        --out "$OUT/qg_split.json" 2>&1 | grep -E "^best|^suggest|Error" | tail -14
+    stamp quant_bench bf16, int8 with auto split-K, int8 with prefill dequantized to bf16
+    timeout 200 python3 bench/quant_bench.py --llama8b --rows bf16,int8,int8_dq2048 --repeats 2 \
+        --output-json "$OUT/quant_int8.json" 2>&1 | grep -v INFO | tail -4
+    stamp quant_bench int8 without split-K
+    DEVRUN_INT8_SPLIT=0 timeout 80 python3 bench/quant_bench.py --llama8b --rows int8 --repeats 2 \
+        --output-json "$OUT/quant_int8_nosplit.json" 2>&1 | grep -v INFO | tail -2
+elif [ "$1" = 4 ]; then
     stamp long_context
     timeout 200 python3 bench/long_context.py --llama8b --stages hf,bf16,ctx128k \
         --output-json "$OUT/lc.json" 2>&1 | grep -v INFO | grep -E "TTFT|tok/s|ratio|GB/s" | tail -10
-    stamp quant_bench int8 with and without prefill steps dequantized to bf16 for cuBLAS
-    timeout 150 python3 bench/quant_bench.py --llama8b --rows int8,int8_dq2048 --repeats 1 \
-        --output-json "$OUT/quant_dq.json" 2>&1 | grep -v INFO | tail -3
 else
     for q in "" fp8_kv fp8; do
         stamp decode profile ${q:-bf16}
