@@ -1,10 +1,8 @@
 # The next lease (calls of <= 10 min; `run` with carry [".whl"], commands
 # `bash tools/device/next_lease.sh N`, N = 1..5); the twenty-second session's closing
-# note says why. Part 1: int8 weight-only compiled with mma.sync (Int8DotTiles.mma_sync: the
-# converted weight stays in registers, no shared-memory round trip as with wgmma's B operand):
-# the int8 family of the GEMM sweep, its GPU test, then quant_bench bf16 / int8 with the
-# sweep's picks (DEVRUN_INT8_TILES_JSON) and with the committed table, side by side; then the
-# batch-256 decode attention over bf16 and fp8 caches with wider fp8 key tiles (BATCH_CONFIGS).
+# note says why. Part 1 (ran on the H200, 19:49 UTC): the int8 family of the GEMM sweep, its GPU
+# test, quant_bench bf16 / int8 with the table and with the sweep's picks
+# (DEVRUN_INT8_TILES_JSON), then the batch-256 decode attention over bf16 and fp8 caches.
 # Part 2: quant_bench's rows as on main, side by side with bf16, then A/B rows of the decode
 # tiles (fp8 KV with the old 64-key tile, bf16 with the 128-key one). Part 3: int8 weight-only
 # with auto split-K (its GPU test, the sweep at M 64 / 256, quant_bench with and without it, and
