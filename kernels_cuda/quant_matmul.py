@@ -112,6 +112,9 @@ def int8_dot_tiles(m: int) -> Int8DotTiles:
 # 128 tiles give `down` (N 4096, K 14,336) and `o` 64 programs, half the SMs idle through a long
 # K loop: 0.26x / 0.36x of bf16 against 0.64x for `gate_up` (448 programs; H200 sweep, bench/
 # RESULTS.md twenty-second session). The fp32 partials cost M * N * 4 bytes per slice, twice.
+# Off (DOT_SPLIT_ENABLED) until a GPU has timed it: the device lease paused before its A/B
+# (tools/device/next_lease.sh part 3); explicit `Int8DotTiles.split_k` values always apply.
+DOT_SPLIT_ENABLED = False
 DOT_SPLIT_PROGRAMS = 256
 DOT_SPLIT_MIN_STEPS = 8
 DOT_MAX_SPLIT = 8
@@ -119,9 +122,11 @@ DOT_MAX_SPLIT = 8
 
 def dot_split_k(t: Int8DotTiles, m: int, n: int, k: int) -> int:
     """K slices of an [m, k] x [n, k]^T product with tiles t: t.split_k when set, else the
-    auto rule above (1 = no split)."""
+    auto rule above when DOT_SPLIT_ENABLED (1 = no split)."""
     if t.split_k:
         return t.split_k
+    if not DOT_SPLIT_ENABLED:
+        return 1
     programs = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     steps = triton.cdiv(k, t.block_k)
     split = 1

@@ -453,13 +453,17 @@ def test_int8_weight_only_swap_ab_kernel(m: int, tiles: tuple) -> None:
     assert _rel(qm._int8_dot(x, wq, ws, t), ref) < 1e-5
 
 
-def test_int8_dot_split_k_rule() -> None:
-    """Auto split-K (`dot_split_k`) on the 8B linears: at M = 256 the table's 128 x 128 tiles
-    leave down / o at 64 programs (split 4) and qkv at 96 (split 2); gate_up (448) and every
-    M = 4096 product keep one slice; an explicit split_k wins; short K never splits below
-    DOT_SPLIT_MIN_STEPS steps per slice."""
+def test_int8_dot_split_k_rule(monkeypatch) -> None:  # noqa: ANN001
+    """Auto split-K (`dot_split_k`, off by default until timed) on the 8B linears: at M = 256
+    the table's 128 x 128 tiles leave down / o at 64 programs (split 4) and qkv at 96 (split 2);
+    gate_up (448) and every M = 4096 product keep one slice; an explicit split_k wins (also when
+    off); short K never splits below DOT_SPLIT_MIN_STEPS steps per slice."""
     from xlaserve.kernels_cuda import quant_matmul as qm
 
+    assert not qm.DOT_SPLIT_ENABLED
+    assert qm.dot_split_k(qm.int8_dot_tiles(256), 256, 4096, 14336) == 1
+    assert qm.dot_split_k(qm.Int8DotTiles(128, 128, 64, split_k=4), 256, 4096, 14336) == 4
+    monkeypatch.setattr(qm, "DOT_SPLIT_ENABLED", True)
     shapes = {
         "qkv": (4096, 6144),
         "gate_up": (4096, 28672),
@@ -478,12 +482,13 @@ def test_int8_dot_split_k_rule() -> None:
 
 
 @pytest.mark.parametrize("split", [0, 2, 3, 4, 8])
-def test_int8_weight_only_split_k_kernel(split: int) -> None:
+def test_int8_weight_only_split_k_kernel(split: int, monkeypatch) -> None:  # noqa: ANN001
     """Split-K slices (summed in fp32 by the second pass) give the reference on ragged M / N /
     K edges: K 200 in slices of 96 / 64 / 32 keys (split 8 becomes 7: no empty slice), both
     operand orders; split 0 (auto) on a long K splits too (4 slices)."""
     from xlaserve.kernels_cuda import quant_matmul as qm
 
+    monkeypatch.setattr(qm, "DOT_SPLIT_ENABLED", True)
     m, n, k = 40, 72, 200 if split else 1024
     wq, ws = _w8("int8", n, k, split)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(split)).to(DEV)
@@ -531,15 +536,15 @@ def test_gpu_quant_layers_w8a8_and_int8_large_m() -> None:
         ref = qm.int8_matmul_ref(x, q8.qweight, q8.scales)
         t = qm.Int8DotTiles(*tiles, swap_ab=True)
         assert _rel(qm.int8_matmul(x, q8.qweight, q8.scales, tiles=t), ref) < 1e-2, (m, t)
-    # Auto split-K at the shapes that take it (down at M 64 / 256: 4 slices).
+    # Split-K (4 slices, what the auto rule picks for down at M 64 / 256) on the table's tiles.
     lin = Linear(14336, 4096, False, torch.bfloat16, "cuda")
     torch.nn.init.normal_(lin.weight, std=0.02)
     down = QuantLinear.from_float(lin, QuantScheme("int8"))
     for m in (64, 256):
         x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
-        assert qm.dot_split_k(qm.int8_dot_tiles(m), m, 4096, 14336) == 4
+        t = qm.int8_dot_tiles(m)._replace(split_k=4)
         ref = qm.int8_matmul_ref(x, down.qweight, down.scales)
-        assert _rel(qm.int8_matmul(x, down.qweight, down.scales), ref) < 1e-2, m
+        assert _rel(qm.int8_matmul(x, down.qweight, down.scales, tiles=t), ref) < 1e-2, m
 
 
 def test_kernel_switches_validated() -> None:

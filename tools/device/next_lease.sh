@@ -43,12 +43,12 @@ elif [ "$1" = 3 ]; then
     stamp int8 GEMM sweep, split-K candidates
     timeout 100 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 --ms 64 256 \
         --out "$OUT/qg_split.json" 2>&1 | grep -E "^best|^suggest|Error" | tail -14
-    stamp quant_bench bf16, int8 with auto split-K, int8 with prefill dequantized to bf16
+    stamp quant_bench bf16, int8, int8 with prefill dequantized to bf16
     timeout 200 python3 bench/quant_bench.py --llama8b --rows bf16,int8,int8_dq2048 --repeats 2 \
         --output-json "$OUT/quant_int8.json" 2>&1 | grep -v INFO | tail -4
-    stamp quant_bench int8 without split-K
-    DEVRUN_INT8_SPLIT=0 timeout 80 python3 bench/quant_bench.py --llama8b --rows int8 --repeats 2 \
-        --output-json "$OUT/quant_int8_nosplit.json" 2>&1 | grep -v INFO | tail -2
+    stamp quant_bench int8 with auto split-K
+    DEVRUN_INT8_SPLIT=1 timeout 80 python3 bench/quant_bench.py --llama8b --rows int8 --repeats 2 \
+        --output-json "$OUT/quant_int8_split.json" 2>&1 | grep -v INFO | tail -2
 elif [ "$1" = 4 ]; then
     stamp long_context
     timeout 200 python3 bench/long_context.py --llama8b --stages hf,bf16,ctx128k \

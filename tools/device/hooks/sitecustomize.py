@@ -7,7 +7,7 @@ DEVRUN_QUANT_DECODE_TILE=n,w,s  paged_attention.QUANT_DECODE_CONFIGS[128] = BLOC
                             s stages (BLOCK_M 16)
 DEVRUN_DECODE_TILE=n,w,s    paged_attention.ATTENTION_CONFIGS["decode"][128], the same form
 DEVRUN_INT8_TILES_JSON=p    quant_matmul.INT8_DOT_TILES buckets from quant_gemm_sweep's suggest
-DEVRUN_INT8_SPLIT=0         quant_matmul.DOT_MAX_SPLIT = 1 (the int8 tl.dot auto split-K off)
+DEVRUN_INT8_SPLIT=0|1       quant_matmul.DOT_SPLIT_ENABLED (the int8 tl.dot auto split-K)
 DEVRUN_W8A8_AUTO_JSON=p     scaled_mm.AUTO_LIBRARY / SCALED_MM_TILES buckets from the same
 DEVRUN_CHUNK_ROUTE=r        prefill_sdpa.CHUNK_ROUTE ("split" | "pad")
 """
@@ -56,9 +56,10 @@ def _suggest(path, fam):
 
 
 def _patch_qm(mod):
-    if _flag("DEVRUN_INT8_SPLIT") is False:
-        mod.DOT_MAX_SPLIT = 1
-        _log("quant_matmul.DOT_MAX_SPLIT = 1 (no auto split-K)")
+    f = _flag("DEVRUN_INT8_SPLIT")
+    if f is not None:
+        mod.DOT_SPLIT_ENABLED = f
+        _log(f"quant_matmul.DOT_SPLIT_ENABLED = {f}")
     p = os.environ.get("DEVRUN_INT8_TILES_JSON")
     if not p:
         return
