@@ -139,3 +139,54 @@ def grouped_mm_tile(
     a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
     b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]
     return rm, rn, rm < M, rn < N, a_ptrs, b_ptrs
+
+
+@triton.jit
+def _splitk_sum_kernel(
+    ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_prologue(USE_PDL)
+    # y[i] = sum_s ws[s, i] over the fp32 partials [SPLIT, M * N]; fixed order: deterministic.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    for sp in tl.static_range(1, SPLIT):
+        acc += tl.load(ws_ptr + sp * MN + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+_SPLITK_SUM_BLOCK = 1024
+
+
+def splitk_sum(ws: torch.Tensor, y: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """y (contiguous, any float dtype) = the sum over ws's leading axis of fp32 split-K partials
+    ws [SPLIT, *y.shape], added in a fixed order (deterministic, no atomics). pdl: launch with
+    programmatic dependent launch (`use_pdl`)."""
+    mn = y.numel()
+    _splitk_sum_kernel[(triton.cdiv(mn, _SPLITK_SUM_BLOCK),)](
+        ws, y, mn, SPLIT=ws.shape[0], BLOCK=_SPLITK_SUM_BLOCK, USE_PDL=pdl, **pdl_kwargs(pdl)
+    )
+    return y
+
+
+def auto_split_k(
+    programs: int, steps: int, max_programs: int, min_steps: int, max_split: int
+) -> int:
+    """K slices for a tiled GEMM of `programs` output tiles and `steps` K steps: double (up to
+    max_split) while the grid stays within max_programs and every slice keeps >= min_steps K
+    steps (the pipeline's depth and the partial-sum pass both want long slices)."""
+    split = 1
+    while (
+        split < max_split
+        and programs * split * 2 <= max_programs
+        and steps >= 2 * split * min_steps
+    ):
+        split *= 2
+    return split
+
+
+def split_k_range(k: int, split: int, block_k: int) -> tuple[int, int]:
+    """(K per slice, a multiple of block_k; slices) for split requested slices over K: fewer
+    when rounding leaves a trailing slice empty."""
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return k_split, triton.cdiv(k, k_split)

@@ -7,8 +7,8 @@ kernel on some; this kernel is the int8 / fp8 GEMV of quant_matmul.py (`_gemv_w8
 the weight read as floats: many programs, each owning BLOCK_N output rows and streaming wide
 contiguous K chunks (BLOCK_K elements per row per step, 16-byte loads), fp32 FMA into an
 elementwise [BLOCK_N, BLOCK_K] accumulator reduced once after the K loop, no tl.dot. Optional
-split-K: SPLIT_K programs per row block write fp32 partials that quant_matmul's deterministic
-`_splitk_sum_kernel` adds in a fixed order (no atomics). The launch config is quant_matmul's
+split-K: SPLIT_K programs per row block write fp32 partials that the deterministic
+`_common.splitk_sum` adds in a fixed order (no atomics). The launch config is quant_matmul's
 `GemvTiles` (bit_cvt is ignored here) and split_k 0 is resolved by its `_resolve_split`.
 
 Data, set from H200 measurements (`python -m xlaserve.bench.kernels.cuda_kernels --only
@@ -42,16 +42,11 @@ from xlaserve.kernels_cuda._common import (
     check_last_dim_contiguous,
     interpret_mode,
     pdl_kwargs,
+    splitk_sum,
     use_pdl,
 )
 from xlaserve.kernels_cuda.activation import ACT_CODES, apply_activation
-from xlaserve.kernels_cuda.quant_matmul import (
-    _SPLITK_SUM_BLOCK,
-    GemvTiles,
-    _check_gemv_tiles,
-    _resolve_split,
-    _splitk_sum_kernel,
-)
+from xlaserve.kernels_cuda.quant_matmul import GemvTiles, _check_gemv_tiles, _resolve_split
 
 # Default tiles, measured on the H200 (bench/RESULTS.md, 2026-12-03 fourth session; a sweep of
 # 36 configs per shape): 2 rows x 1024 k's per step, auto split-K, 4 warps is the best or within
@@ -321,7 +316,5 @@ def _launch(
         USE_PDL=(pdl := use_pdl(x, kernels)), **pdl_kwargs(pdl),
     )  # fmt: skip
     if split > 1:
-        _splitk_sum_kernel[(triton.cdiv(n, _SPLITK_SUM_BLOCK),)](
-            out, y, n, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK, USE_PDL=pdl, **pdl_kwargs(pdl)
-        )
+        splitk_sum(out, y, pdl)
     return y

@@ -34,6 +34,7 @@ import triton.language as tl
 from xlaserve.config import KernelConfig
 from xlaserve.kernels_cuda._common import (
     FLOAT_DTYPES,
+    auto_split_k,
     check_device,
     check_dtype,
     check_last_dim_contiguous,
@@ -42,6 +43,8 @@ from xlaserve.kernels_cuda._common import (
     next_pow2,
     pdl_kwargs,
     pdl_prologue,
+    split_k_range,
+    splitk_sum,
     upcast_dot,
     use_pdl,
 )
@@ -129,14 +132,7 @@ def dot_split_k(t: Int8DotTiles, m: int, n: int, k: int) -> int:
         return 1
     programs = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     steps = triton.cdiv(k, t.block_k)
-    split = 1
-    while (
-        split < DOT_MAX_SPLIT
-        and programs * split * 2 <= DOT_SPLIT_PROGRAMS
-        and steps >= 2 * split * DOT_SPLIT_MIN_STEPS
-    ):
-        split *= 2
-    return split
+    return auto_split_k(programs, steps, DOT_SPLIT_PROGRAMS, DOT_SPLIT_MIN_STEPS, DOT_MAX_SPLIT)
 
 
 # GEMV path (decode): possible for 1 <= M <= GEMV_MAX_M. Larger M has enough rows per weight tile
@@ -441,7 +437,7 @@ def _int4_mm_kernel(
 # ---- GEMV kernels (small M) ------------------------------------------------------------------------
 # Program (pid_n, pid_k) computes y[:, pid_n * BLOCK_N : +BLOCK_N] over K slice pid_k, written to
 # y directly (SPLIT_K 1: stride_ys 0) or to fp32 workspace plane pid_k (summed by
-# _splitk_sum_kernel). The weight tile is dequantized once per step and shared by the M rows of x
+# `_common.splitk_sum`). The weight tile is dequantized once per step and shared by the M rows of x
 # (tl.static_range). int8 / fp8 at M == 1 keep an elementwise [BLOCK_N, BLOCK_K] fp32 accumulator,
 # reduced once after the K loop (no cross-lane work in the loop); M > 1 reduces each row's
 # products per step into [BLOCK_N, BLOCK_MP], so registers do not grow with M. int4 reduces
@@ -597,23 +593,7 @@ def _gemv_int4_kernel(
     tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & (rm[None, :] < M))
 
 
-@triton.jit
-def _splitk_sum_kernel(
-    ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
-):
-    pdl_prologue(USE_PDL)
-    # y[i] = sum_s ws[s, i] over the fp32 partials [SPLIT, M * N]; fixed order: deterministic.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
-    for sp in tl.static_range(1, SPLIT):
-        acc += tl.load(ws_ptr + sp * MN + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
 # ---- wrappers ------------------------------------------------------------------------------------
-
-_SPLITK_SUM_BLOCK = 1024
 
 
 def _gemv(
@@ -664,10 +644,7 @@ def _gemv(
             X_TILE=m > 1 or t.block_k < vec * 32 * t.num_warps, **common,
         )  # fmt: skip
     if split > 1:
-        mn = m * n
-        _splitk_sum_kernel[(triton.cdiv(mn, _SPLITK_SUM_BLOCK),)](
-            out, y, mn, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK, USE_PDL=pdl, **pdl_kwargs(pdl)
-        )
+        splitk_sum(out, y, pdl)
     return y
 
 
@@ -728,9 +705,7 @@ def _int8_dot(
     if m == 0:
         return y
     t = int8_dot_tiles(m) if tiles is None else Int8DotTiles(*tiles)
-    split = dot_split_k(t, m, n, k)
-    k_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
-    split = triton.cdiv(k, k_split)  # no empty trailing slice
+    k_split, split = split_k_range(k, dot_split_k(t, m, n, k), t.block_k)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     _int8_mm_kernel[grid](
@@ -741,10 +716,7 @@ def _int8_dot(
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     if split > 1:
-        mn = m * n
-        _splitk_sum_kernel[(triton.cdiv(mn, _SPLITK_SUM_BLOCK),)](
-            out, y, mn, SPLIT=split, BLOCK=_SPLITK_SUM_BLOCK, USE_PDL=False, **pdl_kwargs(False)
-        )
+        splitk_sum(out, y)
     return y
 
 

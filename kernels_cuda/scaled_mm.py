@@ -36,12 +36,15 @@ import triton.language as tl
 from xlaserve.config import KernelConfig, kernel_switch
 from xlaserve.kernels_cuda._common import (
     FLOAT_DTYPES,
+    auto_split_k,
     check_device,
     check_dtype,
     check_last_dim_contiguous,
     grouped_mm_tile,
     interpret_mode,
     next_pow2,
+    split_k_range,
+    splitk_sum,
 )
 from xlaserve.kernels_cuda.quant_act import QuantAct
 
@@ -54,7 +57,8 @@ class DotTiles(NamedTuple):
     """One tl.dot launch config. block_*: powers of two >= 16; group_m: M tiles that share a
     sweep over N (grouped launch order, so weight tiles stay in L2 while several M tiles use
     them); num_warps / num_stages: Triton launch options (stages: the software pipeline depth of
-    the K loop's loads)."""
+    the K loop's loads); split_k: K slices per output tile, summed in fp32 by a second pass (1:
+    none; 0: auto, `scaled_mm_split_k`)."""
 
     block_m: int
     block_n: int
@@ -62,6 +66,7 @@ class DotTiles(NamedTuple):
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 0
 
 
 # (max M, tiles) per format, the first bucket with M <= max M wins. The scheduler's M ranges:
@@ -85,6 +90,35 @@ SCALED_MM_TILES: dict[str, tuple[tuple[int, DotTiles], ...]] = {
 }
 
 
+# Auto split-K of `scaled_mm` (the rule of `_common.auto_split_k`): at M = 256 the table's 64 x
+# 128 tiles give `down` (K 14,336) and `o` 128 programs of 4 warps, about one per SM, through
+# the whole K loop; two slices fill the second slot of each SM. Off (SCALED_MM_SPLIT_ENABLED)
+# until a GPU has timed it (the twenty-second session's lease paused first); explicit
+# `DotTiles.split_k` values always apply.
+SCALED_MM_SPLIT_ENABLED = False
+SCALED_MM_SPLIT_PROGRAMS = 256
+SCALED_MM_SPLIT_MIN_STEPS = 8
+SCALED_MM_MAX_SPLIT = 8
+
+
+def scaled_mm_split_k(t: DotTiles, m: int, n: int, k: int, block_k: int) -> int:
+    """K slices of an [m, k] x [n, k]^T `scaled_mm` with tiles t and K step block_k (the
+    tile's, or less under block scales): t.split_k when set, else the auto rule when
+    SCALED_MM_SPLIT_ENABLED (1 = no split)."""
+    if t.split_k:
+        return t.split_k
+    if not SCALED_MM_SPLIT_ENABLED:
+        return 1
+    programs = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    return auto_split_k(
+        programs,
+        triton.cdiv(k, block_k),
+        SCALED_MM_SPLIT_PROGRAMS,
+        SCALED_MM_SPLIT_MIN_STEPS,
+        SCALED_MM_MAX_SPLIT,
+    )
+
+
 def scaled_mm_tiles(fmt: str, m: int) -> DotTiles:
     """The default tiles of format fmt ("int8" / "fp8") for an M-row product."""
     if fmt not in SCALED_MM_TILES:
@@ -93,18 +127,25 @@ def scaled_mm_tiles(fmt: str, m: int) -> DotTiles:
 
 
 def check_dot_tiles(name: str, tiles: DotTiles | tuple) -> DotTiles:
-    """A user override as DotTiles (3 to 6 values); ValueError when it cannot launch."""
-    if not isinstance(tiles, tuple) or not 3 <= len(tiles) <= 6:
+    """A user override as DotTiles (3 to 7 values); ValueError when it cannot launch."""
+    if not isinstance(tiles, tuple) or not 3 <= len(tiles) <= 7:
         raise ValueError(
             f"{name}: tiles must be (block_m, block_n, block_k[, group_m, num_warps, "
-            f"num_stages]), got {tiles!r}"
+            f"num_stages, split_k]), got {tiles!r}"
         )
     t = DotTiles(*tiles)
     pow2 = all(isinstance(v, int) and v & (v - 1) == 0 and 16 <= v <= 256 for v in t[:3])
-    if not (pow2 and t.group_m >= 1 and t.num_warps in (1, 2, 4, 8, 16) and t.num_stages >= 1):
+    ok_split = isinstance(t.split_k, int) and 0 <= t.split_k <= 64
+    if not (
+        pow2
+        and t.group_m >= 1
+        and t.num_warps in (1, 2, 4, 8, 16)
+        and t.num_stages >= 1
+        and ok_split
+    ):
         raise ValueError(
             f"{name}: bad tiles {t}: block sizes powers of two in 16..256, group_m >= 1, "
-            "num_warps in (1, 2, 4, 8, 16), num_stages >= 1"
+            "num_warps in (1, 2, 4, 8, 16), num_stages >= 1, split_k in 0..64"
         )
     return t
 
@@ -272,12 +313,15 @@ def quant_rows(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 @triton.jit
 def _scaled_mm_kernel(
     a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, y_ptr,
-    M, N, K,
-    stride_am, stride_bn, stride_bsn, stride_ym,
+    M, N, K, K_SPLIT,
+    stride_am, stride_bn, stride_bsn, stride_ys, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INT_ACC: tl.constexpr, WB_N: tl.constexpr, WB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP8_BITS: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
+    # Split-K: program_id(1) owns K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of BLOCK_K,
+    # so block scales still see whole tiles) and writes its scaled fp32 partial to plane pid_k
+    # of y (a workspace; stride_ys 0 and y the output for one slice); slice 0 adds the bias.
     # y = (a @ b^T) * as[m] * bs (+ bias): a [M, K], b [N, K] (8-bit codes), as [M] f32.
     # WB_K == 0: bs [N] per channel, applied in the epilogue to an int32 (INT_ACC) or fp32
     # accumulator. WB_K > 0: bs [ceil(N / WB_N), ceil(K / WB_K)] block scales; BLOCK_K divides
@@ -291,7 +335,11 @@ def _scaled_mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_SPLIT
+    a_ptrs += k_lo
+    b_ptrs += k_lo
+    for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
         k_ok = k0 + rk < K
         # (0.0: a constant the loads' element type takes, fp8 included; +0.0 is the 0 code.)
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -315,8 +363,10 @@ def _scaled_mm_kernel(
     if WB_K == 0:
         out = out * tl.load(bs_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        out += tl.where(pid_k == 0, bias, 0.0)[None, :]
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym
+    y_ptrs += rn[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -431,16 +481,21 @@ def scaled_mm(
             bk //= 2
         if wb_k % bk:
             raise ValueError(f"scaled_mm: weight block K {wb_k} has no power-of-two divisor >= 16")
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    k_split, split = split_k_range(k, scaled_mm_split_k(t, m, n, k, bk), bk)
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=y.device)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     interp = interpret_mode()
     xq, wq, fp8_bits = kernel_operands(xq, wq, interp)
     _scaled_mm_kernel[grid](
-        xq, wq, xs, ws, bias if bias is not None else ws, y, m, n, k,
-        xq.stride(0), wq.stride(0), ws.stride(0) if block is not None else 0, y.stride(0),
+        xq, wq, xs, ws, bias if bias is not None else ws, out, m, n, k, k_split,
+        xq.stride(0), wq.stride(0), ws.stride(0) if block is not None else 0,
+        0 if split == 1 else m * n, n,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=bk, GROUP_M=t.group_m,
         INT_ACC=int8 and not interp, WB_N=wb_n, WB_K=wb_k, HAS_BIAS=bias is not None,
         FP8_BITS=fp8_bits, UPCAST=interp, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
+    if split > 1:
+        splitk_sum(out, y)
     return y
 
 

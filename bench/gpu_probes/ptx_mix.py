@@ -149,7 +149,8 @@ def _scaled_mm() -> dict[str, dict[str, int]]:
         t = sm.scaled_mm_tiles(fmt, 1 << 20)
         sig = {"a_ptr": code, "b_ptr": code, "as_ptr": "*fp32", "bs_ptr": "*fp32",
                "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-               "stride_am": "i32", "stride_bn": "i32", "stride_bsn": "i32", "stride_ym": "i32"}  # fmt: skip
+               "K_SPLIT": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_bsn": "i32",
+               "stride_ys": "i32", "stride_ym": "i32"}  # fmt: skip
         consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
                       INT_ACC=fmt == "int8", WB_N=0, WB_K=0, HAS_BIAS=False, FP8_BITS=bits,
                       UPCAST=False)  # fmt: skip

@@ -76,6 +76,10 @@ W8A8_CANDIDATES: list[tuple] = [
     (128, 128, 128, 8, 8, 3),
     (128, 256, 128, 8, 8, 3),
     (256, 128, 128, 8, 8, 3),
+    # split_k (7th field; the table's 0 = auto when enabled, `scaled_mm.scaled_mm_split_k`).
+    (64, 128, 128, 8, 4, 4, 1),
+    (64, 128, 128, 8, 4, 4, 2),
+    (64, 128, 128, 8, 4, 4, 4),
 ]
 
 

@@ -53,7 +53,8 @@ def one(kind):
       wb = 128 if kind == "fp8_block" else 0
       sig = {"a_ptr": code, "b_ptr": code, "as_ptr": "*fp32", "bs_ptr": "*fp32",
              "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-             "stride_am": "i32", "stride_bn": "i32", "stride_bsn": "i32", "stride_ym": "i32"}
+             "K_SPLIT": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_bsn": "i32",
+             "stride_ys": "i32", "stride_ym": "i32"}
       consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
                     INT_ACC=fmt == "int8", WB_N=wb, WB_K=wb, HAS_BIAS=True, FP8_BITS=False,
                     UPCAST=False)

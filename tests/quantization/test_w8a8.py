@@ -154,7 +154,9 @@ def test_scaled_mm_matches_reference(fmt: str, m: int, n: int, k: int) -> None:
     bias = torch.randn(n).to(DEV)
     ref = sm.w8a8_matmul_ref(x, wq, ws, fmt, bias)
     xq, xs = sm.quant_rows_ref(x, fmt)
-    for tiles in (None, (16, 16, 32, 2, 4, 1), (32, 64, 16)):
+    # Explicit split-K too (7th field): 2 and 3 slices, the bias added once.
+    for tiles in (None, (16, 16, 32, 2, 4, 1), (32, 64, 16), (16, 16, 32, 2, 4, 1, 2),
+                  (32, 64, 16, 8, 4, 2, 3)):  # fmt: skip
         y = sm.scaled_mm(xq, xs, wq, ws, torch.float32, bias, tiles=tiles)
         assert _rel(y, ref) < 1e-5, tiles
     # The public entry points (quantization included), each GEMM variant.
@@ -216,6 +218,10 @@ def test_block_fp8_gemm_matches_reference(block: tuple[int, int], n: int, k: int
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(6)).to(DEV)
     ref = sm.w8a8_matmul_ref(x, wq, ws, "fp8", block=block)
     y = sm.fp8_w8a8_matmul(x, wq, ws, block=block)
+    assert _rel(y, ref) < (1e-5 if DEV == "cpu" else 2e-2)
+    # Split-K slices are whole K steps, so each still lies in one weight block.
+    xq, xs = sm.quant_rows_ref(x, "fp8")
+    y = sm.scaled_mm(xq, xs, wq, ws, torch.float32, None, block, tiles=(16, 16, 32, 1, 4, 1, 3))
     assert _rel(y, ref) < (1e-5 if DEV == "cpu" else 2e-2)
     with pytest.raises(ValueError, match="weight scales"):
         sm.fp8_w8a8_matmul(x, wq, ws[:, :1], block=block)
@@ -481,6 +487,28 @@ def test_int8_dot_split_k_rule(monkeypatch) -> None:  # noqa: ANN001
     assert qm.dot_split_k(t, 32, 64, 64 * 2 * qm.DOT_SPLIT_MIN_STEPS) == 2
 
 
+def test_scaled_mm_split_k_rule(monkeypatch) -> None:  # noqa: ANN001
+    """`scaled_mm_split_k` (off by default until timed): at M = 256 the w8a8 table's 64 x 128
+    tiles give down / o 128 programs (2 slices); qkv (192) and gate_up keep one; explicit
+    split_k wins."""
+    from xlaserve.kernels_cuda import scaled_mm as sm
+
+    t = sm.scaled_mm_tiles("int8", 256)
+    assert not sm.SCALED_MM_SPLIT_ENABLED and sm.scaled_mm_split_k(t, 256, 4096, 14336, 128) == 1
+    assert sm.scaled_mm_split_k(t._replace(split_k=3), 256, 4096, 14336, 128) == 3
+    monkeypatch.setattr(sm, "SCALED_MM_SPLIT_ENABLED", True)
+    shapes = {
+        "qkv": (4096, 6144),
+        "gate_up": (4096, 28672),
+        "down": (14336, 4096),
+        "o": (4096, 4096),
+    }
+    got = {name: sm.scaled_mm_split_k(t, 256, n, k, t.block_k) for name, (k, n) in shapes.items()}
+    assert got == {"qkv": 1, "gate_up": 1, "down": 2, "o": 2}
+    with pytest.raises(ValueError, match="split_k"):
+        sm.check_dot_tiles("x", (16, 16, 32, 1, 4, 1, -1))
+
+
 @pytest.mark.parametrize("split", [0, 2, 3, 4, 8])
 def test_int8_weight_only_split_k_kernel(split: int, monkeypatch) -> None:  # noqa: ANN001
     """Split-K slices (summed in fp32 by the second pass) give the reference on ragged M / N /
@@ -545,6 +573,13 @@ def test_gpu_quant_layers_w8a8_and_int8_large_m() -> None:
         t = qm.int8_dot_tiles(m)._replace(split_k=4)
         ref = qm.int8_matmul_ref(x, down.qweight, down.scales)
         assert _rel(qm.int8_matmul(x, down.qweight, down.scales, tiles=t), ref) < 1e-2, m
+    # The w8a8 GEMM in 2 slices (the auto rule's pick for down at M 256) against one.
+    w8 = QuantLinear.from_float(lin, QuantScheme("int8_w8a8"))
+    xq, xs = sm.quant_rows(x, "int8")
+    t = sm.scaled_mm_tiles("int8", 256)
+    one = sm.scaled_mm(xq, xs, w8.qweight, w8.scales, torch.float32, tiles=t._replace(split_k=1))
+    two = sm.scaled_mm(xq, xs, w8.qweight, w8.scales, torch.float32, tiles=t._replace(split_k=2))
+    assert _rel(two, one) < 1e-5
 
 
 def test_kernel_switches_validated() -> None:

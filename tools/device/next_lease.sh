@@ -4,13 +4,13 @@
 # test, quant_bench bf16 / int8 with the table and with the sweep's picks
 # (DEVRUN_INT8_TILES_JSON), then the batch-256 decode attention over bf16 and fp8 caches.
 # Part 2: quant_bench's rows as on main, side by side with bf16, then A/B rows of the decode
-# tiles (fp8 KV with the old 64-key tile, bf16 with the 128-key one). Part 3: int8 weight-only
-# with auto split-K (its GPU test, the sweep at M 64 / 256, quant_bench with and without it, and
-# the prefill-dequantized route). Part 4: the 30k / 128k long-context figures with the measured
-# copy rate. Part 5: the decode profiles.
+# tiles (fp8 KV with the old 64-key tile, bf16 with the 128-key one). Part 3: auto split-K of
+# the int8 weight-only and w8a8 GEMMs (the GPU tests, the sweep at M 64 / 256, quant_bench with
+# and without it) and the int8 prefill-dequantized route. Part 4: the 30k / 128k long-context
+# figures with the measured copy rate. Part 5: the decode profiles.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
-    stamp int8 GEMM sweep, mma.sync candidates
+    stamp int8 GEMM sweep
     timeout 200 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 --ms 16 256 4096 \
         --out "$OUT/qg_int8.json" 2>&1 | grep -E "^best|^suggest|Error" | tail -24
     stamp GPU tests, int8 large M
@@ -40,15 +40,16 @@ elif [ "$1" = 2 ]; then
 elif [ "$1" = 3 ]; then
     stamp GPU tests, int8 split-K
     timeout 90 python3 -m pytest -q -m gpu tests/quantization/test_w8a8.py -k "large_m" 2>&1 | tail -3
-    stamp int8 GEMM sweep, split-K candidates
-    timeout 100 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 --ms 64 256 \
-        --out "$OUT/qg_split.json" 2>&1 | grep -E "^best|^suggest|Error" | tail -14
-    stamp quant_bench bf16, int8, int8 with prefill dequantized to bf16
-    timeout 200 python3 bench/quant_bench.py --llama8b --rows bf16,int8,int8_dq2048 --repeats 2 \
-        --output-json "$OUT/quant_int8.json" 2>&1 | grep -v INFO | tail -4
-    stamp quant_bench int8 with auto split-K
-    DEVRUN_INT8_SPLIT=1 timeout 80 python3 bench/quant_bench.py --llama8b --rows int8 --repeats 2 \
-        --output-json "$OUT/quant_int8_split.json" 2>&1 | grep -v INFO | tail -2
+    stamp GEMM sweep, split-K candidates
+    timeout 120 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 int8_w8a8 \
+        --ms 64 256 --out "$OUT/qg_split.json" 2>&1 | grep -E "^best|^suggest|Error" | tail -24
+    stamp quant_bench bf16, int8, int8 with prefill dequantized to bf16, int8_w8a8
+    timeout 260 python3 bench/quant_bench.py --llama8b --rows bf16,int8,int8_dq2048,int8_w8a8 \
+        --repeats 2 --output-json "$OUT/quant_int8.json" 2>&1 | grep -v INFO | tail -5
+    stamp quant_bench int8 and int8_w8a8 with auto split-K
+    DEVRUN_INT8_SPLIT=1 DEVRUN_W8A8_SPLIT=1 timeout 130 python3 bench/quant_bench.py --llama8b \
+        --rows int8,int8_w8a8 --repeats 2 --output-json "$OUT/quant_int8_split.json" 2>&1 \
+        | grep -v INFO | tail -3
 elif [ "$1" = 4 ]; then
     stamp long_context
     timeout 200 python3 bench/long_context.py --llama8b --stages hf,bf16,ctx128k \

@@ -8,6 +8,7 @@ DEVRUN_QUANT_DECODE_TILE=n,w,s  paged_attention.QUANT_DECODE_CONFIGS[128] = BLOC
 DEVRUN_DECODE_TILE=n,w,s    paged_attention.ATTENTION_CONFIGS["decode"][128], the same form
 DEVRUN_INT8_TILES_JSON=p    quant_matmul.INT8_DOT_TILES buckets from quant_gemm_sweep's suggest
 DEVRUN_INT8_SPLIT=0|1       quant_matmul.DOT_SPLIT_ENABLED (the int8 tl.dot auto split-K)
+DEVRUN_W8A8_SPLIT=0|1       scaled_mm.SCALED_MM_SPLIT_ENABLED (the w8a8 Triton GEMM's auto split-K)
 DEVRUN_W8A8_AUTO_JSON=p     scaled_mm.AUTO_LIBRARY / SCALED_MM_TILES buckets from the same
 DEVRUN_CHUNK_ROUTE=r        prefill_sdpa.CHUNK_ROUTE ("split" | "pad")
 """
@@ -75,6 +76,10 @@ def _patch_qm(mod):
 
 
 def _patch_sm(mod):
+    f = _flag("DEVRUN_W8A8_SPLIT")
+    if f is not None:
+        mod.SCALED_MM_SPLIT_ENABLED = f
+        _log(f"scaled_mm.SCALED_MM_SPLIT_ENABLED = {f}")
     p = os.environ.get("DEVRUN_W8A8_AUTO_JSON")
     if not p:
         return
@@ -134,6 +139,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 _ENV = (
     "DEVRUN_LONG_DECODE", "DEVRUN_QUANT_F16", "DEVRUN_INT8_TILES_JSON", "DEVRUN_W8A8_AUTO_JSON",
     "DEVRUN_CHUNK_ROUTE", "DEVRUN_QUANT_DECODE_TILE", "DEVRUN_DECODE_TILE", "DEVRUN_INT8_SPLIT",
+    "DEVRUN_W8A8_SPLIT",
 )  # fmt: skip
 if any(os.environ.get(k) for k in _ENV):
     sys.meta_path.insert(0, _Finder())
