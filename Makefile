@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # A CPU build of torch on machines without an NVIDIA GPU (an unpinned torch pulls a multi-GB CUDA build).
 TORCH_PIN ?= torch==2.13.0
 TRANSFORMERS_PIN ?= transformers==5.24.0
+# CUTLASS's C++ headers (the wheel's only part used; its Python deps are not needed): the int8
+# CUTLASS GEMM builds from them with nvcc where one is installed (kernels_cuda/cutlass_w8a16.py).
+CUTLASS_PIN ?= nvidia-cutlass==4.2.0.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
 .PHONY: install test test-fast test-gpu lint format serve bench soak clean
@@ -17,6 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e ".[torch,xla,structured,hf,plot,ray,test]" "$(TRANSFORMERS_PIN)"
+	$(BIN)/python -m pip install -q --no-deps "$(CUTLASS_PIN)"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -71,6 +71,9 @@ ROWS: dict[str, dict[str, Any]] = {
     # A/B of KernelConfig.int8_dequant_min_m (0 = never, the rows above): int8 weight-only
     # steps of >= 2048 tokens (prefill) dequantize the weight and run cuBLAS.
     "int8_dq2048": {"quantization": "int8", "int8_dequant_min_m": 2048},
+    # A/B of KernelConfig.int8_gemm: int8 weight-only above the GEMV through CUTLASS's Hopper
+    # mixed-input GEMM (kernels_cuda/cutlass_w8a16.py; the Triton kernel where it cannot run).
+    "int8_cutlass": {"quantization": "int8", "int8_gemm": "cutlass"},
 }
 DEFAULT_ROWS = "bf16,fp8,int8,int8_w8a8,fp8_kv"
 # (K, N) of the Llama-3.1-8B linears: qkv, gate_up, down, o.

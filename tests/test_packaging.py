@@ -53,8 +53,9 @@ def test_regular_install_maps_all_folders(tmp_path) -> None:
         text=True,
     )
     assert out.stdout.strip().startswith(str(target))
-    # the demo model ships as package data
+    # the demo model ships as package data, and the CUTLASS kernel's source (built on use)
     assert (target / "xlaserve" / "assets" / "demo-kjv" / "config.json").exists()
+    assert (target / "xlaserve" / "kernels_cuda" / "csrc" / "w8a16_gemm_sm90.cu").exists()
 
 
 def test_editable_install_points_at_the_tree() -> None:

@@ -290,6 +290,26 @@ def make_lm_head(
 # `quantized_weight_stream` turns float checkpoint weights into the quantized tensors on the fly.
 
 
+def _cutlass_int8(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor | None:
+    """KernelConfig.int8_gemm = "cutlass": y = (x @ qweight^T) * scales by the CUTLASS mixed-input
+    GEMM where it runs (M above the GEMV, bf16 x, an sm_90 GPU, the library built: the first
+    call builds it), else None (the caller's Triton kernel)."""
+    from xlaserve.kernels_cuda import cutlass_w8a16 as cw
+    from xlaserve.kernels_cuda.quant_matmul import use_gemv
+
+    if use_gemv("int8", x.shape[0]) or not cw.available(x.device.index or 0):
+        return None
+    x = x.contiguous()
+    s = scales if scales.dtype == torch.float32 else scales.float()
+    try:
+        cw.check_operands(x, qweight, s, None)
+    except ValueError:  # a shape or dtype the kernel does not take
+        return None
+    return cw.w8a16_gemm(x, qweight, s)
+
+
 def fp8_supported(device: torch.device | str) -> bool:
     """torch._scaled_mm fp8 needs CUDA compute capability >= 8.9 (Ada, Hopper and later)."""
     device = torch.device(device)
@@ -485,6 +505,10 @@ class QuantLinear(nn.Module):
                 cut = kernel_switch("int8_dequant_min_m", self.kernels)
                 if 0 < cut <= x.shape[0]:  # A/B: dequantize, then cuBLAS
                     return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+                if kernel_switch("int8_gemm", self.kernels) == "cutlass":
+                    y = _cutlass_int8(x, self.qweight, self.scales)
+                    if y is not None:
+                        return y
                 return int8_matmul(x.contiguous(), self.qweight, self.scales, kernels=self.kernels)
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         if self.method == "int8_w8a8":

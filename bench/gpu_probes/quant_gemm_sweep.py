@@ -7,7 +7,8 @@ Families (each timed as a layer pays it: the w8a8 rows include the per-token act
 quantization):
 - ``int8``: weight-only int8, the tl.dot kernel. The committed table's pick for the M
   (`quant_matmul.int8_dot_tiles`) and candidate `Int8DotTiles`, plain and swapped (swap_ab: the
-  converted weight as the dot's first operand, see `quant_matmul._int8_mm_kernel`).
+  converted weight as the dot's first operand, see `quant_matmul._int8_mm_kernel`), with split-K
+  slices; and the CUTLASS mixed-input GEMM (`kernels_cuda.cutlass_w8a16`, each tile) on sm_90.
 - ``int8_w8a8``: torch._int_mm (cuBLASLt) + the scale epilogue, and the Triton `scaled_mm` with
   the table's tiles and candidates.
 - ``fp8``: torch._scaled_mm (row-wise scales) and the Triton `scaled_mm` with candidates.
@@ -132,6 +133,7 @@ def variants(family: str, m: int, dev: str) -> list[tuple[str, tuple | None, Any
             if t is table or (fits(t.block_m, m) and t != table):
                 label = f"table {tuple(t)}" if t is table else f"{tuple(t)}"
                 out.append((label, t, lambda x, d, t=t: qm._int8_dot(x, d["q8"], d["s8"], t)))
+        out += _cutlass_int8_variants(dev)
     elif family in ("int8_w8a8", "fp8"):
         # The library GEMM (cuBLASLt: torch._int_mm / torch._scaled_mm) where it runs, then the
         # Triton scaled_mm with the table's tiles and the candidates.
@@ -153,6 +155,22 @@ def variants(family: str, m: int, dev: str) -> list[tuple[str, tuple | None, Any
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     return out
+
+
+def _cutlass_int8_variants(dev: str) -> list[tuple[str, None, Any]]:
+    """The CUTLASS mixed-input GEMM (`cutlass_w8a16`), each compiled tile, where it runs (an
+    sm_90 GPU with nvcc and the nvidia-cutlass headers; built on first use)."""
+    if dev != "cuda":
+        return []
+    from xlaserve.kernels_cuda import cutlass_w8a16 as cw
+
+    if not cw.available():
+        print("  int8 cutlass: not available here (needs sm_90, nvcc, nvidia-cutlass)")
+        return []
+    return [
+        (f"cutlass {tn}x{tm}", None, lambda x, d, i=i: cw.w8a16_gemm(x, d["q8"], d["s8"], tile=i))
+        for i, (tn, tm) in enumerate(cw.TILES)
+    ]
 
 
 def _fp8_tensorwise_variants() -> list[tuple[str, None, Any]]:

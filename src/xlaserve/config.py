@@ -567,6 +567,12 @@ class KernelConfig:
     # the per-M table (kernels_cuda.scaled_mm.AUTO_LIBRARY).
     # Block-wise fp8 checkpoints always take the Triton block-scaled GEMM.
     fp8_gemm: str = "auto"
+    # Torch int8 weight-only on CUDA at M above the GEMV: "triton" = the Triton tl.dot kernel
+    # (kernels_cuda/quant_matmul.py), "cutlass" = CUTLASS 3's Hopper mixed-input GEMM
+    # (kernels_cuda/cutlass_w8a16.py: the converted weight feeds wgmma from registers; sm_90,
+    # bf16 activations, nvcc and the nvidia-cutlass headers, built once per machine), with the
+    # Triton kernel wherever it cannot run. Not timed yet (the quant_bench row int8_cutlass).
+    int8_gemm: str = "triton"
     # Torch int8 weight-only on CUDA: M at or above which the weight is dequantized to the
     # activation dtype and multiplied by cuBLAS instead of the fused Triton dequant GEMM (0 =
     # never; an A/B switch for the largest prefill steps, where the dequant pass is cheap).
@@ -582,6 +588,7 @@ class KernelConfig:
         for name, allowed in (
             ("act_quant", ("auto", "triton", "torch")),
             ("int8_w8a8_gemm", ("auto", "int_mm", "triton")),
+            ("int8_gemm", ("triton", "cutlass")),
             ("fp8_gemm", ("auto", "scaled_mm", "triton")),
             ("ssd_precision", ("auto", "tf32x3", "tf32", "bf16", "ieee")),
             ("lora_impl", LORA_IMPLS),

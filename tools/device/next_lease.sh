@@ -1,13 +1,15 @@
 # The next lease (calls of <= 10 min; `run` with carry [".whl"], commands
-# `bash tools/device/next_lease.sh N`, N = 1..5); the twenty-second session's closing
+# `bash tools/device/next_lease.sh N`, N = 1..6); the twenty-second session's closing
 # note says why. Part 1 (ran on the H200, 19:49 UTC): the int8 family of the GEMM sweep, its GPU
 # test, quant_bench bf16 / int8 with the table and with the sweep's picks
 # (DEVRUN_INT8_TILES_JSON), then the batch-256 decode attention over bf16 and fp8 caches.
 # Part 2: quant_bench's rows as on main, side by side with bf16, then A/B rows of the decode
-# tiles (fp8 KV with the old 64-key tile, bf16 with the 128-key one). Part 3: auto split-K of
-# the int8 weight-only and w8a8 GEMMs (the GPU tests, the sweep at M 64 / 256, quant_bench with
-# and without it) and the int8 prefill-dequantized route. Part 4: the 30k / 128k long-context
-# figures with the measured copy rate. Part 5: the decode profiles.
+# tiles (fp8 KV with the old 64-key tile, bf16 with the 128-key one). Part 3: the CUTLASS int8
+# GEMM (KernelConfig.int8_gemm="cutlass"; needs the nvidia-cutlass wheel in .whl/,
+# tools/device/README.md): its GPU tests, the sweep (with the split-K candidates) and quant_bench
+# against the Triton kernel. Part 4: auto split-K of the int8 weight-only and w8a8 GEMMs end to
+# end, and the int8 prefill-dequantized route. Part 5: the 30k / 128k long-context figures with
+# the measured copy rate. Part 6: the decode profiles.
 source tools/device/setup.sh
 if [ "${1:-1}" = 1 ]; then
     stamp int8 GEMM sweep
@@ -38,11 +40,17 @@ elif [ "$1" = 2 ]; then
     DEVRUN_DECODE_TILE=128,4,3 timeout 90 python3 bench/quant_bench.py --llama8b \
         --rows bf16 --repeats 2 --output-json "$OUT/quant_bf16_128.json" 2>&1 | grep -v INFO | tail -2
 elif [ "$1" = 3 ]; then
-    stamp GPU tests, int8 split-K
-    timeout 90 python3 -m pytest -q -m gpu tests/quantization/test_w8a8.py -k "large_m" 2>&1 | tail -3
-    stamp GEMM sweep, split-K candidates
-    timeout 120 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 int8_w8a8 \
-        --ms 64 256 --out "$OUT/qg_split.json" 2>&1 | grep -E "^best|^suggest|Error" | tail -24
+    stamp "GPU tests: int8 split-K, the CUTLASS int8 GEMM (builds it: ~1 min, cached after)"
+    timeout 240 python3 -m pytest -q -m gpu tests/quantization/test_w8a8.py \
+        tests/kernels_cuda/test_cutlass_w8a16.py -k "large_m or cutlass" 2>&1 | tail -4
+    stamp GEMM sweep: CUTLASS tiles, split-K candidates
+    timeout 150 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 int8_w8a8 \
+        --ms 64 256 4096 --out "$OUT/qg_cutlass_split.json" 2>&1 \
+        | grep -E "^best|^suggest|Error|cutlass" | tail -30
+    stamp quant_bench bf16, int8 Triton, int8 CUTLASS
+    timeout 200 python3 bench/quant_bench.py --llama8b --rows bf16,int8,int8_cutlass \
+        --repeats 2 --output-json "$OUT/quant_cutlass.json" 2>&1 | grep -v INFO | tail -4
+elif [ "$1" = 4 ]; then
     stamp quant_bench bf16, int8, int8 with prefill dequantized to bf16, int8_w8a8
     timeout 260 python3 bench/quant_bench.py --llama8b --rows bf16,int8,int8_dq2048,int8_w8a8 \
         --repeats 2 --output-json "$OUT/quant_int8.json" 2>&1 | grep -v INFO | tail -5
@@ -50,7 +58,7 @@ elif [ "$1" = 3 ]; then
     DEVRUN_INT8_SPLIT=1 DEVRUN_W8A8_SPLIT=1 timeout 130 python3 bench/quant_bench.py --llama8b \
         --rows int8,int8_w8a8 --repeats 2 --output-json "$OUT/quant_int8_split.json" 2>&1 \
         | grep -v INFO | tail -3
-elif [ "$1" = 4 ]; then
+elif [ "$1" = 5 ]; then
     stamp long_context
     timeout 200 python3 bench/long_context.py --llama8b --stages hf,bf16,ctx128k \
         --output-json "$OUT/lc.json" 2>&1 | grep -v INFO | grep -E "TTFT|tok/s|ratio|GB/s" | tail -10
