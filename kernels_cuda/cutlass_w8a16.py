@@ -36,8 +36,22 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "w8a16_gemm_sm90.cu"
-# Tiles compiled into the library (weight rows x tokens x 64); the index is the C entry's `tile`.
-TILES: tuple[tuple[int, int], ...] = ((128, 128), (128, 64))
+# Configs compiled into the library, by the C entry's `tile` index: (weight rows, tokens) of a
+# tile (x 64 of K) and the tile scheduler (stream-K splits the K loop of some tiles across SMs
+# when the tile count leaves SMs idle: `down` at 256 tokens has 64 tiles of 128 x 128).
+TILES: tuple[tuple[int, int, str], ...] = (
+    (128, 128, "persistent"),
+    (128, 64, "persistent"),
+    (128, 128, "stream-K"),
+    (128, 64, "stream-K"),
+)
+# (max M, tile index): the first row with M <= max M wins. Untimed guesses (stream-K, 64-token
+# tiles up to 64 tokens) until quant_gemm_sweep's CUTLASS rows have run on an H100 / H200.
+TILE_BY_M: tuple[tuple[int, int], ...] = ((64, 3), (1 << 62, 2))
+# The layer route (KernelConfig.int8_gemm = "cutlass") leaves M below this to the Triton kernels
+# (the GEMV, and the tl.dot table's 16-row bucket at 1.06x bf16 on the H200): a 64-token tile is
+# mostly padding there.
+MIN_M = 17
 NVCC_FLAGS: tuple[str, ...] = (
     "-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr", "-DNDEBUG",
     "-Xcompiler", "-fPIC", "-shared",
@@ -156,8 +170,8 @@ def available(device_index: int = 0) -> bool:
 
 
 def tile_for(m: int) -> int:
-    """The compiled tile for an M-token product: 64 tokens wide at M <= 64, else 128."""
-    return 1 if m <= 64 else 0
+    """The TILES index for an M-token product (TILE_BY_M)."""
+    return next(t for max_m, t in TILE_BY_M if m <= max_m)
 
 
 def check_operands(
@@ -214,6 +228,7 @@ def w8a16_gemm(
         ws.data_ptr(), stream,
     )  # fmt: skip
     if status:
-        what = {1: "shape not implementable", 2: "initialize failed", 3: "launch failed"}
+        what = {1: "shape not implementable", 2: "initialize failed", 3: "launch failed",
+                5: "found no GPU"}  # fmt: skip
         raise RuntimeError(f"w8a16_gemm: CUTLASS {what.get(status, status)} (n {n}, m {m}, k {k})")
     return y

@@ -294,12 +294,14 @@ def _cutlass_int8(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 ) -> torch.Tensor | None:
     """KernelConfig.int8_gemm = "cutlass": y = (x @ qweight^T) * scales by the CUTLASS mixed-input
-    GEMM where it runs (M above the GEMV, bf16 x, an sm_90 GPU, the library built: the first
-    call builds it), else None (the caller's Triton kernel)."""
+    GEMM where it runs (M >= cw.MIN_M, bf16 x, an sm_90 GPU, the library built: the first call
+    builds it), else None (the caller's Triton kernels)."""
     from xlaserve.kernels_cuda import cutlass_w8a16 as cw
     from xlaserve.kernels_cuda.quant_matmul import use_gemv
 
-    if use_gemv("int8", x.shape[0]) or not cw.available(x.device.index or 0):
+    if x.shape[0] < cw.MIN_M or use_gemv("int8", x.shape[0]):
+        return None
+    if not cw.available(x.device.index or 0):
         return None
     x = x.contiguous()
     s = scales if scales.dtype == torch.float32 else scales.float()

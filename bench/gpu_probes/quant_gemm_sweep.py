@@ -168,9 +168,10 @@ def _cutlass_int8_variants(dev: str) -> list[tuple[str, None, Any]]:
         print("  int8 cutlass: not available here (needs sm_90, nvcc, nvidia-cutlass)")
         return []
     return [
-        (f"cutlass {tn}x{tm}", None, lambda x, d, i=i: cw.w8a16_gemm(x, d["q8"], d["s8"], tile=i))
-        for i, (tn, tm) in enumerate(cw.TILES)
-    ]
+        (f"cutlass {tn}x{tm} {how}", None,
+         lambda x, d, i=i: cw.w8a16_gemm(x, d["q8"], d["s8"], tile=i))
+        for i, (tn, tm, how) in enumerate(cw.TILES)
+    ]  # fmt: skip
 
 
 def _fp8_tensorwise_variants() -> list[tuple[str, None, Any]]:

@@ -12,6 +12,7 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/kernel_hardware_info.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -34,8 +35,26 @@ constexpr int kAlignW = 128 / cutlass::sizeof_bits<ElementW>::value;  // 16 code
 constexpr int kAlignX = 128 / cutlass::sizeof_bits<ElementX>::value;  // 8
 constexpr int kAlignY = 128 / cutlass::sizeof_bits<ElementY>::value;  // 8
 
-// One config per tile shape (weight rows, tokens, K): K = 64 bf16 = 128 bytes per stage row.
-template <int TileN, int TileM>
+int current_device() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
+  return dev;
+}
+
+// Multiprocessors of a device, queried once per device (0 where no device answers).
+int sm_count(int dev) {
+  static int cached[64] = {};
+  using Info = cutlass::KernelHardwareInfo;
+  if (dev < 0 || dev >= 64) return Info::query_device_multiprocessor_count(dev);
+  if (cached[dev] <= 0) cached[dev] = Info::query_device_multiprocessor_count(dev);
+  return cached[dev];
+}
+
+// One config per tile shape (weight rows, tokens, K; K = 64 bf16 = 128 bytes per stage row) and
+// tile scheduler: persistent data-parallel tiles, or stream-K (CUTLASS splits the K loop of some
+// tiles across SMs when the tile count leaves SMs idle, e.g. 64 tiles of a 4096-row weight at
+// 128 tokens on 132 SMs; partial sums go through the workspace).
+template <int TileN, int TileM, class Scheduler>
 struct W8A16Gemm {
   using TileShape = Shape<Int<TileN>, Int<TileM>, _64>;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -55,7 +74,7 @@ struct W8A16Gemm {
           sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue>;
+                                                      Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Gemm::Arguments arguments(const void* w, const void* x, const float* scales,
@@ -75,18 +94,25 @@ struct W8A16Gemm {
     fusion.alpha_ptr = scales;
     fusion.dAlpha = {bool(1), _0{}, 0};  // one alpha per row of D (weight row)
     fusion.bias_ptr = static_cast<const ElementY*>(bias);  // null: no bias
+    // The SM count explicitly: stream-K sizes its workspace and decomposition from it.
+    args.hw_info.device_id = current_device();
+    args.hw_info.sm_count = sm_count(args.hw_info.device_id);
     return args;
   }
 };
 
+// Both entry points need a GPU that reports its SM count (stream-K divides by it).
 template <class G>
 size_t workspace_size(int n, int m, int k) {
-  return G::Gemm::get_workspace_size(G::arguments(nullptr, nullptr, nullptr, nullptr, nullptr, n, m, k));
+  if (sm_count(current_device()) <= 0) return 0;
+  return G::Gemm::get_workspace_size(
+      G::arguments(nullptr, nullptr, nullptr, nullptr, nullptr, n, m, k));
 }
 
 template <class G>
 int run(const void* w, const void* x, const float* scales, const void* bias, void* y, int n,
         int m, int k, void* workspace, cudaStream_t stream) {
+  if (sm_count(current_device()) <= 0) return 5;
   typename G::Gemm gemm;
   auto args = G::arguments(w, x, scales, bias, y, n, m, k);
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 1;
@@ -95,29 +121,38 @@ int run(const void* w, const void* x, const float* scales, const void* bias, voi
   return 0;
 }
 
-using Tile128x128 = W8A16Gemm<128, 128>;
-using Tile128x64 = W8A16Gemm<128, 64>;
+using Persistent = cutlass::gemm::PersistentScheduler;
+using StreamK = cutlass::gemm::StreamKScheduler;
+using Tile0 = W8A16Gemm<128, 128, Persistent>;
+using Tile1 = W8A16Gemm<128, 64, Persistent>;
+using Tile2 = W8A16Gemm<128, 128, StreamK>;
+using Tile3 = W8A16Gemm<128, 64, StreamK>;
 
 }  // namespace
 
 extern "C" {
 
-// tile: 0 = 128 weight rows x 128 tokens, 1 = 128 x 64. Returns 0, or 1 (shape not
-// implementable: alignment), 2 (initialize failed), 3 (launch failed), 4 (bad tile).
+// tile: 0 = 128 weight rows x 128 tokens, 1 = 128 x 64 (persistent); 2 and 3: the same with
+// stream-K. Returns 0, or 1 (shape not implementable: alignment), 2 (initialize failed), 3
+// (launch failed), 4 (no such tile), 5 (no GPU answers). The workspace size is 0 without a GPU.
 int xlaserve_w8a16_gemm(int tile, const void* w, const void* x, const float* scales,
                         const void* bias, void* y, int n, int m, int k, void* workspace,
                         cudaStream_t stream) {
   switch (tile) {
-    case 0: return run<Tile128x128>(w, x, scales, bias, y, n, m, k, workspace, stream);
-    case 1: return run<Tile128x64>(w, x, scales, bias, y, n, m, k, workspace, stream);
+    case 0: return run<Tile0>(w, x, scales, bias, y, n, m, k, workspace, stream);
+    case 1: return run<Tile1>(w, x, scales, bias, y, n, m, k, workspace, stream);
+    case 2: return run<Tile2>(w, x, scales, bias, y, n, m, k, workspace, stream);
+    case 3: return run<Tile3>(w, x, scales, bias, y, n, m, k, workspace, stream);
     default: return 4;
   }
 }
 
 size_t xlaserve_w8a16_workspace(int tile, int n, int m, int k) {
   switch (tile) {
-    case 0: return workspace_size<Tile128x128>(n, m, k);
-    case 1: return workspace_size<Tile128x64>(n, m, k);
+    case 0: return workspace_size<Tile0>(n, m, k);
+    case 1: return workspace_size<Tile1>(n, m, k);
+    case 2: return workspace_size<Tile2>(n, m, k);
+    case 3: return workspace_size<Tile3>(n, m, k);
     default: return 0;
   }
 }
