@@ -333,11 +333,11 @@ def _int8_mm_kernel(
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_ys, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    UPCAST: tl.constexpr, SWAP_AB: tl.constexpr = False, SPLIT: tl.constexpr = False,
 ):  # fmt: skip
-    # Split-K: program_id(1) owns K range [pid_k * K_SPLIT, +K_SPLIT) (K_SPLIT a multiple of
-    # BLOCK_K) and writes its scaled fp32 partial to plane pid_k of y (a workspace; stride_ys 0
-    # and y the output when there is one slice).
+    # Split-K (SPLIT): program_id(1) owns K range [pid * K_SPLIT, +K_SPLIT) (a multiple of
+    # BLOCK_K) and writes its scaled fp32 partial to that plane of y (a workspace [SPLIT, M, N],
+    # planes stride_ys apart).
     # 1-D grid in grouped order (grouped_mm_tile): each int8 weight tile is read from HBM about
     # once per GROUP_M tiles. Plain: acc [BLOCK_M, BLOCK_N] = x @ W^T. SWAP_AB: acc [BLOCK_N,
     # BLOCK_M] = W @ x^T, the converted weight as the dot's FIRST operand: Hopper's wgmma takes
@@ -355,11 +355,15 @@ def _int8_mm_kernel(
         )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rk = tl.arange(0, BLOCK_K)
-    pid_k = tl.program_id(1)
-    k_lo = pid_k * K_SPLIT
-    a_ptrs += k_lo
-    b_ptrs += k_lo
-    for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
+    k_lo = 0
+    k_end = K
+    if SPLIT:  # its K slice and workspace plane (constexpr: one slice compiles as before)
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_end = tl.minimum(K, k_lo + K_SPLIT)
+        a_ptrs += k_lo
+        b_ptrs += k_lo
+        y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
+    for k0 in range(k_lo, k_end, BLOCK_K):
         k_ok = k0 + rk < K
         a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & b_ok[None, :], other=0)
@@ -381,7 +385,7 @@ def _int8_mm_kernel(
         out = acc * tl.load(s_ptr + rb, mask=b_ok, other=0.0).to(tl.float32)[None, :]
         rm, rn = ra, rb
     tl.store(
-        y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+        y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
         out.to(y_ptr.dtype.element_ty),
         mask=(rm[:, None] < M) & (rn[None, :] < N),
     )
@@ -712,7 +716,7 @@ def _int8_dot(
         x, qweight, scales, out, m, n, k, k_split,
         x.stride(0), qweight.stride(0), 0 if split == 1 else m * n, n,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        UPCAST=upcast_dot(x.dtype), SWAP_AB=bool(t.swap_ab),
+        UPCAST=upcast_dot(x.dtype), SWAP_AB=bool(t.swap_ab), SPLIT=split > 1,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     if split > 1:

@@ -317,11 +317,11 @@ def _scaled_mm_kernel(
     stride_am, stride_bn, stride_bsn, stride_ys, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INT_ACC: tl.constexpr, WB_N: tl.constexpr, WB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    FP8_BITS: tl.constexpr, UPCAST: tl.constexpr,
+    FP8_BITS: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr = False,
 ):  # fmt: skip
-    # Split-K: program_id(1) owns K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of BLOCK_K,
-    # so block scales still see whole tiles) and writes its scaled fp32 partial to plane pid_k
-    # of y (a workspace; stride_ys 0 and y the output for one slice); slice 0 adds the bias.
+    # Split-K (SPLIT): program_id(1) owns K range [pid * K_SPLIT, +K_SPLIT) (a multiple of
+    # BLOCK_K, so block scales still see whole tiles) and writes its scaled fp32 partial to that
+    # plane of y (a workspace [SPLIT, M, N], planes stride_ys apart); slice 0 adds the bias.
     # y = (a @ b^T) * as[m] * bs (+ bias): a [M, K], b [N, K] (8-bit codes), as [M] f32.
     # WB_K == 0: bs [N] per channel, applied in the epilogue to an int32 (INT_ACC) or fp32
     # accumulator. WB_K > 0: bs [ceil(N / WB_N), ceil(K / WB_K)] block scales; BLOCK_K divides
@@ -335,11 +335,15 @@ def _scaled_mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    pid_k = tl.program_id(1)
-    k_lo = pid_k * K_SPLIT
-    a_ptrs += k_lo
-    b_ptrs += k_lo
-    for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
+    k_lo = 0
+    k_end = K
+    if SPLIT:  # its K slice and workspace plane (constexpr: one slice compiles as before)
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_end = tl.minimum(K, k_lo + K_SPLIT)
+        a_ptrs += k_lo
+        b_ptrs += k_lo
+        y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
+    for k0 in range(k_lo, k_end, BLOCK_K):
         k_ok = k0 + rk < K
         # (0.0: a constant the loads' element type takes, fp8 included; +0.0 is the 0 code.)
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -364,8 +368,10 @@ def _scaled_mm_kernel(
         out = out * tl.load(bs_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        out += tl.where(pid_k == 0, bias, 0.0)[None, :]
-    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym
+        if SPLIT:  # slice 0 adds it
+            bias = tl.where(tl.program_id(1) == 0, bias, 0.0)
+        out += bias[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym
     y_ptrs += rn[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -492,7 +498,8 @@ def scaled_mm(
         0 if split == 1 else m * n, n,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=bk, GROUP_M=t.group_m,
         INT_ACC=int8 and not interp, WB_N=wb_n, WB_K=wb_k, HAS_BIAS=bias is not None,
-        FP8_BITS=fp8_bits, UPCAST=interp, num_warps=t.num_warps, num_stages=t.num_stages,
+        FP8_BITS=fp8_bits, UPCAST=interp, SPLIT=split > 1,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     if split > 1:
         splitk_sum(out, y)
