@@ -185,6 +185,17 @@ def auto_split_k(
     return split
 
 
+@triton.jit
+def split_k_slice(a_ptrs, b_ptrs, y_ptr, K, K_SPLIT, stride_ys):  # noqa: ANN001, ANN201
+    """Split-K in a tiled GEMM (program_id(1) = the slice): this program's first k and end of K,
+    its A / B tile pointers advanced to the first k, and y moved to its fp32 workspace plane
+    (planes stride_ys elements apart)."""
+    pid = tl.program_id(1)
+    k_lo = pid * K_SPLIT
+    k_end = tl.minimum(K, k_lo + K_SPLIT)
+    return k_lo, k_end, a_ptrs + k_lo, b_ptrs + k_lo, y_ptr + pid.to(tl.int64) * stride_ys
+
+
 def split_k_range(k: int, split: int, block_k: int) -> tuple[int, int]:
     """(K per slice, a multiple of block_k; slices) for split requested slices over K: fewer
     when rounding leaves a trailing slice empty."""

@@ -44,6 +44,7 @@ from xlaserve.kernels_cuda._common import (
     interpret_mode,
     next_pow2,
     split_k_range,
+    split_k_slice,
     splitk_sum,
 )
 from xlaserve.kernels_cuda.quant_act import QuantAct
@@ -338,11 +339,9 @@ def _scaled_mm_kernel(
     k_lo = 0
     k_end = K
     if SPLIT:  # its K slice and workspace plane (constexpr: one slice compiles as before)
-        k_lo = tl.program_id(1) * K_SPLIT
-        k_end = tl.minimum(K, k_lo + K_SPLIT)
-        a_ptrs += k_lo
-        b_ptrs += k_lo
-        y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
+        k_lo, k_end, a_ptrs, b_ptrs, y_ptr = split_k_slice(
+            a_ptrs, b_ptrs, y_ptr, K, K_SPLIT, stride_ys
+        )
     for k0 in range(k_lo, k_end, BLOCK_K):
         k_ok = k0 + rk < K
         # (0.0: a constant the loads' element type takes, fp8 included; +0.0 is the 0 code.)
