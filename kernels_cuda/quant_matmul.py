@@ -356,12 +356,9 @@ def _int8_mm_kernel(
         )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rk = tl.arange(0, BLOCK_K)
-    k_lo = 0
-    k_end = K
-    if SPLIT:  # its K slice and workspace plane (constexpr: one slice compiles as before)
-        k_lo, k_end, a_ptrs, b_ptrs, y_ptr = split_k_slice(
-            a_ptrs, b_ptrs, y_ptr, K, K_SPLIT, stride_ys
-        )
+    k_lo, k_end, a_ptrs, b_ptrs, y_ptr = split_k_slice(
+        a_ptrs, b_ptrs, y_ptr, K, K_SPLIT, stride_ys, SPLIT
+    )
     for k0 in range(k_lo, k_end, BLOCK_K):
         k_ok = k0 + rk < K
         a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0)

@@ -336,12 +336,9 @@ def _scaled_mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = 0
-    k_end = K
-    if SPLIT:  # its K slice and workspace plane (constexpr: one slice compiles as before)
-        k_lo, k_end, a_ptrs, b_ptrs, y_ptr = split_k_slice(
-            a_ptrs, b_ptrs, y_ptr, K, K_SPLIT, stride_ys
-        )
+    k_lo, k_end, a_ptrs, b_ptrs, y_ptr = split_k_slice(
+        a_ptrs, b_ptrs, y_ptr, K, K_SPLIT, stride_ys, SPLIT
+    )
     for k0 in range(k_lo, k_end, BLOCK_K):
         k_ok = k0 + rk < K
         # (0.0: a constant the loads' element type takes, fp8 included; +0.0 is the 0 code.)

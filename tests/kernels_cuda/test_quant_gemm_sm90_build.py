@@ -36,15 +36,18 @@ def build(fn, sig, consts, warps, stages):
                           options={"num_warps": warps, "num_stages": stages})
 
 def one(kind):
+  split = kind.endswith("_split")  # split-K: fp32 partials into a workspace
+  kind = kind.removesuffix("_split")
+  y = "*fp32" if split else "*bf16"
   if kind.startswith("int8_weight_only"):
       bm, bn, bk, gm, warps, stages, swap = qm.int8_dot_tiles(1 << 20)[:7]
       if kind.endswith("swap") != swap:  # the other operand order, same tiles
           swap = not swap
-      sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
+      sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": y, "M": "i32",
              "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32", "stride_wn": "i32",
              "stride_ys": "i32", "stride_ym": "i32"}
       k = build(qm._int8_mm_kernel, sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-                UPCAST=False, SWAP_AB=swap), warps, stages)
+                UPCAST=False, SWAP_AB=swap, SPLIT=split), warps, stages)
       stage_bytes = bm * bk * 2 + bk * bn  # a bf16 x tile and an int8 weight tile
   else:
       fmt = "int8" if kind == "int8" else "fp8"
@@ -52,12 +55,12 @@ def one(kind):
       code = "*i8" if fmt == "int8" else "*fp8e4nv"  # fp8 goes in typed on a GPU
       wb = 128 if kind == "fp8_block" else 0
       sig = {"a_ptr": code, "b_ptr": code, "as_ptr": "*fp32", "bs_ptr": "*fp32",
-             "bias_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+             "bias_ptr": "*bf16", "y_ptr": y, "M": "i32", "N": "i32", "K": "i32",
              "K_SPLIT": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_bsn": "i32",
              "stride_ys": "i32", "stride_ym": "i32"}
       consts = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
                     INT_ACC=fmt == "int8", WB_N=wb, WB_K=wb, HAS_BIAS=True, FP8_BITS=False,
-                    UPCAST=False)
+                    UPCAST=False, SPLIT=split)
       k = build(sm._scaled_mm_kernel, sig, consts, t.num_warps, t.num_stages)
       stage_bytes = (t.block_m + t.block_n) * t.block_k  # two 8-bit tiles
   ptx = k.asm["ptx"]
@@ -73,7 +76,10 @@ print(json.dumps({kind: one(kind) for kind in sys.argv[1:]}))
 """
 
 
-KINDS = ("int8", "fp8", "fp8_block", "int8_weight_only", "int8_weight_only_swap")
+KINDS = (
+    "int8", "fp8", "fp8_block", "int8_weight_only", "int8_weight_only_swap",
+    "int8_split", "fp8_block_split", "int8_weight_only_split",  # split-K (SPLIT) variants
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
