@@ -117,7 +117,7 @@ def int8_dot_tiles(m: int) -> Int8DotTiles:
 # K loop: 0.26x / 0.36x of bf16 against 0.64x for `gate_up` (448 programs; H200 sweep, bench/
 # RESULTS.md twenty-second session). The fp32 partials cost M * N * 4 bytes per slice, twice.
 # Off (DOT_SPLIT_ENABLED) until a GPU has timed it: the device lease paused before its A/B
-# (tools/device/next_lease.sh part 3); explicit `Int8DotTiles.split_k` values always apply.
+# (tools/device/next_lease.sh part 4); explicit `Int8DotTiles.split_k` values always apply.
 DOT_SPLIT_ENABLED = False
 DOT_SPLIT_PROGRAMS = 256
 DOT_SPLIT_MIN_STEPS = 8
