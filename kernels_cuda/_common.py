@@ -186,7 +186,9 @@ def auto_split_k(
 
 
 @triton.jit
-def split_k_slice(a_ptrs, b_ptrs, y_ptr, K, K_SPLIT, stride_ys, SPLIT: tl.constexpr):  # noqa: ANN001, ANN201
+def split_k_slice(
+    a_ptrs, b_ptrs, y_ptr, K, K_SPLIT, stride_ys, SPLIT: tl.constexpr,
+):  # fmt: skip
     """Split-K in a tiled GEMM (program_id(1) = the slice): this program's first k and end of K,
     its A / B tile pointers advanced to the first k, and y moved to its fp32 workspace plane
     (planes stride_ys elements apart). SPLIT False (constexpr): the whole K and the arguments

@@ -96,7 +96,8 @@ _WIDE_SMEM: dict[int, bool] = {}  # CUDA device index -> has PREFILL_WIDE_SMEM
 # benchmark's batch-256 decode step (ctx 384, 32 / 8 heads, D 128; `long_decode_sweep.py
 # --shapes ctx384_b256 --kv fp8`, H200, 2026-12-05) the table's (64 keys, 4 warps, 3 stages)
 # took 150.9 us over an fp8 cache against 121.4 us over bf16, and (128, 4, 3) 112.5 us (bf16:
-# 113.1); 256 keys or 8 warps were slower.
+# 113.1); 256 keys or 8 warps were slower. int8 caches take it too (one byte a code; not swept).
+# The end-to-end fp8 KV row with it waits for the next lease (tools/device/next_lease.sh 2).
 QUANT_DECODE_CONFIGS: dict[int, dict[str, int]] = {
     128: {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
 }

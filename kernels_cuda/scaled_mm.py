@@ -367,8 +367,7 @@ def _scaled_mm_kernel(
         if SPLIT:  # slice 0 adds it
             bias = tl.where(tl.program_id(1) == 0, bias, 0.0)
         out += bias[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym
-    y_ptrs += rn[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
