@@ -113,13 +113,19 @@ def build_command(out: str, ptx: bool = False) -> list[str]:
 
 
 def build(out_dir: str | os.PathLike | None = None, ptx: bool = False) -> Path:
-    """Compile the library (or its PTX) unless a build of this source, these flags and this
-    compiler is already there; returns its path. Builds into a temporary name and renames, so
-    concurrent builders never load a partial file. CutlassUnavailable when it cannot build."""
+    """Compile the library (or its PTX) unless a build of this source, these flags, this
+    compiler and these CUTLASS headers is already there; returns its path. Builds into a
+    temporary name and renames, so concurrent builders never load a partial file.
+    CutlassUnavailable when it cannot build."""
     nvcc = nvcc_path()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    headers = cutlass_include_dirs()
+    cutlass_version = (headers[0] / "cutlass" / "version.h").read_bytes()  # which CUTLASS
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((*NVCC_FLAGS, str(ptx))).encode() + version.encode()
+        SOURCE.read_bytes()
+        + " ".join((*NVCC_FLAGS, str(ptx), *map(str, headers))).encode()
+        + version.encode()
+        + cutlass_version
     ).hexdigest()[:16]
     folder = Path(out_dir) if out_dir is not None else _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -157,7 +163,8 @@ def _library() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=8)
 def available(device_index: int = 0) -> bool:
     """Whether the CUTLASS kernel can run here: an sm_90 GPU (Hopper), nvcc and the headers,
-    and a library that builds and loads (built on the first call; False, never an error)."""
+    and a library that builds and loads (built on the first call; False with a logged reason,
+    never an error)."""
     try:
         if not torch.cuda.is_available():
             return False
@@ -165,7 +172,9 @@ def available(device_index: int = 0) -> bool:
             return False
         _library()
         return True
-    except (CutlassUnavailable, OSError, subprocess.TimeoutExpired):
+    except (CutlassUnavailable, OSError, subprocess.TimeoutExpired) as e:
+        # Said once per device (cached): the opt-in falls back to the Triton kernel.
+        logger.warning("the CUTLASS int8 GEMM cannot run here (Triton instead): %s", e)
         return False
 
 
