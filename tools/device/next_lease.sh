@@ -43,14 +43,20 @@ elif [ "$1" = 3 ]; then
     stamp "GPU tests: int8 split-K, the CUTLASS int8 GEMM (builds it: ~1 min, cached after)"
     timeout 240 python3 -m pytest -q -m gpu tests/quantization/test_w8a8.py \
         tests/kernels_cuda/test_cutlass_w8a16.py -k "large_m or cutlass" 2>&1 | tail -4
-    stamp GEMM sweep: CUTLASS tiles, split-K candidates
-    timeout 150 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 int8_w8a8 \
-        --ms 64 256 4096 --out "$OUT/qg_cutlass_split.json" 2>&1 \
+    stamp GEMM sweep: CUTLASS configs, int8 split-K candidates
+    timeout 120 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8 \
+        --ms 64 256 4096 --out "$OUT/qg_cutlass.json" 2>&1 \
         | grep -E "^best|^suggest|Error|cutlass" | tail -30
-    stamp quant_bench bf16, int8 Triton, int8 CUTLASS
+    stamp quant_bench bf16, int8 Triton, int8 CUTLASS with TILE_BY_M, with the persistent tiles
     timeout 200 python3 bench/quant_bench.py --llama8b --rows bf16,int8,int8_cutlass \
         --repeats 2 --output-json "$OUT/quant_cutlass.json" 2>&1 | grep -v INFO | tail -4
+    DEVRUN_CUTLASS_TILES=64:1,0 timeout 80 python3 bench/quant_bench.py --llama8b \
+        --rows int8_cutlass --repeats 2 --output-json "$OUT/quant_cutlass_p.json" 2>&1 \
+        | grep -v INFO | tail -2
 elif [ "$1" = 4 ]; then
+    stamp GEMM sweep: w8a8 split-K candidates
+    timeout 80 python3 bench/gpu_probes/quant_gemm_sweep.py --families int8_w8a8 --ms 64 256 \
+        --out "$OUT/qg_w8a8_split.json" 2>&1 | grep -E "^best|^suggest|Error" | tail -12
     stamp quant_bench bf16, int8, int8 with prefill dequantized to bf16, int8_w8a8
     timeout 260 python3 bench/quant_bench.py --llama8b --rows bf16,int8,int8_dq2048,int8_w8a8 \
         --repeats 2 --output-json "$OUT/quant_int8.json" 2>&1 | grep -v INFO | tail -5

@@ -9,6 +9,7 @@ DEVRUN_DECODE_TILE=n,w,s    paged_attention.ATTENTION_CONFIGS["decode"][128], th
 DEVRUN_INT8_TILES_JSON=p    quant_matmul.INT8_DOT_TILES buckets from quant_gemm_sweep's suggest
 DEVRUN_INT8_SPLIT=0|1       quant_matmul.DOT_SPLIT_ENABLED (the int8 tl.dot auto split-K)
 DEVRUN_W8A8_SPLIT=0|1       scaled_mm.SCALED_MM_SPLIT_ENABLED (the w8a8 Triton GEMM's auto split-K)
+DEVRUN_CUTLASS_TILES=s      cutlass_w8a16.TILE_BY_M from "max_m:tile,...,tile" (the last row: any M)
 DEVRUN_W8A8_AUTO_JSON=p     scaled_mm.AUTO_LIBRARY / SCALED_MM_TILES buckets from the same
 DEVRUN_CHUNK_ROUTE=r        prefill_sdpa.CHUNK_ROUTE ("split" | "pad")
 """
@@ -100,6 +101,17 @@ def _patch_sm(mod):
         _log(f"{fmt}: AUTO_LIBRARY = {mod.AUTO_LIBRARY[fmt]}; tiles = {mod.SCALED_MM_TILES[fmt]}")
 
 
+def _patch_cw(mod):
+    t = os.environ.get("DEVRUN_CUTLASS_TILES")  # "64:1,0": M <= 64 takes tile 1, larger tile 0
+    if t:
+        rows = []
+        for part in t.split(","):
+            max_m, _, idx = part.rpartition(":")
+            rows.append((int(max_m) if max_m else 1 << 62, int(idx)))
+        mod.TILE_BY_M = tuple(rows)
+        _log(f"cutlass_w8a16.TILE_BY_M = {mod.TILE_BY_M}")
+
+
 def _patch_ps(mod):
     r = os.environ.get("DEVRUN_CHUNK_ROUTE")
     if r:
@@ -112,6 +124,7 @@ _PATCHES = {
     "xlaserve.kernels_cuda.paged_attention": _patch_pa,
     "xlaserve.kernels_cuda.quant_matmul": _patch_qm,
     "xlaserve.kernels_cuda.scaled_mm": _patch_sm,
+    "xlaserve.kernels_cuda.cutlass_w8a16": _patch_cw,
 }
 
 
@@ -139,7 +152,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 _ENV = (
     "DEVRUN_LONG_DECODE", "DEVRUN_QUANT_F16", "DEVRUN_INT8_TILES_JSON", "DEVRUN_W8A8_AUTO_JSON",
     "DEVRUN_CHUNK_ROUTE", "DEVRUN_QUANT_DECODE_TILE", "DEVRUN_DECODE_TILE", "DEVRUN_INT8_SPLIT",
-    "DEVRUN_W8A8_SPLIT",
+    "DEVRUN_W8A8_SPLIT", "DEVRUN_CUTLASS_TILES",
 )  # fmt: skip
 if any(os.environ.get(k) for k in _ENV):
     sys.meta_path.insert(0, _Finder())
