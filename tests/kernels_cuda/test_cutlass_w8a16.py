@@ -28,8 +28,9 @@ def _toolchain() -> str | None:
     return None
 
 
+_NO_TOOLCHAIN = _toolchain()
 needs_toolchain = pytest.mark.skipif(
-    _toolchain() is not None, reason=f"cannot build CUTLASS here: {_toolchain()}"
+    _NO_TOOLCHAIN is not None, reason=f"cannot build CUTLASS here: {_NO_TOOLCHAIN}"
 )
 
 
