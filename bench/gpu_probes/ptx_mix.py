@@ -20,6 +20,8 @@ Groups (``--groups``):
 - ``act_quant``: the fused RMSNorm / SiLU-and-mul activation quantization kernels.
 
     python bench/gpu_probes/ptx_mix.py --groups attention --ops cvt.f32.f16 mul.f32
+    git worktree add /tmp/old REV && python bench/gpu_probes/ptx_mix.py --groups int8_mm \
+        scaled_mm --kernels-from /tmp/old    # the same GEMM variants as compiled at REV
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], warps: int = 
     from triton.compiler import ASTSource
 
     names = fn.arg_names
+    # Arguments fn lacks are dropped (an older kernel, `--kernels-from`).
+    sig = {n: v for n, v in sig.items() if n in names}
+    consts = {n: v for n, v in consts.items() if n in names}
     aligned = {(names.index(n),): [["tt.divisibility", 16]]
                for n in sig if n.endswith("_ptr") or n.startswith("stride")
                or n in ("N", "K", "K_SPLIT")}  # fmt: skip
@@ -123,8 +128,30 @@ def _attention_prefill() -> dict[str, dict[str, int]]:
     return out
 
 
+# `--kernels-from DIR`: the int8_mm / scaled_mm groups compile DIR/kernels_cuda's modules (another
+# checkout, e.g. an earlier commit's worktree) instead of the installed ones: their mixes side by
+# side with the tree's.
+KERNELS_FROM: str | None = None
+
+
+def _kernel_module(name: str) -> Any:  # noqa: ANN401
+    """xlaserve.kernels_cuda.<name>, or that file of KERNELS_FROM loaded by path (its own
+    imports resolve to the installed package)."""
+    import importlib
+
+    if KERNELS_FROM is None:
+        return importlib.import_module(f"xlaserve.kernels_cuda.{name}")
+    import importlib.util
+
+    path = os.path.join(KERNELS_FROM, "kernels_cuda", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_ptx_mix_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _int8_mm() -> dict[str, dict[str, int]]:
-    from xlaserve.kernels_cuda import quant_matmul as qm
+    qm = _kernel_module("quant_matmul")
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
            "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32", "stride_wn": "i32",
@@ -140,7 +167,7 @@ def _int8_mm() -> dict[str, dict[str, int]]:
 
 
 def _scaled_mm() -> dict[str, dict[str, int]]:
-    from xlaserve.kernels_cuda import scaled_mm as sm
+    sm = _kernel_module("scaled_mm")
 
     out = {}
     for label, fmt, code, bits in (("int8", "int8", "*i8", False),
@@ -217,14 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", nargs="*", default=list(GROUPS), choices=GROUPS)
     ap.add_argument("--ops", nargs="*", default=None, help="print only these opcodes")
     ap.add_argument("--out", default=None, help="the whole mix as JSON")
+    ap.add_argument("--kernels-from", default=None,
+                    help="int8_mm / scaled_mm: DIR/kernels_cuda's modules (a checkout)")  # fmt: skip
     args = ap.parse_args(argv)
+    global KERNELS_FROM
+    KERNELS_FROM = args.kernels_from
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the kernels must compile for sm_90, not interpret")
     res = run(args.groups)
     for group, variants in res.items():
         for name, mix in variants.items():
             shown = {o: mix.get(o, 0) for o in args.ops} if args.ops else mix
-            print(f"{group} | {name} | {json.dumps(shown, sort_keys=True)}", flush=True)
+            total = sum(mix.values())
+            print(f"{group} | {name} | {total} instructions | {json.dumps(shown, sort_keys=True)}",
+                  flush=True)  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -49,3 +49,38 @@ def test_fp8_attention_fp16_dots_mix(tmp_path) -> None:  # noqa: ANN001
         assert f16["cvt.rn.f16x2.e4m3x2"] == bf["cvt.rn.f16x2.e4m3x2"] > 0, bn
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in f16, bn
         assert att[f"bf16 BLOCK_N={bn}"].get("cvt.rn.f16x2.e4m3x2", 0) == 0, bn
+
+
+def _mix(tmp_path, name: str, *extra: str) -> dict:  # noqa: ANN001
+    out = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "gpu_probes", "ptx_mix.py"),
+         "--groups", "int8_mm", "--out", str(out), *extra],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if proc.returncode and "ASTSource" in proc.stderr:
+        pytest.skip("this Triton has no ahead-of-time compile API")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["int8_mm"]
+
+
+def test_kernels_from_another_checkout(tmp_path) -> None:  # noqa: ANN001
+    """`--kernels-from DIR` compiles DIR/kernels_cuda's quant_matmul.py, not the installed one:
+    a copy whose int8 kernel adds 1 to its output before the store compiles to another mix
+    (the scale multiply becomes an fma), and an unchanged copy to the installed module's."""
+    src = open(os.path.join(ROOT, "kernels_cuda", "quant_matmul.py")).read()
+    store = "        out.to(y_ptr.dtype.element_ty),\n        mask=(rm[:, None] < M)"
+    assert src.count(store) == 1
+    (tmp_path / "same" / "kernels_cuda").mkdir(parents=True)
+    (tmp_path / "same" / "kernels_cuda" / "quant_matmul.py").write_text(src)
+    (tmp_path / "plus1" / "kernels_cuda").mkdir(parents=True)
+    (tmp_path / "plus1" / "kernels_cuda" / "quant_matmul.py").write_text(
+        src.replace(store, store.replace("out.to(", "(out + 1.0).to("))
+    )
+    base = _mix(tmp_path, "base")
+    assert _mix(tmp_path, "same", "--kernels-from", str(tmp_path / "same")) == base
+    plus1 = _mix(tmp_path, "plus1", "--kernels-from", str(tmp_path / "plus1"))
+    for variant, mix in base.items():
+        assert plus1[variant] != mix, variant
+        assert plus1[variant].get("fma.rn.f32", 0) > mix.get("fma.rn.f32", 0), variant
